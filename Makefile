@@ -1,0 +1,21 @@
+# Two targets do all set-up on a fresh machine; each makes its own virtual environment.
+#   make demo   train the embedded default (3D U-Net on synthetic MRI-like volumes) under a memory budget
+#   make test   run the test suite
+# TORCH pins the PyTorch requirement installed first; a GPU machine gets the CUDA build from PyPI.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/oomless train --size 48 --memory 1GiB --steps 20 --seed 0
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q
+
+.PHONY: demo test
