@@ -1,0 +1,119 @@
+"""Models by name: the embedded defaults, small test models, MONAI's UNet, or any ``module:factory``.
+
+    from oomless.models import build_model, example_input_for
+    model = build_model("unet3d", base_channels=8, depth=3)
+    volume = example_input_for("unet3d", batch=2, size=64)          # (2, 1, 64, 64, 64)
+    custom = build_model("my_package.nets:make_net", width=128)     # imports and calls make_net(width=128)
+"""
+
+import importlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from oomless.errors import InputError, OomlessError
+from oomless.models.cnn import SmallCNN
+from oomless.models.mlp import MLP, DictOutputModel
+from oomless.models.transformer import TinyTransformer
+from oomless.models.unet3d import UNet3D
+
+__all__ = [
+    "MODEL_NAMES", "MLP", "DictOutputModel", "SmallCNN", "TinyTransformer", "UNet3D",
+    "build_model", "example_input_for",
+]
+
+
+def build_monai_unet(in_channels: int = 1, out_channels: int = 2, base_channels: int = 16, depth: int = 3,
+                     num_res_units: int = 2, **kwargs) -> nn.Module:
+    """MONAI's 3D ``UNet`` with channels doubling per level; spatial sizes must divide by ``2**depth``."""
+    try:
+        from monai.networks.nets import UNet
+    except ImportError as error:
+        raise OomlessError(
+            "model 'monai-unet' needs MONAI, which is not installed; run: pip install oomless[monai]"
+        ) from error
+    return UNet(
+        spatial_dims=3, in_channels=in_channels, out_channels=out_channels,
+        channels=tuple(base_channels * 2**level for level in range(depth + 1)),
+        strides=(2,) * depth, num_res_units=num_res_units, **kwargs,
+    )
+
+
+_FACTORIES: dict[str, Callable[..., nn.Module]] = {
+    "unet3d": UNet3D,
+    "transformer": TinyTransformer,
+    "mlp": MLP,
+    "cnn": SmallCNN,
+    "dict-output": DictOutputModel,
+    "monai-unet": build_monai_unet,
+}
+MODEL_NAMES = tuple(_FACTORIES)
+
+
+def _import_factory(spec: str) -> Callable[..., nn.Module]:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise OomlessError(f"model {spec!r} is not 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise OomlessError(f"cannot import module {module_name!r} for model {spec!r}: {error}") from error
+    factory = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise OomlessError(f"module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        raise OomlessError(f"{spec!r} is not callable")
+    return factory
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """Build a model from a registered name (see ``MODEL_NAMES``) or a ``package.module:factory`` string."""
+    if ":" in name:
+        model = _import_factory(name)(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise OomlessError(f"factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    if name not in _FACTORIES:
+        raise OomlessError(
+            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} or give 'package.module:factory'"
+        )
+    try:
+        return _FACTORIES[name](**kwargs)
+    except TypeError as error:
+        # A misspelled keyword is the common cause; say which model rejected it.
+        raise InputError(f"model {name!r} rejected its arguments {sorted(kwargs)}: {error}") from error
+
+
+def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Sequence[int] | None = None,
+                      device: torch.device | str | None = None, seed: int = 0, **model_kwargs) -> torch.Tensor:
+    """A deterministic example input matching ``build_model(name, **model_kwargs)``.
+
+    ``size`` is the spatial side (volumes, images) or the sequence length (transformer); ``shape``, if
+    given, is used as is (its first entry is the batch). Custom ``module:factory`` models need ``shape``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if shape is None:
+        if name in ("unet3d", "monai-unet"):
+            shape = (batch, model_kwargs.get("in_channels", 1), size, size, size)
+        elif name == "cnn":
+            shape = (batch, model_kwargs.get("in_channels", 3), size, size)
+        elif name == "transformer":
+            shape = (batch, size)
+        elif name == "mlp":
+            shape = (batch, tuple(model_kwargs.get("sizes", MLP().sizes))[0])
+        elif name == "dict-output":
+            shape = (batch, model_kwargs.get("in_features", 16))
+        else:
+            raise InputError(f"model {name!r} has no default input; give its shape, e.g. --input-shape 1,3,224,224")
+    shape = tuple(int(side) for side in shape)
+    if any(side <= 0 for side in shape):
+        raise InputError(f"input shape {shape} has a non-positive side")
+    if name == "transformer":
+        vocab_size = model_kwargs.get("vocab_size", 256)
+        example = torch.randint(0, vocab_size, shape, generator=generator)
+    else:
+        example = torch.randn(shape, generator=generator)
+    return example if device is None else example.to(device)
