@@ -1,0 +1,95 @@
+"""The typed configuration of ``oomless train``; the CLI maps its flags onto this and nothing else."""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oomless.errors import InputError
+from oomless.sizes import parse_bytes
+
+SEGMENTATION_MODELS = ("unet3d", "monai-unet")
+
+# Fields that change the trajectory of a run: resuming under different values would silently
+# produce a run that equals neither the old nor the new configuration, so it is refused.
+TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "base_channels", "depth")
+
+
+@dataclass
+class TrainConfig:
+    """One training run: 3D segmentation of synthetic MRI-like volumes (see ``oomless.train.loop``).
+
+    ``memory`` is the device budget for the whole step ("1GiB", bytes as int); None trains with
+    plain PyTorch, no oomless. ``size`` is the side of the cubic volume (or (D, H, W)) and must be
+    divisible by ``2**depth``. ``global_batch`` volumes are used per optimizer step.
+    """
+
+    size: int | tuple[int, int, int] = 48
+    memory: str | int | None = None
+    steps: int = 20
+    seed: int = 0
+    global_batch: int = 2
+    lr: float = 1e-3
+    model: str = "unet3d"
+    channels: int = 1
+    base_channels: int = 8
+    depth: int = 3
+    device: str = "auto"
+    save: Path | str | None = None
+    checkpoint_dir: Path | str | None = None
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    resume: bool = False
+    log_every: int = 1
+    progress: bool = True
+    deterministic: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.size,) * 3 if isinstance(self.size, int) else tuple(self.size)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory is None else parse_bytes(self.memory)
+
+    def validate(self) -> "TrainConfig":
+        """Raise an ``OomlessError`` naming the first bad field; return self so calls chain."""
+        if self.model not in SEGMENTATION_MODELS:
+            raise InputError(f"unknown model {self.model!r} for training; choose one of {', '.join(SEGMENTATION_MODELS)}")
+        if self.depth < 1:
+            raise InputError(f"depth must be at least 1, got {self.depth}")
+        multiple = 2**self.depth
+        shape = self.shape
+        if len(shape) != 3 or any(side <= 0 or side % multiple for side in shape):
+            raise InputError(f"size {self.size} must be positive and divisible by 2**depth = {multiple} (depth={self.depth})")
+        for name in ("steps", "global_batch", "channels", "base_channels", "checkpoint_every", "log_every",
+                     "keep_checkpoints"):
+            minimum = 0 if name == "steps" else 1
+            if getattr(self, name) < minimum:
+                raise InputError(f"{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise InputError(f"lr must be positive, got {self.lr}")
+        if self.memory is not None:
+            parse_bytes(self.memory)            # raises SizeError with the accepted formats
+        if self.resume and self.checkpoint_dir is None:
+            raise InputError("resume needs a checkpoint directory (--checkpoint-dir)")
+        self.resolve_device()
+        return self
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as error:
+            raise InputError(f"device {self.device!r} is not a torch device: {error}") from error
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"device {self.device!r} asked for, but CUDA is not available here")
+        return device
+
+    def trajectory(self) -> dict:
+        """The fields a checkpoint must agree on to be resumed, JSON-ready."""
+        values = dataclasses.asdict(self)
+        return {name: list(values[name]) if isinstance(values[name], tuple) else values[name]
+                for name in TRAJECTORY_FIELDS}

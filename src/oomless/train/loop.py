@@ -1,0 +1,204 @@
+"""The training loop behind ``oomless train``: 3D U-Net segmentation of synthetic MRI-like volumes.
+
+    from oomless.train import TrainConfig, train
+    result = train(TrainConfig(size=48, memory="1GiB", steps=20, seed=0))
+
+or ``oomless train --size 48 --memory 1GiB --steps 20 --seed 0``. With ``memory=None`` it is plain
+PyTorch; with a budget the model goes through ``oomless.fit`` once and the loop itself is unchanged,
+which is the point: oomless is a transform on the model, not a different training loop.
+"""
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+
+from oomless.data import SyntheticVolumes
+from oomless.errors import InputError
+from oomless.models import build_model
+from oomless.sizes import format_bytes
+from oomless.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from oomless.train.config import TrainConfig
+from oomless.train.losses import hard_dice, segmentation_loss
+
+
+@dataclass
+class TrainResult:
+    """What a run achieved. ``history`` holds one dict per logged step (step, loss, dice)."""
+
+    steps_done: int
+    final_loss: float
+    final_dice: float
+    peak_memory_bytes: int
+    volumes_per_second: float
+    voxels_per_second: float
+    oomless_applied: bool
+    history: list[dict] = field(default_factory=list)
+    stats: object | None = None
+    model: nn.Module | None = field(default=None, repr=False)
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)          # seeds CUDA generators as well
+    if deterministic:
+        # Bitwise-reproducible kernels on CUDA cost speed, so this is opt-in; CPU kernels already are.
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak bytes allocated by PyTorch. CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def build_segmentation_model(config: TrainConfig) -> nn.Module:
+    return build_model(config.model, in_channels=config.channels, out_channels=2,
+                       base_channels=config.base_channels, depth=config.depth)
+
+
+def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: SyntheticVolumes,
+                   config: TrainConfig, device: torch.device) -> None:
+    import oomless
+
+    volumes, labels = dataset.batch(0, config.global_batch)
+    volumes, labels = volumes.to(device), labels.to(device)
+    # Profiling runs the model: it would draw from the RNG and move BatchNorm running statistics.
+    # Both are put back so that a budgeted run starts from the very state a plain run starts from.
+    rng_state = torch.get_rng_state()
+    cuda_rng_states = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    oomless.fit(model, volumes, memory=config.memory, optimizer=optimizer,
+                loss_fn=lambda logits: segmentation_loss(logits, labels))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    torch.set_rng_state(rng_state)
+    if cuda_rng_states is not None:
+        torch.cuda.set_rng_state_all(cuda_rng_states)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _resume(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console) -> int:
+    path = latest_checkpoint(config.checkpoint_dir)
+    if path is None:
+        console.print(f"no checkpoint in {config.checkpoint_dir}; starting from step 0")
+        return 0
+    state = load_checkpoint(path, model, optimizer)
+    expected = config.trajectory()
+    different = {name: (state.trajectory.get(name), value) for name, value in expected.items()
+                 if state.trajectory.get(name) != value}
+    if different:
+        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in different.items())
+        raise InputError(f"cannot resume {path}: the run was started with different settings ({listed})")
+    if state.data_position != state.step * config.global_batch:
+        raise InputError(f"{path} is at data position {state.data_position}, not step x global batch")
+    console.print(f"resumed from {path} at step {state.step}")
+    return state.step
+
+
+def _stats_line(model: nn.Module) -> tuple[object | None, str]:
+    import oomless
+
+    stats = oomless.stats(model)
+    return stats, (f"oomless: peak activations {format_bytes(stats.peak_activation_bytes)}, "
+                   f"offloaded {format_bytes(stats.offloaded_bytes)}, "
+                   f"recomputed blocks {stats.recomputed_blocks}, stall {stats.stall_seconds:.3f}s")
+
+
+def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
+    """Run ``config.steps`` optimizer steps (continuing from the latest checkpoint if ``config.resume``)."""
+    config.validate()
+    console = console or Console(stderr=True)
+    device = config.resolve_device()
+    seed_everything(config.seed, config.deterministic)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    model = build_segmentation_model(config).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
+    oomless_applied = config.memory is not None
+    if oomless_applied:
+        _apply_oomless(model, optimizer, dataset, config, device)
+    # Resume after fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
+    start_step = _resume(config, model, optimizer, console) if config.resume else 0
+    model.train()
+
+    voxels_per_volume = int(np.prod(config.shape))
+    history: list[dict] = []
+    loss = dice = None
+    started = time.perf_counter()
+    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[metrics]}"))
+    # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
+    show_bar = config.progress and console.is_terminal
+    with Progress(*columns, console=console, disable=not show_bar) as progress:
+        task = progress.add_task("train", total=config.steps, completed=start_step, metrics="")
+        for step in range(start_step, config.steps):
+            volumes, labels = dataset.batch(step * config.global_batch, config.global_batch)
+            volumes = volumes.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            logits = model(volumes)
+            loss = segmentation_loss(logits, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dice = hard_dice(logits.detach(), labels)
+            del logits                  # the biggest activation; free it before the next forward
+
+            steps_done = step + 1
+            if steps_done % config.log_every == 0 or steps_done == config.steps:
+                # .item() waits for the device: done only when logging, never on every step.
+                record = {"step": steps_done, "loss": loss.item(), "dice": dice.item()}
+                history.append(record)
+                elapsed = time.perf_counter() - started
+                rate = (steps_done - start_step) * config.global_batch / max(elapsed, 1e-9)
+                metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
+                           f"{rate * voxels_per_volume / 1e6:.2f} Mvox/s  "
+                           f"peak {format_bytes(peak_memory_bytes(device))}")
+                progress.update(task, metrics=metrics)
+                if config.progress and not show_bar:
+                    console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
+            if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0
+                                                      or steps_done == config.steps):
+                save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
+                                data_position=steps_done * config.global_batch,
+                                trajectory=config.trajectory(), keep=config.keep_checkpoints)
+            progress.update(task, completed=steps_done)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - started
+    trained = config.steps - start_step if config.steps > start_step else 0
+    volumes_per_second = trained * config.global_batch / elapsed if trained and elapsed > 0 else 0.0
+    stats = None
+    if oomless_applied:
+        stats, line = _stats_line(model)
+        console.print(line)
+    if config.save is not None:
+        console.print(f"saved weights to {save_weights(config.save, model)}")
+    return TrainResult(
+        steps_done=max(config.steps, start_step),
+        final_loss=loss.item() if loss is not None else float("nan"),
+        final_dice=dice.item() if dice is not None else float("nan"),
+        peak_memory_bytes=peak_memory_bytes(device),
+        volumes_per_second=volumes_per_second,
+        voxels_per_second=volumes_per_second * voxels_per_volume,
+        oomless_applied=oomless_applied,
+        history=history, stats=stats, model=model,
+    )
