@@ -1,0 +1,1 @@
+"""Command line: ``oomless.cli.main:main`` dispatches to one module per subcommand."""

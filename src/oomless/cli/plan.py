@@ -1,0 +1,89 @@
+"""``oomless plan MODEL``: build a model by name, make its example input, print ``oomless.plan(...)``.
+
+    oomless plan unet3d --input-shape 1,1,64,64,64 --memory 2GiB
+    oomless plan transformer --batch 8 --memory 512MiB --json --model-arg depth=12
+    oomless plan my_package.nets:make_net --input-shape 4,3,224,224 --memory 20GiB --target h100
+"""
+
+import argparse
+import ast
+
+from oomless.errors import InputError
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(side) for side in text.replace("x", ",").split(","))
+    except ValueError:
+        raise InputError(f"--input-shape {text!r} is not comma-separated integers like 1,1,64,64,64") from None
+    if not shape or any(side <= 0 for side in shape):
+        raise InputError(f"--input-shape {text!r} needs positive sides")
+    return shape
+
+
+def parse_model_args(pairs: list[str]) -> dict:
+    """``key=value`` pairs; values are Python literals (8, 0.1, (16, 32)) or else plain strings."""
+    kwargs = {}
+    for pair in pairs:
+        key, separator, value = pair.partition("=")
+        if not separator or not key.isidentifier():
+            raise InputError(f"--model-arg {pair!r} is not key=value")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "plan", help="print where each block's activations would live under a memory budget",
+        description="Plan keep/swap/recompute per block of MODEL (a registered name such as unet3d, "
+                    "transformer, mlp, cnn, monai-unet, or package.module:factory) for a memory budget.",
+    )
+    parser.add_argument("model", metavar="MODEL")
+    parser.add_argument("--memory", required=True, help="device memory budget for the whole step, e.g. 2GiB")
+    parser.add_argument("--input-shape", type=parse_shape, default=None, metavar="N,C,...",
+                        help="example input shape (default: the model's own, with --batch and --size)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (overrides the shape's first entry)")
+    parser.add_argument("--size", type=int, default=32, help="spatial side or sequence length for default shapes")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the model factory; repeat for several")
+    parser.add_argument("--blocks", nargs="+", default=None, metavar="NAME",
+                        help="module names or class names to plan as blocks (default: repeated children)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "none"), default="adam",
+                        help="optimizer whose state is counted (default %(default)s)")
+    parser.add_argument("--target", default=None, help="plan for this device (e.g. h100) on fake tensors")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import oomless
+    from oomless.models import build_model, example_input_for
+    from oomless.sizes import parse_bytes
+
+    parse_bytes(args.memory)            # a bad budget fails before any model is built
+    if args.batch is not None and args.batch <= 0:
+        raise InputError(f"--batch must be positive, got {args.batch}")
+    model_kwargs = parse_model_args(args.model_arg)
+    shape = args.input_shape
+    if shape is not None and args.batch is not None:
+        shape = (args.batch, *shape[1:])
+    # For a target device nothing runs here: build on the meta device so a model bigger than this
+    # machine's memory can still be planned.
+    device = torch.device("meta") if args.target else torch.device("cpu")
+    with device:
+        model = build_model(args.model, **model_kwargs)
+    example = example_input_for(args.model, batch=args.batch or 1, size=args.size, shape=shape,
+                                **model_kwargs).to(device)
+    optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
+    plan_kwargs = {"memory": args.memory, "target": args.target,
+                   "optimizer": optimizer(model.parameters(), lr=1e-3) if optimizer else None}
+    if args.blocks:
+        plan_kwargs["blocks"] = args.blocks
+    plan = oomless.plan(model, example, **plan_kwargs)
+    print(plan.to_json() if args.json else plan)
+    return 0

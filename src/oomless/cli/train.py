@@ -1,0 +1,71 @@
+"""``oomless train``: flags onto ``TrainConfig``, then ``oomless.train.train``. No logic of its own."""
+
+import argparse
+
+from oomless.errors import InputError
+from oomless.train.config import SEGMENTATION_MODELS, TrainConfig
+
+
+def parse_size(text: str) -> int | tuple[int, int, int]:
+    """"48" is a 48^3 cube; "32,48,64" is (D, H, W)."""
+    try:
+        sides = tuple(int(side) for side in text.split(","))
+    except ValueError:
+        raise InputError(f"--size {text!r} is not an integer or D,H,W integers") from None
+    if len(sides) == 1:
+        return sides[0]
+    if len(sides) != 3:
+        raise InputError(f"--size {text!r} must be one side or three (D,H,W)")
+    return sides
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "train", help="train a 3D U-Net on synthetic MRI-like volumes under a memory budget",
+        description="Train a 3D segmentation network on synthetic MRI-like volumes. "
+                    "With --memory, oomless plans swap/recompute to fit the budget; without it, plain PyTorch.",
+    )
+    defaults = TrainConfig()
+    parser.add_argument("--size", default=str(defaults.size), help="volume side, or D,H,W (default %(default)s)")
+    parser.add_argument("--memory", default=None, help="device memory budget, e.g. 1GiB; omit for plain PyTorch")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed for weights and data")
+    parser.add_argument("--global-batch", type=int, default=defaults.global_batch, help="volumes per step")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate")
+    parser.add_argument("--model", choices=SEGMENTATION_MODELS, default=defaults.model)
+    parser.add_argument("--channels", type=int, default=defaults.channels, help="input channels (MRI contrasts)")
+    parser.add_argument("--base-channels", type=int, default=defaults.base_channels, help="width of the first stage")
+    parser.add_argument("--depth", type=int, default=defaults.depth, help="down/up steps; size must divide by 2**depth")
+    parser.add_argument("--device", default=defaults.device, help="auto (cuda if available), cpu, cuda, cuda:1")
+    parser.add_argument("--save", default=None, metavar="PATH", help="write final weights here (safetensors)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here")
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, metavar="STEPS")
+    parser.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints, metavar="N")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--log-every", type=int, default=defaults.log_every, metavar="STEPS")
+    parser.add_argument("--quiet", action="store_true", help="no per-step progress output")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower on CUDA)")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        size=parse_size(args.size), memory=args.memory, steps=args.steps, seed=args.seed,
+        global_batch=args.global_batch, lr=args.lr, model=args.model, channels=args.channels,
+        base_channels=args.base_channels, depth=args.depth, device=args.device, save=args.save,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
+        progress=not args.quiet, deterministic=args.deterministic,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `oomless --help` and flag errors stay fast.
+    from oomless.sizes import format_bytes
+    from oomless.train.loop import train
+
+    config = config_from_args(args).validate()
+    result = train(config)
+    print(f"done: {result.steps_done} steps, loss {result.final_loss:.4f}, dice {result.final_dice:.3f}, "
+          f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}")
+    return 0
