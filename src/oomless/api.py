@@ -1,0 +1,79 @@
+"""The public functions: plan, apply, remove, fit, stats (DESIGN.md section 1)."""
+
+import torch
+import torch.nn as nn
+
+from oomless.errors import ApplyError, InputError
+from oomless.plan.plan import Plan
+from oomless.plan.planner import make_plan
+from oomless.profile.profiler import check_inputs_device, profile_model, tensors_in
+from oomless.runtime.install import install_plan, installed_state, uninstall_plan
+from oomless.runtime.ledger import Stats
+from oomless.sizes import parse_bytes
+
+
+def sum_of_outputs(output) -> torch.Tensor:
+    """A loss_fn for profiling: the sum of every floating-point tensor in the output."""
+    floats = [tensor for tensor in tensors_in(output) if tensor.is_floating_point()]
+    if not floats:
+        raise InputError("the model's output holds no floating-point tensor to sum into a loss")
+    return sum(tensor.float().sum() for tensor in floats)
+
+
+def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
+         blocks=None, decisions: dict[str, str] | None = None) -> Plan:
+    """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
+
+    ``decisions`` forces keep/swap/recompute for every block instead of searching.
+    """
+    memory_bytes = parse_bytes(memory)
+    if target is not None:
+        raise InputError(f"target={target!r}: planning for another device on fake tensors is not "
+                         "available yet; plan on the device itself (target=None)")
+    if installed_state(model) is not None:
+        raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
+    check_inputs_device(model, example_inputs)
+    profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
+    if decisions is not None:
+        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
+        missing = [block.name for block in profile.blocks if block.name not in decisions]
+        if unknown or missing:
+            raise InputError(f"decisions must give keep|swap|recompute for every block; "
+                             f"unknown values {unknown}, blocks without one {missing[:5]}")
+    return make_plan(profile, memory_bytes, decisions)
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged."""
+    if not isinstance(plan, Plan):
+        raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
+    from oomless.profile.profiler import model_device
+    return install_plan(model, plan, model_device(model))
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Uninstall oomless; the model is exactly as before `apply`."""
+    return uninstall_plan(model)
+
+
+def fit(model: nn.Module, example_inputs, memory, **kwargs) -> nn.Module:
+    """Plan ``model`` for ``memory`` bytes and apply the plan: one line before the training loop."""
+    return apply(model, plan(model, example_inputs, memory, **kwargs))
+
+
+def stats(model: nn.Module) -> Stats:
+    """What the runtime did since `apply`: peak activation bytes on the ledger, bytes offloaded,
+    blocks recomputed, seconds compute waited on transfers."""
+    state = installed_state(model)
+    if state is None:
+        raise ApplyError("oomless is not applied to this model; call oomless.fit or oomless.apply first")
+    if state.tier is not None:
+        state.ledger.stall_seconds += state.tier.collect_stall_seconds()
+    return state.ledger.snapshot()
+
+
+def installed_plan(model: nn.Module) -> Plan:
+    state = installed_state(model)
+    if state is None:
+        raise ApplyError("oomless is not applied to this model")
+    return state.plan

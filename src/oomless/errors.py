@@ -1,0 +1,30 @@
+"""Errors raised by oomless. Every one says what was wrong and what would work."""
+
+
+class OomlessError(Exception):
+    """Base class of every error oomless raises on purpose."""
+
+
+class SizeError(OomlessError, ValueError):
+    """A memory size that does not parse, or is not positive."""
+
+
+class PlanError(OomlessError):
+    """No plan fits the memory budget.
+
+    ``minimum_bytes`` is the smallest budget that would fit and ``limiting_block`` the block
+    whose footprint forces it (None when static bytes alone exceed the budget).
+    """
+
+    def __init__(self, message: str, minimum_bytes: int | None = None, limiting_block: str | None = None):
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.limiting_block = limiting_block
+
+
+class ApplyError(OomlessError):
+    """A plan cannot be installed on this model (already installed, blocks missing, ...)."""
+
+
+class InputError(OomlessError, ValueError):
+    """Example inputs or model outputs that oomless cannot work with as given."""

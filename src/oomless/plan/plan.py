@@ -1,0 +1,81 @@
+"""The Plan: plain data saying, per block, keep / swap / recompute and why, with the budget
+arithmetic and the predictions behind it. It prints as a table, saves as JSON and loads back."""
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+
+from oomless.sizes import format_bytes
+
+
+@dataclass
+class BlockPlan:
+    name: str
+    decision: str
+    reason: str
+    saved_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass
+class Plan:
+    memory_bytes: int
+    device: str
+    static_bytes: int
+    reserve_bytes: int
+    activation_budget: int
+    predicted_peak_bytes: int
+    predicted_activation_peak_bytes: int
+    predicted_step_seconds: float
+    plain_peak_bytes: int
+    plain_step_seconds: float
+    blocks: list[BlockPlan]
+    prefetch_blocks: int = 2
+    min_swap_bytes: int = 64 * 1024
+    static_breakdown: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def decisions(self) -> dict[str, str]:
+        """{block name: "keep" | "swap" | "recompute"} in execution order."""
+        return {block.name: block.decision for block in self.blocks}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        data["blocks"] = [BlockPlan(**block) for block in data["blocks"]]
+        return cls(**data)
+
+    def with_decisions(self, decisions: dict[str, str], reason: str = "given by the user") -> "Plan":
+        """A copy of this plan with some decisions replaced (predictions are not recomputed)."""
+        blocks = [BlockPlan(**{**asdict(block), "decision": decisions[block.name], "reason": reason})
+                  if block.name in decisions else block for block in self.blocks]
+        return Plan(**{**asdict(self), "blocks": blocks})
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"oomless plan: {format_bytes(self.memory_bytes)} on {self.device}")
+        for column in ("block", "saved", "fwd ms", "bwd ms", "decision", "why"):
+            table.add_column(column, justify="right" if column in ("saved", "fwd ms", "bwd ms") else "left")
+        for block in self.blocks:
+            table.add_row(block.name, format_bytes(block.saved_bytes), f"{block.forward_seconds * 1e3:.2f}",
+                          f"{block.backward_seconds * 1e3:.2f}", block.decision, block.reason)
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
+        console.print(table)
+        breakdown = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.static_breakdown.items())
+        lines = [
+            f"static {format_bytes(self.static_bytes)} ({breakdown}); reserve {format_bytes(self.reserve_bytes)}; "
+            f"activation budget {format_bytes(self.activation_budget)}",
+            f"predicted peak {format_bytes(self.predicted_peak_bytes)} "
+            f"(activations {format_bytes(self.predicted_activation_peak_bytes)}), "
+            f"step {self.predicted_step_seconds * 1e3:.1f} ms; plain PyTorch: peak "
+            f"{format_bytes(self.plain_peak_bytes)}, step {self.plain_step_seconds * 1e3:.1f} ms",
+        ] + [f"note: {note}" for note in self.notes]
+        return buffer.getvalue() + "\n".join(lines)

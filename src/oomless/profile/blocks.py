@@ -1,0 +1,78 @@
+"""Choose the blocks of a model: the units a plan decides keep / swap / recompute for.
+
+Default policy: the repeated children of the model (the items of every `Sequential`, `ModuleList`
+or `ModuleDict` child, the stages of a U-Net) plus its other children; a wrapper with a single child
+is looked through, and a block holding more than half of all parameters is split into its own
+children while it has any. Users override with ``blocks=``: module types, or qualified names.
+"""
+
+from collections.abc import Iterable
+
+import torch.nn as nn
+
+from oomless.errors import InputError
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _children_as_blocks(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = []
+    for name, child in module.named_children():
+        qualified = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, _CONTAINERS) and len(child) > 0:
+            blocks.extend(_children_as_blocks(qualified, child))
+        else:
+            blocks.append((qualified, child))
+    return blocks
+
+
+def _default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    prefix, root = "", model
+    while len(list(root.children())) == 1:
+        name, root = next(iter(root.named_children()))
+        prefix = f"{prefix}.{name}" if prefix else name
+    blocks = _children_as_blocks(prefix, root)
+    if not blocks:
+        return [(prefix, root)] if prefix else []
+    total = max(_parameter_count(model), 1)
+    # Split a block that dominates the parameters: its activations likely dominate too, and one
+    # giant block leaves the planner nothing to choose between.
+    for _ in range(8):
+        index, (name, module) = max(enumerate(blocks), key=lambda item: _parameter_count(item[1][1]))
+        if _parameter_count(module) * 2 <= total or len(blocks) >= 4 or not list(module.children()):
+            break
+        blocks[index:index + 1] = _children_as_blocks(name, module)
+    return blocks
+
+
+def _selected_blocks(model: nn.Module, spec: Iterable) -> list[tuple[str, nn.Module]]:
+    types = tuple(item for item in spec if isinstance(item, type))
+    names = {item for item in spec if isinstance(item, str)}
+    modules = dict(model.named_modules())
+    missing = sorted(names - modules.keys())
+    if missing:
+        raise InputError(f"blocks= names {missing} are not modules of the model; "
+                         f"qualified names look like {list(modules)[1:4]}")
+    chosen, covered = [], set()
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer in covered):
+            continue  # nested inside a block already chosen: blocks never overlap
+        if name in names or (types and isinstance(module, types) and module is not model):
+            chosen.append((name, module))
+            covered.add(name)
+    if not chosen:
+        raise InputError(f"blocks={list(spec)!r} matched no module of the model")
+    return chosen
+
+
+def find_blocks(model: nn.Module, blocks: Iterable | None = None) -> list[tuple[str, nn.Module]]:
+    """Return ``[(qualified name, module)]`` in registration order; blocks never nest."""
+    found = _default_blocks(model) if blocks is None else _selected_blocks(model, list(blocks))
+    if not found:
+        raise InputError("the model has no child modules to use as blocks; pass blocks=[...] "
+                         "naming the modules whose activations should be planned")
+    return found

@@ -1,0 +1,49 @@
+"""Measure the bandwidth of the swap tier once per process: pinned host <-> CUDA, or local disk."""
+
+import functools
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from oomless.profile.profile import LinkProfile
+
+_PROBE_BYTES = 64 * 2**20
+
+
+@functools.cache
+def measure_link(device_text: str) -> LinkProfile:
+    device = torch.device(device_text)
+    if device.type == "cuda":
+        return _measure_pcie(device)
+    return _measure_disk()
+
+
+def _measure_pcie(device: torch.device) -> LinkProfile:
+    host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    seconds = {}
+    for direction, (destination, source) in {"out": (host, on_device), "in": (on_device, host)}.items():
+        destination.copy_(source, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(4):
+            destination.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        seconds[direction] = start.elapsed_time(end) / 1000.0 / 4
+    return LinkProfile("pcie", _PROBE_BYTES / seconds["out"], _PROBE_BYTES / seconds["in"])
+
+
+def _measure_disk() -> LinkProfile:
+    data = np.random.default_rng(0).integers(0, 255, _PROBE_BYTES, dtype=np.uint8)
+    with tempfile.TemporaryDirectory(prefix="oomless-probe-") as directory:
+        path = os.path.join(directory, "probe.bin")
+        start = time.perf_counter()
+        data.tofile(path)
+        written = time.perf_counter()
+        np.fromfile(path, dtype=np.uint8)
+        read = time.perf_counter()
+    return LinkProfile("disk", _PROBE_BYTES / (written - start), _PROBE_BYTES / (read - written))

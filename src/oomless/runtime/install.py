@@ -1,0 +1,132 @@
+"""`apply` / `remove`: install a Plan on a model in place, through hooks only.
+
+- A forward pre-hook on the model opens `saved_tensors_hooks` for the whole forward; its forward
+  hook (always called, even on an exception) closes it.
+- Each block's pre/post hooks tell the pack hook which block (and so which decision) is running.
+- Recompute blocks get the non-reentrant checkpoint hooks of `recompute.py`.
+The state lives on the model as ``model._oomless`` and `remove` restores the model exactly.
+"""
+
+import torch
+import torch.nn as nn
+
+from oomless.errors import ApplyError
+from oomless.runtime.ledger import Ledger
+from oomless.runtime.recompute import RecomputeBlock
+from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
+from oomless.runtime.tiers import make_tier
+
+STATE_ATTRIBUTE = "_oomless"
+
+
+def _storage_keys(tensors) -> set[tuple]:
+    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
+def _flatten_tensors(value) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class InstalledPlan:
+    """Everything `apply` added to a model; `oomless.stats` and `remove` read it."""
+
+    def __init__(self, model: nn.Module, plan, device: torch.device, recorder=None):
+        self.plan = plan
+        self.device = device
+        self.ledger = Ledger()
+        self.tier = make_tier(device) if SWAP in plan.decisions.values() or recorder else None
+        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes)
+        self.engine.recorder = recorder
+        self.engine.recompute_bytes = {index: block.saved_bytes for index, block in enumerate(plan.blocks)}
+        self.recorder = recorder
+        self.handles: list = []
+        self._hooks_context = None
+        modules = dict(model.named_modules())
+        missing = [name for name in plan.decisions if name not in modules]
+        if missing:
+            raise ApplyError(f"the plan names blocks {missing[:5]} that this model does not have; "
+                             "make the plan for this model (oomless.plan(model, ...))")
+        self.block_modules = [(index, name, modules[name]) for index, name in enumerate(plan.decisions)]
+
+    def install(self, model: nn.Module) -> None:
+        self.handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        self.handles.append(model.register_forward_hook(self._model_post_hook, always_call=True))
+        for index, name, module in self.block_modules:
+            decision = self.plan.decisions[name]
+            if decision == RECOMPUTE:
+                block = RecomputeBlock(module, index, self.engine)
+                self.handles.append(module.register_forward_pre_hook(block.pre_hook, with_kwargs=True))
+                self.handles.append(module.register_forward_hook(block.post_hook, always_call=True))
+            self.handles.append(module.register_forward_pre_hook(self._block_enter(index, decision)))
+            self.handles.append(module.register_forward_hook(self._block_exit(index), always_call=True))
+
+    def uninstall(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.tier is not None:
+            self.tier.close()
+
+    def _model_pre_hook(self, model, args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        if self._hooks_context is not None:
+            return  # re-entrant call of the model inside its own forward
+        resident = _storage_keys(model.parameters()) | _storage_keys(model.buffers())
+        resident |= _storage_keys(_flatten_tensors((args, kwargs)))
+        self.engine.begin_forward(resident)
+        self.ledger.steps += 1
+        if self.tier is not None:
+            self.ledger.stall_seconds += self.tier.collect_stall_seconds()
+        self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack)
+        self._hooks_context.__enter__()
+        if self.recorder is not None:
+            self.recorder.forward_started()
+
+    def _model_post_hook(self, model, args, output):
+        if self._hooks_context is None:
+            return
+        context, self._hooks_context = self._hooks_context, None
+        context.__exit__(None, None, None)
+        self.engine.block_index = None
+        if self.recorder is not None:
+            self.recorder.forward_finished(output)
+
+    def _block_enter(self, index: int, decision: str):
+        def hook(module, args):
+            self.engine.block_index, self.engine.decision = index, decision
+            if self.recorder is not None and torch.is_grad_enabled():
+                self.recorder.block_started(index, args)
+        return hook
+
+    def _block_exit(self, index: int):
+        def hook(module, args, output):
+            self.engine.block_index, self.engine.decision = None, KEEP
+            if self.recorder is not None and torch.is_grad_enabled():
+                self.recorder.block_finished(index, output)
+        return hook
+
+
+def install_plan(model: nn.Module, plan, device: torch.device, recorder=None) -> nn.Module:
+    if getattr(model, STATE_ATTRIBUTE, None) is not None:
+        raise ApplyError("oomless is already applied to this model; call oomless.remove(model) "
+                         "before applying another plan")
+    state = InstalledPlan(model, plan, device, recorder)
+    state.install(model)
+    object.__setattr__(model, STATE_ATTRIBUTE, state)
+    return model
+
+
+def uninstall_plan(model: nn.Module) -> nn.Module:
+    state = getattr(model, STATE_ATTRIBUTE, None)
+    if state is None:
+        raise ApplyError("oomless is not applied to this model; nothing to remove")
+    state.uninstall()
+    object.__delattr__(model, STATE_ATTRIBUTE)
+    return model
+
+
+def installed_state(model: nn.Module) -> InstalledPlan | None:
+    return getattr(model, STATE_ATTRIBUTE, None)

@@ -1,0 +1,71 @@
+"""Recompute blocks: non-reentrant activation checkpointing installed through module hooks.
+
+Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook starts
+`torch.utils.checkpoint`'s non-reentrant generator and the forward hook finishes it. Its RNG
+stashing replays dropout exactly. What plain checkpointing gets wrong is buffers: the recomputed
+forward would update BatchNorm running statistics a second time. We snapshot a block's buffers
+before its recompute and put them back once the backward pass ends, so they change once per step.
+"""
+
+import inspect
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+
+_GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
+_HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
+
+
+class RecomputeBlock:
+    """Hook state of one recompute block."""
+
+    def __init__(self, module: torch.nn.Module, block_index: int, engine):
+        self.module = module
+        self.block_index = block_index
+        self.engine = engine
+        self.generator = None
+        self.input_handles: list = []
+        self.recomputing = False
+
+    @contextmanager
+    def _recompute_context(self):
+        self.recomputing = True
+        snapshots = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+        if snapshots:
+            # Restoring at the end of backward, not here: the recomputed graph of this block may
+            # still read the buffers, and writing them now would trip autograd's version check.
+            def restore():
+                with torch.no_grad():
+                    for buffer, saved in snapshots:
+                        buffer.copy_(saved)
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
+        self.engine.ledger.recomputed_blocks += 1
+        self.engine.recompute_started(self.block_index)
+        try:
+            yield
+        finally:
+            self.recomputing = False
+            # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
+            self.input_handles = []
+
+    def _context_fns(self):
+        return nullcontext(), self._recompute_context()
+
+    def pre_hook(self, module, args, kwargs):
+        if self.recomputing or not torch.is_grad_enabled():
+            return
+        options = (True, self._context_fns, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
+        self.generator = _GENERATOR(module, *options, *args, **kwargs)
+        next(self.generator)
+        inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        self.input_handles = self.engine.keep_handles(inputs, self.block_index)
+
+    def post_hook(self, module, args, output):
+        generator, self.generator = self.generator, None
+        if generator is None or self.recomputing:
+            return
+        try:
+            next(generator)
+        except StopIteration:
+            pass

@@ -1,0 +1,224 @@
+"""Where swapped activations live: pinned host memory (compute on CUDA) or a file store on local
+disk (compute on CPU). A tier moves raw storage bytes (uint8 tensors) out and back without
+blocking compute; each `put` returns a ticket that `prefetch` and `get` take.
+
+CUDA tier synchronisation rules (each wait below names the hazard it prevents):
+- device->host copies run on `copy_out_stream`, host->device copies on `copy_in_stream`;
+- the compute stream never waits on the host: every ordering is an event wait between streams.
+"""
+
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+
+class PinnedPool:
+    """Reused page-locked host buffers, by exact size: a step's sizes repeat, so after the first
+    step no pinned allocation (slow, and a device synchronisation in CUDA) happens again."""
+
+    def __init__(self):
+        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
+        self.allocated_bytes = 0
+
+    def acquire(self, num_bytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        free = self._free[num_bytes]
+        if free:
+            return free.pop()
+        self.allocated_bytes += num_bytes
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True), None
+
+    def release(self, buffer: torch.Tensor, last_use: torch.cuda.Event | None) -> None:
+        self._free[buffer.numel()].append((buffer, last_use))
+
+
+class _CudaTicket:
+    __slots__ = ("host", "host_ready", "out_done", "device", "in_done")
+
+    def __init__(self):
+        self.host = self.host_ready = self.out_done = self.device = self.in_done = None
+
+
+class PinnedHostTier:
+    """Swap to pinned host memory over dedicated copy streams (compute on CUDA)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_out_stream = torch.cuda.Stream(device)
+        self.copy_in_stream = torch.cuda.Stream(device)
+        self.pool = PinnedPool()
+        self._stall_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def put(self, data: torch.Tensor) -> _CudaTicket:
+        ticket = _CudaTicket()
+        compute_stream = torch.cuda.current_stream(self.device)
+        produced = torch.cuda.Event()
+        produced.record(compute_stream)
+        ticket.host, ticket.host_ready = self.pool.acquire(data.numel())
+        with torch.cuda.stream(self.copy_out_stream):
+            # Hazard: reading the activation before the compute stream has finished writing it.
+            self.copy_out_stream.wait_event(produced)
+            if ticket.host_ready is not None:
+                # Hazard: overwriting a pooled buffer that a host->device copy still reads.
+                self.copy_out_stream.wait_event(ticket.host_ready)
+            ticket.host.copy_(data, non_blocking=True)
+            # Hazard: the caching allocator handing this memory to a new tensor on the compute
+            # stream while the copy still reads it; it is freed only once this stream passes here.
+            data.record_stream(self.copy_out_stream)
+            ticket.out_done = torch.cuda.Event()
+            ticket.out_done.record(self.copy_out_stream)
+        return ticket
+
+    def is_out(self, ticket: _CudaTicket) -> bool:
+        return ticket.out_done.query()
+
+    def prefetch(self, ticket: _CudaTicket) -> None:
+        if ticket.device is not None:
+            return
+        with torch.cuda.stream(self.copy_in_stream):
+            # Hazard: reading the host buffer before the device->host copy has filled it.
+            self.copy_in_stream.wait_event(ticket.out_done)
+            ticket.device = torch.empty(ticket.host.numel(), dtype=torch.uint8, device=self.device)
+            ticket.device.copy_(ticket.host, non_blocking=True)
+            ticket.in_done = torch.cuda.Event()
+            ticket.in_done.record(self.copy_in_stream)
+
+    def get(self, ticket: _CudaTicket) -> torch.Tensor:
+        self.prefetch(ticket)
+        compute_stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute_stream)
+        # Hazard: compute reading the activation before the host->device copy has landed.
+        compute_stream.wait_event(ticket.in_done)
+        after.record(compute_stream)
+        self._stall_marks.append((before, after))
+        # Hazard: the tensor was allocated on the copy-in stream; without this the allocator could
+        # reuse it for the next prefetch while backward on the compute stream still reads it.
+        ticket.device.record_stream(compute_stream)
+        return ticket.device
+
+    def release(self, ticket: _CudaTicket) -> None:
+        last_use = ticket.in_done or ticket.out_done
+        self.pool.release(ticket.host, last_use)
+        ticket.device = ticket.host = None
+
+    def collect_stall_seconds(self) -> float:
+        """Seconds the compute stream spent waiting for copies, from events already complete."""
+        total, pending = 0.0, []
+        for before, after in self._stall_marks:
+            if after.query():
+                total += before.elapsed_time(after) / 1000.0
+            else:
+                pending.append((before, after))
+        self._stall_marks = pending
+        return total
+
+    def close(self) -> None:
+        self._stall_marks.clear()
+
+
+class _DiskTicket:
+    __slots__ = ("path", "num_bytes", "written", "read")
+
+    def __init__(self, path: str, num_bytes: int):
+        self.path, self.num_bytes = path, num_bytes
+        self.written: Future | None = None
+        self.read: Future | None = None
+
+
+class DiskTier:
+    """Swap to files on local disk through background workers (compute on CPU).
+
+    The worker holds the tensor only until its bytes are written, so the process's resident memory
+    drops; reads are issued ahead of backward (read-ahead) by `prefetch`. ``max_pending_bytes``
+    bounds bytes waiting to be written: past it `put` waits for the writer, keeping the promise of
+    the memory budget when compute outruns the disk.
+    """
+
+    def __init__(self, directory: str | None = None, max_pending_bytes: int = 256 * 2**20):
+        self.directory = tempfile.mkdtemp(prefix="oomless-swap-", dir=directory)
+        self.max_pending_bytes = max_pending_bytes
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-disk-write")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-disk-read")
+        self._names = itertools.count()
+        self._pending: list[_DiskTicket] = []
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self.stall_seconds = 0.0
+
+    def put(self, data: torch.Tensor) -> _DiskTicket:
+        ticket = _DiskTicket(os.path.join(self.directory, f"{next(self._names)}.bin"), data.numel())
+        self._wait_for_room(ticket.num_bytes)
+        with self._lock:
+            self._pending.append(ticket)
+            self._pending_bytes += ticket.num_bytes
+        ticket.written = self._writer.submit(self._write, ticket, data)
+        return ticket
+
+    def _write(self, ticket: _DiskTicket, data: torch.Tensor) -> None:
+        data.numpy().tofile(ticket.path)
+        with self._lock:
+            self._pending.remove(ticket)
+            self._pending_bytes -= ticket.num_bytes
+
+    def _wait_for_room(self, num_bytes: int) -> None:
+        started = time.perf_counter()
+        while True:
+            with self._lock:
+                if not self._pending or self._pending_bytes + num_bytes <= self.max_pending_bytes:
+                    break
+                oldest = self._pending[0]
+            oldest.written.result()
+        self.stall_seconds += time.perf_counter() - started
+
+    def is_out(self, ticket: _DiskTicket) -> bool:
+        return ticket.written.done()
+
+    def prefetch(self, ticket: _DiskTicket) -> None:
+        if ticket.read is None:
+            ticket.read = self._reader.submit(self._read, ticket)
+
+    def _read(self, ticket: _DiskTicket) -> torch.Tensor:
+        ticket.written.result()
+        return torch.from_numpy(np.fromfile(ticket.path, dtype=np.uint8))
+
+    def get(self, ticket: _DiskTicket) -> torch.Tensor:
+        self.prefetch(ticket)
+        started = time.perf_counter()
+        data = ticket.read.result()
+        self.stall_seconds += time.perf_counter() - started
+        return data
+
+    def release(self, ticket: _DiskTicket) -> None:
+        ticket.read = None
+        if ticket.written.done():
+            _remove_quietly(ticket.path)
+        else:
+            ticket.written.add_done_callback(lambda _: _remove_quietly(ticket.path))
+
+    def collect_stall_seconds(self) -> float:
+        stalled, self.stall_seconds = self.stall_seconds, 0.0
+        return stalled
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def make_tier(device: torch.device, disk_directory: str | None = None):
+    return PinnedHostTier(device) if device.type == "cuda" else DiskTier(disk_directory)

@@ -1,0 +1,45 @@
+"""Byte sizes: parse "20GiB" / "1.5GB" / 512 and print them back for humans."""
+
+import re
+
+from oomless.errors import SizeError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """Return ``size`` in bytes. Accepts ints and strings such as "512MiB", "20GiB", "1.5GB"."""
+    if isinstance(size, bool):
+        raise SizeError(f"memory size {size!r} is a bool; give bytes as an int or a string like '20GiB'")
+    if isinstance(size, (int, float)):
+        value = int(size)
+    elif isinstance(size, str):
+        match = _SIZE_PATTERN.match(size)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise SizeError(
+                f"memory size {size!r} does not parse; write a number and a unit such as "
+                "'512MiB', '20GiB', '1.5GB' or plain bytes like 1073741824 "
+                "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise SizeError(f"memory size must be an int or a string like '20GiB', got {type(size).__name__}")
+    if value <= 0:
+        raise SizeError(f"memory size must be positive, got {size!r}")
+    return value
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """Human-readable binary size, e.g. 1.50 GiB."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
