@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     example = example_input_for(args.model, batch=args.batch or 1, size=args.size, shape=shape,
                                 **model_kwargs).to(device)
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
-    plan_kwargs = {"memory": args.memory, "target": args.target,
+    # A registered model returns logits, not a loss: plan the backward of their sum, as a loss would.
+    plan_kwargs = {"memory": args.memory, "target": args.target, "loss_fn": oomless.sum_of_outputs,
                    "optimizer": optimizer(model.parameters(), lr=1e-3) if optimizer else None}
     if args.blocks:
         plan_kwargs["blocks"] = args.blocks

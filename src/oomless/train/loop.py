@@ -189,7 +189,7 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
     stats = None
     if oomless_applied:
         stats, line = _stats_line(model)
-        console.print(line)
+        console.print(line, soft_wrap=True)
     if config.save is not None:
         console.print(f"saved weights to {save_weights(config.save, model)}")
     return TrainResult(

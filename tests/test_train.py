@@ -1,0 +1,138 @@
+"""The training loop: finite and falling loss, bitwise resume, safetensors outputs, refusals."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from oomless.errors import InputError, SizeError
+from oomless.models import TinyTransformer
+from oomless.train import TrainConfig, latest_checkpoint, load_checkpoint, save_checkpoint, save_weights, train
+from oomless.train.checkpoint import list_checkpoints
+from oomless.train.losses import hard_dice, segmentation_loss
+
+
+def _config(**overrides) -> TrainConfig:
+    settings = dict(size=16, steps=3, seed=0, global_batch=2, base_channels=4, depth=2, progress=False, device="cpu")
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def _assert_state_equal(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    different = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not different, f"differ: {different}"
+
+
+def test_plain_training_gives_finite_falling_loss():
+    result = train(_config(steps=6, log_every=1))
+    assert result.steps_done == 6 and not result.oomless_applied and result.stats is None
+    losses = [record["loss"] for record in result.history]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0]
+    assert 0.0 <= result.final_dice <= 1.0
+    assert result.peak_memory_bytes > 0 and result.volumes_per_second > 0
+    assert result.voxels_per_second == pytest.approx(result.volumes_per_second * 16**3)
+
+
+def test_same_seed_same_weights():
+    first, second = train(_config(steps=2)), train(_config(steps=2))
+    _assert_state_equal(first.model.state_dict(), second.model.state_dict())
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run_bitwise(tmp_path):
+    uninterrupted = train(_config(steps=4, checkpoint_dir=tmp_path / "a"))
+    # "Crash" after 2 steps: the second run stops there, the third resumes from its last checkpoint.
+    train(_config(steps=2, checkpoint_dir=tmp_path / "b"))
+    resumed = train(_config(steps=4, checkpoint_dir=tmp_path / "b", resume=True))
+    assert [record["step"] for record in resumed.history] == [3, 4]
+    _assert_state_equal(uninterrupted.model.state_dict(), resumed.model.state_dict())
+    assert resumed.final_loss == uninterrupted.final_loss
+    optimizer_a = load_file(str(latest_checkpoint(tmp_path / "a")))
+    optimizer_b = load_file(str(latest_checkpoint(tmp_path / "b")))
+    _assert_state_equal(optimizer_a, optimizer_b)
+
+
+def test_checkpoints_are_rotated_and_leave_no_temporaries(tmp_path):
+    train(_config(steps=5, checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=2))
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [4, 5]     # every 2 steps, and the last
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000004.safetensors", "step-00000005.safetensors"]
+    # A write that died half way leaves a temporary, which resume must never pick up.
+    (tmp_path / ".step-00000009.safetensors.abc.tmp").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path).name == "step-00000005.safetensors"
+
+
+def test_resume_refuses_a_checkpoint_from_different_settings(tmp_path):
+    train(_config(steps=1, checkpoint_dir=tmp_path))
+    with pytest.raises(InputError, match="seed 0 -> 1"):
+        train(_config(steps=2, seed=1, checkpoint_dir=tmp_path, resume=True))
+
+
+def test_save_writes_the_final_state_dict_as_safetensors(tmp_path):
+    path = tmp_path / "out" / "final.safetensors"
+    result = train(_config(steps=1, save=path))
+    _assert_state_equal(load_file(str(path)), result.model.state_dict())
+    assert list(path.parent.iterdir()) == [path]
+
+
+def test_checkpoint_round_trip_with_tied_weights_and_dropout_rng(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=16, dim=8, depth=1, heads=2, max_len=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 16, (2, 4))).sum().backward()
+    optimizer.step()
+    path = save_checkpoint(tmp_path, model, optimizer, step=1, data_position=2)
+    expected_draw = torch.rand(3)
+
+    torch.manual_seed(99)
+    restored = TinyTransformer(vocab_size=16, dim=8, depth=1, heads=2, max_len=4)
+    restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+    state = load_checkpoint(path, restored, restored_optimizer)
+    assert (state.step, state.data_position) == (1, 2)
+    assert torch.equal(torch.rand(3), expected_draw)                 # RNG continues where it was saved
+    assert restored.head.weight is restored.token_embedding.weight   # loading kept the tie
+    _assert_state_equal(model.state_dict(), restored.state_dict())
+    for before, after in zip(optimizer.state.values(), restored_optimizer.state.values()):
+        _assert_state_equal(before, after)
+    assert restored_optimizer.param_groups[0]["betas"] == optimizer.param_groups[0]["betas"]
+    weights = load_file(str(save_weights(tmp_path / "tied.safetensors", model)))
+    assert torch.equal(weights["head.weight"], weights["token_embedding.weight"])
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(InputError, match="divisible by 2\\*\\*depth = 4"):
+        _config(size=18).validate()
+    with pytest.raises(SizeError, match="does not parse"):
+        _config(memory="lots").validate()
+    with pytest.raises(InputError, match="unknown model"):
+        _config(model="resnet").validate()
+    with pytest.raises(InputError, match="checkpoint directory"):
+        _config(resume=True).validate()
+
+
+def test_losses_on_a_perfect_prediction():
+    labels = torch.zeros(1, 4, 4, 4, dtype=torch.long)
+    labels[0, 1:3, 1:3, 1:3] = 1
+    logits = torch.stack([(labels == 0).float(), (labels == 1).float()], dim=1) * 20
+    assert hard_dice(logits, labels).item() == 1.0
+    assert segmentation_loss(logits, labels).item() < 1e-3
+    empty = torch.zeros_like(labels)
+    assert hard_dice(torch.stack([torch.ones(1, 4, 4, 4), torch.zeros(1, 4, 4, 4)], dim=1), empty).item() == 1.0
+
+
+def test_training_under_a_memory_budget_matches_plain_pytorch():
+    # Needs the oomless core (oomless.fit, oomless.stats). A budget changes where activations live,
+    # never the math: the weights after training must be the plain run's, bit for bit.
+    import oomless
+
+    plain = train(_config(steps=2))
+    roomy = train(_config(steps=2, memory="1GiB"))
+    assert roomy.oomless_applied and roomy.stats is not None
+    _assert_state_equal(plain.model.state_dict(), roomy.model.state_dict())
+    # The tightest budget the planner accepts forces activations off the device.
+    with pytest.raises(oomless.PlanError) as refused:
+        train(_config(steps=2, memory=1))
+    tight = train(_config(steps=2, memory=refused.value.minimum_bytes))
+    assert tight.stats.offloaded_bytes > 0 or tight.stats.recomputed_blocks > 0
+    _assert_state_equal(plain.model.state_dict(), tight.model.state_dict())
