@@ -21,10 +21,12 @@ def sum_of_outputs(output) -> torch.Tensor:
 
 
 def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
-         blocks=None, decisions: dict[str, str] | None = None) -> Plan:
+         blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
-    ``decisions`` forces keep/swap/recompute for every block instead of searching.
+    ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
+    keep/swap/recompute for every block instead of searching; storages smaller than
+    ``min_swap_bytes`` are never swapped (the copy would cost more than it frees).
     """
     memory_bytes = parse_bytes(memory)
     if target is not None:
@@ -40,7 +42,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    return make_plan(profile, memory_bytes, decisions)
+    return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes)
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:

@@ -101,7 +101,7 @@ def _reason(profile, index, decisions, search, timeline) -> str:
 
 
 def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | None = None,
-              max_pending_out_bytes: int | None = None) -> Plan:
+              max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024) -> Plan:
     """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given)."""
     static = static_breakdown(profile)
     static_bytes = sum(static.values())
@@ -154,4 +154,5 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         predicted_step_seconds=timeline.step_seconds,
         plain_peak_bytes=static_bytes + reserve + plain.activation_peak_bytes,
         plain_step_seconds=plain.step_seconds, blocks=blocks, prefetch_blocks=prefetch,
+        min_swap_bytes=min_swap_bytes,
         static_breakdown=static, notes=notes)

@@ -1,0 +1,104 @@
+"""Training under any plan gives the same parameters, gradients and buffers as plain PyTorch.
+
+Each case trains a deepcopy with plain PyTorch and the planned model with the same seeds for two
+optimizer steps, then compares bit for bit (`torch.equal`).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import oomless
+from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D
+from tests.conftest import budget_for_share, minimum_memory
+
+
+def _mlp():
+    return MLP((64, 256, 256, 256, 256, 256, 10)), torch.randn(32, 64), lambda out: out.square().mean()
+
+
+def _cnn():
+    return SmallCNN(in_channels=3, num_classes=10), torch.randn(4, 3, 32, 32), lambda out: out.logsumexp(1).mean()
+
+
+def _unet():
+    volume = torch.randn(2, 1, 16, 16, 16)
+    return UNet3D(base_channels=4, depth=2), volume, lambda out: F.cross_entropy(out, (volume[:, 0] > 0).long())
+
+
+def _transformer():
+    tokens = torch.randint(0, 256, (4, 32))
+    return (TinyTransformer(vocab_size=256, dim=64, depth=3, heads=4, max_len=32),
+            tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.roll(-1, 1).flatten()))
+
+
+def _dict_output():
+    return DictOutputModel(in_features=64, hidden=256, out_features=8), torch.randn(32, 64), \
+        lambda out: out["logits"].square().mean() + out["aux"].mean()
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "unet3d": _unet, "transformer": _transformer, "dict": _dict_output}
+
+
+def _train(model, inputs, loss_fn, steps=2):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss_fn(model(inputs)).backward()
+        optimizer.step()
+    return model
+
+
+def _assert_same(reference, trained):
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), trained.named_parameters()):
+        assert torch.equal(expected, actual), f"parameter {name} differs"
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    for (name, expected), (_, actual) in zip(reference.named_buffers(), trained.named_buffers()):
+        assert torch.equal(expected, actual), f"buffer {name} differs"
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "planned"])
+def test_training_equals_plain_pytorch(model_name, policy):
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    if policy == "planned":
+        memory = max(budget_for_share(model, inputs, 0.5, loss_fn=loss_fn, min_swap_bytes=0),
+                     minimum_memory(model, inputs, loss_fn=loss_fn, min_swap_bytes=0))
+        plan = oomless.plan(model, inputs, memory, loss_fn=loss_fn, min_swap_bytes=0)
+        if memory < plan.plain_peak_bytes:
+            assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
+        else:
+            assert model_name == "dict", "only the two-block dict model has nothing to gain from a plan"
+    else:
+        plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
+        plan = plan.with_decisions({name: policy for name in plan.decisions})
+    oomless.apply(model, plan)
+
+    _train(reference, inputs, loss_fn)
+    _train(model, inputs, loss_fn)
+
+    _assert_same(reference, model)
+    stats = oomless.stats(model)
+    if policy == "swap":
+        assert stats.offloaded_bytes > 0
+    if policy == "recompute":
+        assert stats.recomputed_blocks >= 2 * len(plan.decisions) - 2
+
+
+def test_remove_restores_the_model_exactly():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _cnn()
+    before = copy.deepcopy(model.state_dict())
+    hooks_before = {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn)
+    oomless.remove(model)
+    assert not hasattr(model, "_oomless")
+    for name, module in model.named_modules():
+        assert (dict(module._forward_hooks), dict(module._forward_pre_hooks)) == hooks_before[name]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
