@@ -4,17 +4,18 @@ import pytest
 import torch
 
 import oomless
+from oomless.plan.planner import make_plan
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def budget_for_share(model, inputs, share: float, **plan_kwargs) -> int:
+def budget_for_share(profile, share: float, **plan_kwargs) -> int:
     """Memory that leaves ``share`` of the plain step's saved activations on the device."""
-    full = oomless.plan(copy.deepcopy(model), inputs, "1TiB", **plan_kwargs)
+    full = make_plan(profile, 2**40, **plan_kwargs)
     return full.static_bytes + full.reserve_bytes + int(share * full.predicted_activation_peak_bytes)
 
 
-def minimum_memory(model, inputs, **plan_kwargs) -> int:
+def minimum_memory(profile, **plan_kwargs) -> int:
     with pytest.raises(oomless.PlanError) as error:
-        oomless.plan(copy.deepcopy(model), inputs, 1, **plan_kwargs)
+        make_plan(profile, 1, **plan_kwargs)
     return error.value.minimum_bytes

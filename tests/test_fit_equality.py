@@ -67,9 +67,9 @@ def test_training_equals_plain_pytorch(model_name, policy):
     model, inputs, loss_fn = MODELS[model_name]()
     reference = copy.deepcopy(model)
     if policy == "planned":
-        memory = max(budget_for_share(model, inputs, 0.5, loss_fn=loss_fn, min_swap_bytes=0),
-                     minimum_memory(model, inputs, loss_fn=loss_fn, min_swap_bytes=0))
-        plan = oomless.plan(model, inputs, memory, loss_fn=loss_fn, min_swap_bytes=0)
+        profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+        memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
+        plan = oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile)
         if memory < plan.plain_peak_bytes:
             assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
         else:

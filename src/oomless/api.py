@@ -6,7 +6,8 @@ import torch.nn as nn
 from oomless.errors import ApplyError, InputError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
-from oomless.profile.profiler import check_inputs_device, profile_model, tensors_in
+from oomless.profile.profile import Profile
+from oomless.profile.profiler import profile_model, tensors_in
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
 from oomless.sizes import parse_bytes
@@ -21,12 +22,14 @@ def sum_of_outputs(output) -> torch.Tensor:
 
 
 def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
-         blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024) -> Plan:
+         blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024,
+         profile: Profile | None = None) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
     keep/swap/recompute for every block instead of searching; storages smaller than
-    ``min_swap_bytes`` are never swapped (the copy would cost more than it frees).
+    ``min_swap_bytes`` are never swapped (the copy would cost more than it frees). A ``profile``
+    from `oomless.profile` is reused instead of measuring again.
     """
     memory_bytes = parse_bytes(memory)
     if target is not None:
@@ -34,8 +37,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                          "available yet; plan on the device itself (target=None)")
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
-    check_inputs_device(model, example_inputs)
-    profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
+    if profile is None:
+        profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
     if decisions is not None:
         unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]
@@ -43,6 +46,11 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
     return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes)
+
+
+def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None) -> Profile:
+    """Measure one training step per block (see `oomless.profile.profiler`); plain data."""
+    return profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
