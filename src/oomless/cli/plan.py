@@ -43,7 +43,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("--memory", required=True, help="device memory budget for the whole step, e.g. 2GiB")
-    parser.add_argument("--input-shape", type=parse_shape, default=None, metavar="N,C,...",
+    parser.add_argument("--input-shape", default=None, metavar="N,C,...",
                         help="example input shape (default: the model's own, with --batch and --size)")
     parser.add_argument("--batch", type=int, default=None, help="batch size (overrides the shape's first entry)")
     parser.add_argument("--size", type=int, default=32, help="spatial side or sequence length for default shapes")
@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.batch <= 0:
         raise InputError(f"--batch must be positive, got {args.batch}")
     model_kwargs = parse_model_args(args.model_arg)
-    shape = args.input_shape
+    # Parsed here, not as an argparse type: argparse would swap this message for "invalid value".
+    shape = parse_shape(args.input_shape) if args.input_shape is not None else None
     if shape is not None and args.batch is not None:
         shape = (args.batch, *shape[1:])
     # For a target device nothing runs here: build on the meta device so a model bigger than this

@@ -1,0 +1,85 @@
+"""The command line, run as a user runs it: ``python -m oomless`` in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from oomless.cli.main import build_parser, main
+from oomless.cli.train import config_from_args, parse_size
+
+SOURCE = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_oomless(*arguments: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(SOURCE)}
+    return subprocess.run([sys.executable, "-m", "oomless", *arguments], capture_output=True, text=True,
+                          env=environment, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("train", "--size", "20", "--steps", "1"), "divisible by 2**depth = 8"),
+    (("train", "--size", "16", "--memory", "lots"), "memory size 'lots' does not parse"),
+    (("train", "--model", "resnet"), "invalid choice: 'resnet'"),
+    (("plan", "nope", "--memory", "1GiB"), "unknown model 'nope'"),
+])
+def test_bad_input_exits_2_with_one_line_and_no_traceback(arguments, message):
+    completed = run_oomless(*arguments)
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], completed.stderr
+
+
+def test_bad_input_in_process_exits_2(capsys):
+    assert main(["train", "--size", "abc"]) == 2
+    assert main(["plan", "mlp", "--memory", "1GiB", "--input-shape", "4,x"]) == 2
+    assert main(["plan", "mlp", "--memory", "1GiB", "--model-arg", "=3"]) == 2
+    assert main(["plan", "unet3d", "--memory", "1GiB", "--batch", "0"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 4 and all(line.startswith(("oomless train: error:", "oomless plan: error:")) for line in errors)
+    assert "is not comma-separated integers" in errors[1]
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--steps", "many"])
+    assert exited.value.code == 2
+
+
+def test_train_flags_map_onto_the_config():
+    args = build_parser().parse_args([
+        "train", "--size", "32,48,64", "--memory", "1GiB", "--steps", "7", "--seed", "3", "--global-batch", "4",
+        "--model", "monai-unet", "--checkpoint-dir", "ck", "--resume", "--device", "cpu", "--save", "w.safetensors",
+        "--quiet",
+    ])
+    config = config_from_args(args)
+    assert (config.size, config.memory, config.steps, config.seed, config.global_batch) == ((32, 48, 64), "1GiB", 7, 3, 4)
+    assert (config.model, config.checkpoint_dir, config.resume, config.device, config.save) == (
+        "monai-unet", "ck", True, "cpu", "w.safetensors")
+    assert config.progress is False and parse_size("16") == 16
+
+
+def test_train_saves_weights_and_reports(tmp_path):
+    completed = run_oomless("train", "--size", "16", "--depth", "2", "--base-channels", "4", "--steps", "2",
+                            "--device", "cpu", "--save", "out.safetensors", "--checkpoint-dir", "ck", cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("done: 2 steps, loss ")
+    assert "step 2/2" in completed.stderr
+    weights = load_file(str(tmp_path / "out.safetensors"))
+    assert "encoders.0.0.weight" in weights and all(torch.isfinite(tensor.float()).all() for tensor in weights.values())
+    assert sorted(path.name for path in (tmp_path / "ck").iterdir()) == ["step-00000001.safetensors",
+                                                                          "step-00000002.safetensors"]
+
+
+def test_plan_prints_json():
+    # Needs the oomless core (oomless.plan).
+    completed = run_oomless("plan", "mlp", "--memory", "1GiB", "--batch", "4", "--json")
+    assert completed.returncode == 0, completed.stderr
+    plan = json.loads(completed.stdout)
+    assert plan["memory_bytes"] == 1024**3
+    # The default MLP is Linear, ReLU, Linear, ReLU, Linear: one block per Sequential item.
+    assert [block["name"] for block in plan["blocks"]] == ["0", "1", "2", "3", "4"]
+    assert {block["decision"] for block in plan["blocks"]} <= {"keep", "swap", "recompute"}
