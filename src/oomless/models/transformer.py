@@ -80,6 +80,10 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(dim, vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one Parameter, two uses, one gradient accumulated twice.
         self.head.weight = self.token_embedding.weight
+        # GPT-2's embedding init: with nn.Embedding's N(0, 1) the tied head gives logits of std
+        # ~sqrt(dim), softmax saturates and backward fills with denormals (20x slower on CPU).
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.position_embedding.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:

@@ -1,0 +1,64 @@
+"""Process memory on CPU: resident set size and its peak, read from /proc (Linux).
+
+On CPU the truth for the memory budget is the process's resident memory (DESIGN.md section 3);
+`reset_peak_rss` lets a step be measured on its own, as `torch.cuda.reset_peak_memory_stats` does.
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import resource
+import sys
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def current_rss_bytes() -> int:
+    value = _status_bytes("VmRSS")
+    return value if value is not None else peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    value = _status_bytes("VmHWM")
+    if value is not None:
+        return value
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@functools.cache
+def return_freed_memory_to_the_system() -> bool:
+    """Make glibc serve large allocations by mmap, so freeing them really lowers resident memory.
+
+    glibc raises its mmap threshold to the size of the last freed block (up to 32 MiB): after that,
+    freed activations stay in the heap and the resident set never drops, whatever swapping does.
+    Fixing the threshold turns that off. No effect off glibc.
+    """
+    library = ctypes.util.find_library("c")
+    if library is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(library)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 256 * 1024)) and bool(libc.mallopt(m_trim_threshold, 1024 * 1024))
+    except (OSError, AttributeError):
+        return False
