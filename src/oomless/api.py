@@ -7,7 +7,8 @@ from oomless.errors import ApplyError, InputError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
 from oomless.profile.profile import Profile
-from oomless.profile.profiler import profile_model, tensors_in
+from oomless.profile.profiler import profile_model
+from oomless.profile.tensors import model_device, tensors_in
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
 from oomless.sizes import parse_bytes
@@ -57,7 +58,6 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged."""
     if not isinstance(plan, Plan):
         raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
-    from oomless.profile.profiler import model_device
     return install_plan(model, plan, model_device(model))
 
 

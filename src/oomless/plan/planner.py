@@ -21,12 +21,21 @@ def static_breakdown(profile: Profile) -> dict[str, int]:
             "inputs": profile.input_bytes}
 
 
+def _transient_bytes(block) -> int:
+    """Bytes a block needs beyond saved activations while it runs: as measured in the profiling
+    step; where not measured, its output and the gradients through it, about two of its largest
+    tensors each way."""
+    if block.forward_transient_bytes is None or block.backward_transient_bytes is None:
+        return 2 * block.output_bytes + 2 * block.largest_saved_bytes
+    return max(block.forward_transient_bytes, block.backward_transient_bytes, block.output_bytes)
+
+
 def reserve_bytes(profile: Profile) -> int:
-    """Transient bytes on top of saved activations: while a block runs, its output and the
-    gradients flowing through it (about two of its largest tensors each way), plus the model's
-    output and the loss's own saved tensors."""
-    per_block = max((2 * block.output_bytes + 2 * block.largest_saved_bytes for block in profile.blocks),
-                    default=0)
+    """Bytes on top of saved activations, at the worst block: what the forward holds across blocks
+    (U-Net skips) or the gradients alive in backward, plus that block's own transients, plus the
+    model's output and the loss's own saved tensors."""
+    per_block = max((max(block.held_forward_bytes, block.held_backward_bytes) + _transient_bytes(block)
+                     for block in profile.blocks), default=0)
     final_output = profile.blocks[-1].output_bytes if profile.blocks else 0
     return per_block + 2 * final_output
 
@@ -100,6 +109,21 @@ def _reason(profile, index, decisions, search, timeline) -> str:
         f"recompute: adds {added['recompute'] * 1e3:.1f} ms; swap alone would not fit"
 
 
+def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
+    """The smallest budget the most frugal plan (all swap, or all recompute) fits, for this profile."""
+    if profile.link.kind == "disk" and max_pending_out_bytes is None:
+        max_pending_out_bytes = 256 * 2**20
+    frugal_peak = min(simulate(profile, [option] * len(profile.blocks), 1, max_pending_out_bytes).activation_peak_bytes
+                      for option in ("swap", "recompute"))
+    return sum(static_breakdown(profile).values()) + reserve_bytes(profile) + frugal_peak
+
+
+def _with_margin(num_bytes: int) -> int:
+    """``num_bytes`` plus 5 % (at least 1 MiB), rounded up to whole MiB."""
+    padded = num_bytes + max(num_bytes // 20, 2**20)
+    return -(-padded // 2**20) * 2**20
+
+
 def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | None = None,
               max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024) -> Plan:
     """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given)."""
@@ -111,10 +135,11 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     if profile.link.kind == "disk" and max_pending_out_bytes is None:
         max_pending_out_bytes = 256 * 2**20
     plain = simulate(profile, ["keep"] * len(names), 1, max_pending_out_bytes)
-    frugal = min((simulate(profile, [option] * len(names), 1, max_pending_out_bytes)
-                  for option in ("swap", "recompute")), key=lambda t: t.activation_peak_bytes)
-    minimum = static_bytes + reserve + frugal.activation_peak_bytes
-    if budget < frugal.activation_peak_bytes and decisions is None:
+    exact_minimum = smallest_memory(profile, max_pending_out_bytes)
+    # Transient bytes are measured, and a second profile of the same step differs a little:
+    # the smallest budget reported carries a margin so that planning again with it succeeds.
+    minimum = _with_margin(exact_minimum)
+    if memory_bytes < exact_minimum and decisions is None:
         limiting = max(profile.blocks, key=lambda b: b.saved_bytes + b.input_bytes, default=None)
         limiting_name = limiting.name if limiting is not None and static_bytes + reserve < memory_bytes else None
         why = (f"block {limiting_name} must hold its {format_bytes(limiting.saved_bytes)} of saved tensors "
@@ -129,17 +154,24 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     best = None
     for prefetch in (1, 2, 3):
         search = _Search(profile, budget, prefetch, max_pending_out_bytes)
-        chosen = [decisions[name] for name in names] if decisions else search.greedy(["keep"] * len(names))
-        timeline = search.run(chosen)
-        fits = timeline.activation_peak_bytes <= budget
-        key = (not fits, timeline.step_seconds if fits else timeline.activation_peak_bytes)
-        if best is None or key < best[0]:
-            best = (key, prefetch, chosen, timeline, search)
+        if decisions:
+            candidates = [[decisions[name] for name in names]]
+        else:
+            # Greedy from all-keep is usually best; when it stalls (no single move lowers the peak),
+            # relaxing the most frugal plans back towards keep still finds a fitting plan.
+            candidates = [search.greedy(["keep"] * len(names))] + \
+                [search.relax([option] * len(names)) for option in ("swap", "recompute")]
+        for chosen in candidates:
+            timeline = search.run(chosen)
+            fits = timeline.activation_peak_bytes <= budget
+            key = (not fits, timeline.step_seconds if fits else timeline.activation_peak_bytes)
+            if best is None or key < best[0]:
+                best = (key, prefetch, chosen, timeline, search)
     _, prefetch, chosen, timeline, search = best
     if timeline.activation_peak_bytes > budget and decisions is None:
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "
                         f"{format_bytes(static_bytes + reserve + timeline.activation_peak_bytes)}",
-                        minimum_bytes=static_bytes + reserve + timeline.activation_peak_bytes)
+                        minimum_bytes=_with_margin(static_bytes + reserve + timeline.activation_peak_bytes))
     blocks = [BlockPlan(block.name, chosen[i], _reason(profile, i, chosen, search, timeline),
                         block.saved_bytes, block.forward_seconds, block.backward_seconds)
               for i, block in enumerate(profile.blocks)]

@@ -19,12 +19,12 @@ def _parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _children_as_blocks(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+def children_as_blocks(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     blocks = []
     for name, child in module.named_children():
         qualified = f"{prefix}.{name}" if prefix else name
         if isinstance(child, _CONTAINERS) and len(child) > 0:
-            blocks.extend(_children_as_blocks(qualified, child))
+            blocks.extend(children_as_blocks(qualified, child))
         else:
             blocks.append((qualified, child))
     return blocks
@@ -35,7 +35,7 @@ def _default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     while len(list(root.children())) == 1:
         name, root = next(iter(root.named_children()))
         prefix = f"{prefix}.{name}" if prefix else name
-    blocks = _children_as_blocks(prefix, root)
+    blocks = children_as_blocks(prefix, root)
     if not blocks:
         return [(prefix, root)] if prefix else []
     total = max(_parameter_count(model), 1)
@@ -45,7 +45,7 @@ def _default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         index, (name, module) = max(enumerate(blocks), key=lambda item: _parameter_count(item[1][1]))
         if _parameter_count(module) * 2 <= total or len(blocks) >= 4 or not list(module.children()):
             break
-        blocks[index:index + 1] = _children_as_blocks(name, module)
+        blocks[index:index + 1] = children_as_blocks(name, module)
     return blocks
 
 

@@ -15,6 +15,16 @@ class BlockProfile:
     output_bytes: int = 0
     parameter_bytes: int = 0
     calls: int = 0
+    # Bytes the forward itself holds when the block starts (earlier blocks' outputs still referenced,
+    # e.g. U-Net skips) and gradients of block outputs alive when its backward starts: memory that
+    # no swap or recompute of saved tensors can free.
+    held_forward_bytes: int = 0
+    held_backward_bytes: int = 0
+    # Measured transient bytes of the block's forward / backward: the rise of device memory (RSS on
+    # CPU) while it ran in the profiling step, less the saved bytes it produced (forward) or the
+    # swapped bytes brought back meanwhile (backward). None where not measured (fake tensors).
+    forward_transient_bytes: int | None = None
+    backward_transient_bytes: int | None = None
 
 
 @dataclass
@@ -39,6 +49,7 @@ class Profile:
     loss_seconds: float
     link: LinkProfile
     notes: list[str] = field(default_factory=list)
+    measured_peak_bytes: int | None = None   # highest absolute reading while profiling (RSS on CPU)
 
     @property
     def activation_bytes(self) -> int:

@@ -7,50 +7,19 @@ parameters never count), output, input and parameter bytes. The model's paramete
 gradients and RNG are left exactly as they were.
 """
 
-import time
-
 import torch
 import torch.nn as nn
 
-from oomless.errors import InputError
-from oomless.profile.blocks import find_blocks
+from oomless.errors import ApplyError, InputError
+from oomless.profile.blocks import children_as_blocks, find_blocks
 from oomless.profile.links import measure_link
-from oomless.profile.profile import BlockProfile, Profile
+from oomless.profile.profile import Profile
+from oomless.profile.recorder import Recorder
+from oomless.profile.rss import return_freed_memory_to_the_system
+from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
                            "RMSprop": 1, "Adadelta": 2}
-
-
-def tensors_in(value) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    seen = {}
-    for tensor in tensors:
-        if tensor.device.type == "meta":
-            seen[id(tensor)] = tensor.numel() * tensor.element_size()
-        else:
-            storage = tensor.untyped_storage()
-            seen[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
-
-
-def model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def check_inputs_device(model: nn.Module, example_inputs) -> torch.device:
-    device = model_device(model)
-    for tensor in tensors_in(example_inputs):
-        if tensor.device != device and tensor.device.type != "meta" and device.type != "meta":
-            raise InputError(f"example input is on {tensor.device} but the model is on {device}; "
-                             f"move the inputs with .to('{device}') (or the model to the inputs' device)")
-    return device
 
 
 def optimizer_state_bytes(optimizer, model: nn.Module, notes: list[str]) -> int:
@@ -73,14 +42,6 @@ def optimizer_state_bytes(optimizer, model: nn.Module, notes: list[str]) -> int:
     return copies * trainable
 
 
-def call_model(model: nn.Module, example_inputs):
-    if isinstance(example_inputs, dict):
-        return model(**example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return model(*example_inputs)
-    return model(example_inputs)
-
-
 def loss_of(output, loss_fn):
     if loss_fn is not None:
         loss = loss_fn(output)
@@ -94,112 +55,79 @@ def loss_of(output, loss_fn):
     return loss
 
 
-class _Recorder:
-    """Receives the runtime's callbacks during the profiling step and keeps per-block numbers."""
+def _measure_step(model, example_inputs, loss_fn, found, device) -> tuple[Recorder, float]:
+    """Run forward, loss and backward once under an all-swap plan, recording per block."""
+    from oomless.plan.plan import BlockPlan, Plan
+    from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
-    def __init__(self, names: list[str], device: torch.device, tier_stall):
-        self.names = names
-        self.device = device
-        self.tier_stall = tier_stall
-        self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
-        self.order: list[int] = []
-        self.started: dict[int, float] = {}
-        self.unassigned_saved_bytes = 0
-        self.backward_marks: list[tuple[float, int]] = []
+    names = [name for name, _ in found]
+    # Prefetch distance 0: what backward brings back while a block runs is that block's own bytes,
+    # so the memory rise measured there is the block's own transient.
+    frugal = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
+                  predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
+                  plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=0, min_swap_bytes=0,
+                  blocks=[BlockPlan(name, "swap", "profiling", 0, 0.0, 0.0) for name in names])
+    recorder = Recorder(names, device)
+    install_plan(model, frugal, device, recorder=recorder)
+    tier = installed_state(model).tier
+    recorder.tier_stall_source = tier.collect_stall_seconds
+    try:
+        output = call_model(model, example_inputs)
+        loss_started = recorder.now()
+        loss = loss_of(output, loss_fn)
+        loss_seconds = recorder.now() - loss_started
+        loss.backward()
+        recorder.backward_finished()
+        recorder.assign_backward_seconds(recorder.now() - recorder.tier_stall())
+        del output, loss
+    finally:
+        uninstall_plan(model)
+    return recorder, loss_seconds
 
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # profiling only: exact per-block times
-        return time.perf_counter()
 
-    def forward_started(self):
-        pass
-
-    def forward_finished(self, output):
-        pass
-
-    def unassigned(self, num_bytes):
-        self.unassigned_saved_bytes += num_bytes
-
-    def saved(self, block_index, num_bytes):
-        block = self.blocks[block_index]
-        block.saved_bytes += num_bytes
-        block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
-
-    def block_started(self, index, args):
-        if index not in self.order:
-            self.order.append(index)
-        block = self.blocks[index]
-        block.calls += 1
-        block.input_bytes += storage_bytes(tensors_in(args))
-        self.started[index] = self.now()
-
-    def block_finished(self, index, output):
-        block = self.blocks[index]
-        block.forward_seconds += self.now() - self.started.pop(index)
-        outputs = tensors_in(output)
-        block.output_bytes += storage_bytes(outputs)
-        for tensor in outputs:
-            if tensor.requires_grad:
-                tensor.register_hook(self._backward_mark(index))
-                break
-
-    def _backward_mark(self, index):
-        def hook(grad):
-            self.backward_marks.append((self.now() - self.tier_stall(), index))
-        return hook
-
-    def assign_backward_seconds(self, backward_end: float) -> None:
-        # A block's backward runs from the moment the gradient of its output is ready until the
-        # next block's output gradient is (or backward ends): time minus waits on the swap tier.
-        marks = sorted(self.backward_marks) + [(backward_end, None)]
-        for (start, index), (end, _) in zip(marks, marks[1:]):
-            self.blocks[index].backward_seconds += max(end - start, 0.0)
+def _refined(found, recorder) -> list | None:
+    """Size-based policy: a block holding over a quarter of all saved bytes is split into its
+    children (its backward must hold all its saved bytes at once, which sets the minimum memory)."""
+    total = sum(block.saved_bytes for block in recorder.blocks.values())
+    refined, changed = [], False
+    for index, (name, module) in enumerate(found):
+        children = children_as_blocks(name, module)
+        if total and recorder.blocks[index].saved_bytes * 4 > total and len(children) > 1:
+            refined.extend(children)
+            changed = True
+        else:
+            refined.append((name, module))
+    return refined if changed else None
 
 
 def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None) -> Profile:
-    """Measure one training step of ``model`` (no optimizer step) under an all-swap plan."""
-    from oomless.plan.plan import BlockPlan, Plan
-    from oomless.runtime.install import install_plan, uninstall_plan, installed_state
+    """Measure one training step of ``model`` (no optimizer step) under an all-swap plan; with the
+    default block policy, blocks too big to plan are split and the step measured once more."""
+    from oomless.runtime.install import installed_state
 
     device = check_inputs_device(model, example_inputs)
     if installed_state(model) is not None:
-        from oomless.errors import ApplyError
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) first")
+    if device.type == "cpu":
+        return_freed_memory_to_the_system()  # so resident memory measures what is really in use
     found = find_blocks(model, blocks)
-    names = [name for name, _ in found]
-    frugal = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
-                  predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
-                  plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=1, min_swap_bytes=0,
-                  blocks=[BlockPlan(name, "swap", "profiling", 0, 0.0, 0.0) for name in names])
     notes: list[str] = []
     parameters = list(dict.fromkeys(model.parameters()))
     saved_grads = [p.grad for p in parameters]
     saved_buffers = [b.detach().clone() for b in model.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    recorder = _Recorder(names, device, lambda: 0.0)
-    install_plan(model, frugal, device, recorder=recorder)
-    state = installed_state(model)
-    stall_total = [0.0]
-
-    def tier_stall():
-        stall_total[0] += state.tier.collect_stall_seconds() if state.tier is not None else 0.0
-        return stall_total[0]
-
-    recorder.tier_stall = tier_stall
     try:
         for p in parameters:
             p.grad = None
-        output = call_model(model, example_inputs)
-        loss_started = recorder.now()
-        loss = loss_of(output, loss_fn)
-        loss_seconds = recorder.now() - loss_started
-        loss.backward()
-        backward_end = recorder.now() - tier_stall()
-        del output, loss
+        recorder, loss_seconds = _measure_step(model, example_inputs, loss_fn, found, device)
+        refined = _refined(found, recorder) if blocks is None else None
+        if refined is not None:
+            for p in parameters:
+                p.grad = None
+            found = refined
+            recorder, loss_seconds = _measure_step(model, example_inputs, loss_fn, found, device)
     finally:
-        uninstall_plan(model)
         with torch.no_grad():
             for p, grad in zip(parameters, saved_grads):
                 p.grad = grad
@@ -208,11 +136,10 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    recorder.assign_backward_seconds(backward_end)
 
     modules = dict(found)
     block_profiles = []
-    for index in recorder.order + [i for i in range(len(names)) if i not in recorder.order]:
+    for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
         block = recorder.blocks[index]
         block.parameter_bytes = storage_bytes(list(modules[block.name].parameters()))
         if block.calls == 0:
@@ -231,4 +158,5 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         loss_seconds=loss_seconds,
         link=measure_link(str(device)),
         notes=notes,
+        measured_peak_bytes=recorder.probe.highest_bytes,
     )

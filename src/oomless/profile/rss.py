@@ -62,3 +62,38 @@ def return_freed_memory_to_the_system() -> bool:
         return bool(libc.mallopt(m_mmap_threshold, 256 * 1024)) and bool(libc.mallopt(m_trim_threshold, 1024 * 1024))
     except (OSError, AttributeError):
         return False
+
+
+class MemoryProbe:
+    """Peak memory between marks: the caching allocator's counters on CUDA, the kernel's peak
+    resident mark on CPU (which `mark` resets: a process-wide side effect while profiling)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.start_bytes = 0
+        self.highest_bytes = 0  # the highest absolute reading seen, across marks
+
+    def current(self) -> int:
+        if self.is_cuda:
+            import torch
+            return torch.cuda.memory_allocated(self.device)
+        return current_rss_bytes()
+
+    def mark(self) -> None:
+        if self.is_cuda:
+            import torch
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
+        self.start_bytes = self.current()
+
+    def peak_since_mark(self) -> int:
+        """Bytes above the reading at the last mark, at the highest point since."""
+        if self.is_cuda:
+            import torch
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = peak_rss_bytes()
+        self.highest_bytes = max(self.highest_bytes, peak)
+        return max(peak - self.start_bytes, 0)

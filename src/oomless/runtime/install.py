@@ -83,7 +83,7 @@ class InstalledPlan:
         self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack)
         self._hooks_context.__enter__()
         if self.recorder is not None:
-            self.recorder.forward_started()
+            self.recorder.forward_started(resident)
 
     def _model_post_hook(self, model, args, output):
         if self._hooks_context is None:

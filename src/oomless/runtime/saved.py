@@ -97,6 +97,8 @@ class ForwardRegistry:
             if not entry.on_ledger:
                 entry.on_ledger = True
                 engine.ledger.add(entry.num_bytes)
+                if engine.recorder is not None:
+                    engine.recorder.fetched(entry.num_bytes)
         return entry.device_data
 
     def _prefetch_ahead(self, block_index: int) -> None:
@@ -110,6 +112,8 @@ class ForwardRegistry:
                     if not entry.on_ledger:
                         entry.on_ledger = True
                         self.engine.ledger.add(entry.num_bytes)
+                        if self.engine.recorder is not None:
+                            self.engine.recorder.fetched(entry.num_bytes)
 
     def release(self, entry: _Entry) -> None:
         if entry.on_ledger:
