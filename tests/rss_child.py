@@ -24,7 +24,7 @@ def build(name):
         tokens = torch.randint(0, 512, (4, 512))
         return model, tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.flatten())
     model = UNet3D(base_channels=8, depth=3)
-    volume = torch.randn(1, 1, 64, 64, 64)
+    volume = torch.randn(2, 1, 64, 64, 64)
     target = (volume[:, 0] > 0.5).long()
     return model, volume, lambda out: F.cross_entropy(out, target)
 

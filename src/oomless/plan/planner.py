@@ -22,22 +22,28 @@ def static_breakdown(profile: Profile) -> dict[str, int]:
 
 
 def _transient_bytes(block) -> int:
-    """Bytes a block needs beyond saved activations while it runs: as measured in the profiling
-    step; where not measured, its output and the gradients through it, about two of its largest
-    tensors each way."""
+    """Bytes a block needs beyond saved activations while it runs, as the profiling step measured
+    them; where not measured, its output and the gradients through it, about two of its largest
+    tensors each way. Measured backward transients are the rise less all the block's saved bytes,
+    matching the simulator, which holds them all until the block's backward ends."""
     if block.forward_transient_bytes is None or block.backward_transient_bytes is None:
         return 2 * block.output_bytes + 2 * block.largest_saved_bytes
     return max(block.forward_transient_bytes, block.backward_transient_bytes, block.output_bytes)
 
 
+# Resident memory on CPU is measured with page granularity and allocator reuse; a second profile
+# of the same step reads up to ~15 % differently. The reserve carries that much on top.
+MEASUREMENT_MARGIN = 0.2
+
+
 def reserve_bytes(profile: Profile) -> int:
     """Bytes on top of saved activations, at the worst block: what the forward holds across blocks
     (U-Net skips) or the gradients alive in backward, plus that block's own transients, plus the
-    model's output and the loss's own saved tensors."""
+    model's output and the loss's own saved tensors, plus the measurement margin."""
     per_block = max((max(block.held_forward_bytes, block.held_backward_bytes) + _transient_bytes(block)
                      for block in profile.blocks), default=0)
     final_output = profile.blocks[-1].output_bytes if profile.blocks else 0
-    return per_block + 2 * final_output
+    return int((per_block + 2 * final_output) * (1 + MEASUREMENT_MARGIN))
 
 
 class _Search:
