@@ -130,9 +130,10 @@ def test_training_under_a_memory_budget_matches_plain_pytorch():
     roomy = train(_config(steps=2, memory="1GiB"))
     assert roomy.oomless_applied and roomy.stats is not None
     _assert_state_equal(plain.model.state_dict(), roomy.model.state_dict())
-    # The tightest budget the planner accepts forces activations off the device.
+    # The smallest budget PlanError names is accepted when planning again (it carries a margin
+    # for measurement noise); whether it moves activations on a model this small depends on that
+    # margin, and tests/test_fit_equality.py covers forced swaps and recomputes.
     with pytest.raises(oomless.PlanError) as refused:
         train(_config(steps=2, memory=1))
     tight = train(_config(steps=2, memory=refused.value.minimum_bytes))
-    assert tight.stats.offloaded_bytes > 0 or tight.stats.recomputed_blocks > 0
     _assert_state_equal(plain.model.state_dict(), tight.model.state_dict())
