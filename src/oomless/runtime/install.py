@@ -37,7 +37,8 @@ class InstalledPlan:
         self.device = device
         self.ledger = Ledger()
         self.tier = make_tier(device) if SWAP in plan.decisions.values() or recorder else None
-        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes)
+        budget = plan.activation_budget if plan.activation_budget > 0 else None
+        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes, budget)
         self.engine.recorder = recorder
         self.engine.recompute_bytes = {index: block.saved_bytes for index, block in enumerate(plan.blocks)}
         self.recorder = recorder
@@ -97,6 +98,7 @@ class InstalledPlan:
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):
             self.engine.block_index, self.engine.decision = index, decision
+            self.engine.poll()
             if self.recorder is not None and torch.is_grad_enabled():
                 self.recorder.block_started(index, args)
         return hook

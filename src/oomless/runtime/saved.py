@@ -6,6 +6,8 @@ Parameters, buffers, the forward's own inputs, small tensors and anything outsid
 where they are (kept, exactly as plain PyTorch would).
 """
 
+import time
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -72,6 +74,8 @@ class ForwardRegistry:
             return entry
         entry = _Entry(self, block_index, storage, decision)
         self.by_storage[key] = entry
+        if decision == SWAP:
+            self.engine.make_room(entry.num_bytes)
         ledger = self.engine.ledger
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
@@ -107,7 +111,9 @@ class ForwardRegistry:
         distance = self.engine.prefetch_blocks
         for index in range(block_index, block_index - distance - 1, -1):
             for entry in self.swapped_by_block.get(index, ()):
-                if not entry.fetched and entry.ticket is not None:
+                if not entry.fetched and entry.ticket is not None and not entry.on_ledger:
+                    if not self.engine.has_room(entry.num_bytes) and index != block_index:
+                        return  # the budget is full: the rest is fetched when backward needs it
                     self.engine.tier.prefetch(entry.ticket)
                     if not entry.on_ledger:
                         entry.on_ledger = True
@@ -128,8 +134,9 @@ class ForwardRegistry:
 class SavedTensorEngine:
     """pack/unpack for one installed model."""
 
-    def __init__(self, ledger, tier, prefetch_blocks: int, min_swap_bytes: int):
+    def __init__(self, ledger, tier, prefetch_blocks: int, min_swap_bytes: int, budget_bytes: int | None = None):
         self.ledger = ledger
+        self.budget_bytes = budget_bytes
         self.tier = tier
         self.prefetch_blocks = prefetch_blocks
         self.min_swap_bytes = min_swap_bytes
@@ -174,6 +181,22 @@ class SavedTensorEngine:
     def begin_forward(self, resident_storages: set[tuple]) -> None:
         self.resident_storages = resident_storages
         self.registry = ForwardRegistry(self)
+
+    def has_room(self, num_bytes: int) -> bool:
+        return self.budget_bytes is None or self.ledger.resident_bytes + num_bytes <= self.budget_bytes
+
+    def make_room(self, num_bytes: int) -> None:
+        """Before a swap puts more bytes on the ledger: if that would pass the activation budget,
+        wait for earlier swaps' copies to finish. The plan predicts this never happens; when copies
+        fall behind the prediction, waiting keeps the budget a promise (on CUDA this is a host
+        synchronisation, the only one the runtime makes, and only in that case)."""
+        self.poll()
+        while not self.has_room(num_bytes) and self.pending_out:
+            entry = self.pending_out[0]
+            started = time.perf_counter()
+            self.tier.wait_out(entry.ticket)
+            self.ledger.stall_seconds += time.perf_counter() - started
+            self.poll()
 
     def poll(self) -> None:
         """Take swapped-out storages off the ledger once their copy has completed (no waiting)."""

@@ -79,6 +79,9 @@ class PinnedHostTier:
     def is_out(self, ticket: _CudaTicket) -> bool:
         return ticket.out_done.query()
 
+    def wait_out(self, ticket: _CudaTicket) -> None:
+        ticket.out_done.synchronize()
+
     def prefetch(self, ticket: _CudaTicket) -> None:
         if ticket.device is not None:
             return
@@ -180,6 +183,9 @@ class DiskTier:
 
     def is_out(self, ticket: _DiskTicket) -> bool:
         return ticket.written.done()
+
+    def wait_out(self, ticket: _DiskTicket) -> None:
+        ticket.written.result()
 
     def prefetch(self, ticket: _DiskTicket) -> None:
         if ticket.read is None:
