@@ -1,7 +1,7 @@
 """Run one training step in this process and print its peak resident memory as JSON.
 
-    python tests/rss_child.py MODEL MEMORY|plain
-MODEL is "transformer" or "unet3d". The baseline is taken after imports and a warm-up of the ops
+    python tests/rss_child.py MODEL MEMORY|plain [keep|swap|recompute]
+MODEL is "transformer" or "unet3d"; a third argument forces that decision on every block. The baseline is taken after imports and a warm-up of the ops
 (library start-up is not the step's memory); everything after it counts: the model, optimizer
 state, planning, and the steps.
 """
@@ -48,6 +48,8 @@ def main():
     if memory != "plain":
         plan_profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
         plan = oomless.plan(model, inputs, memory, profile=plan_profile)
+        if len(sys.argv) > 3:
+            plan = plan.with_decisions({block: sys.argv[3] for block in plan.decisions})
         oomless.apply(model, plan)
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
