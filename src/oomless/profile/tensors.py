@@ -29,12 +29,19 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def check_inputs_device(model: nn.Module, example_inputs) -> torch.device:
+def check_inputs_device(model: nn.Module, example_inputs, allow_meta: bool = False) -> torch.device:
+    """The device the model computes on; inputs must be there too (meta only when planning for a
+    target device on fake tensors)."""
     device = model_device(model)
     for tensor in tensors_in(example_inputs):
-        if tensor.device != device and tensor.device.type != "meta" and device.type != "meta":
+        if allow_meta and "meta" in (tensor.device.type, device.type):
+            continue
+        if tensor.device != device:
             raise InputError(f"example input is on {tensor.device} but the model is on {device}; "
                              f"move the inputs with .to('{device}') (or the model to the inputs' device)")
+    if device.type == "meta" and not allow_meta:
+        raise InputError("the model is on the meta device: a real step cannot run there; move it to a "
+                         "real device, or plan for a target device with target=...")
     return device
 
 

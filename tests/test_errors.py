@@ -1,0 +1,114 @@
+"""Bad input gets a clear error that says what was wrong and what would work, and changes nothing."""
+
+import copy
+
+import pytest
+import torch
+
+import oomless
+from oomless.models import SmallCNN
+
+
+def _model_and_inputs():
+    torch.manual_seed(0)
+    return SmallCNN(in_channels=3, num_classes=10), torch.randn(4, 3, 16, 16)
+
+
+def _loss(out):
+    return out.logsumexp(1).mean()
+
+
+def _assert_untouched(model, before):
+    assert not hasattr(model, "_oomless")
+    for name, module in model.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, f"hooks left on {name!r}"
+    for (name, expected), (_, actual) in zip(before.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(expected, actual), f"{name} changed"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_too_small_names_the_minimum_and_the_block():
+    model, inputs = _model_and_inputs()
+    before = copy.deepcopy(model)
+    with pytest.raises(oomless.PlanError) as error:
+        oomless.fit(model, inputs, "1KiB", loss_fn=_loss)
+    assert error.value.minimum_bytes > 1024
+    assert str(error.value.minimum_bytes) in str(error.value)
+    assert error.value.limiting_block is None or error.value.limiting_block in dict(model.named_modules())
+    _assert_untouched(model, before)
+    # The named minimum is a budget that works.
+    oomless.fit(model, inputs, error.value.minimum_bytes, loss_fn=_loss)
+
+
+def test_block_forcing_the_minimum_is_named_when_static_bytes_fit():
+    model, inputs = _model_and_inputs()
+    profile = oomless.profile(model, inputs, loss_fn=_loss)
+    roomy = oomless.plan(model, inputs, "1GiB", profile=profile)
+    with pytest.raises(oomless.PlanError) as error:
+        oomless.plan(model, inputs, roomy.static_bytes + roomy.reserve_bytes + 1024, profile=profile)
+    assert error.value.limiting_block in [block.name for block in profile.blocks]
+    assert error.value.limiting_block in str(error.value)
+
+
+@pytest.mark.parametrize("size", ["20 gigs", "GiB", "-5GiB", "1.5XB", "", 0])
+def test_size_that_does_not_parse(size):
+    model, inputs = _model_and_inputs()
+    before = copy.deepcopy(model)
+    with pytest.raises(oomless.SizeError, match="memory size"):
+        oomless.fit(model, inputs, size, loss_fn=_loss)
+    _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("text, expected", [("512MiB", 512 * 2**20), ("20GiB", 20 * 2**30), ("1.5GB", 1_500_000_000),
+                                            ("1 kb", 1000), (4096, 4096), ("4096", 4096), ("2e3", 2000)])
+def test_sizes_parse(text, expected):
+    assert oomless.parse_bytes(text) == expected
+
+
+def test_inputs_on_another_device_than_the_model():
+    model, inputs = _model_and_inputs()
+    before = copy.deepcopy(model)
+    with pytest.raises(oomless.InputError, match="move the inputs"):
+        oomless.fit(model, inputs.to("meta"), "1GiB", loss_fn=_loss)
+    _assert_untouched(model, before)
+    with pytest.raises(oomless.InputError, match="meta device"):
+        oomless.fit(model.to("meta"), inputs.to("meta"), "1GiB", loss_fn=_loss)
+
+
+def test_apply_twice():
+    model, inputs = _model_and_inputs()
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss)
+    oomless.apply(model, plan)
+    hooks = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    with pytest.raises(oomless.ApplyError, match="already applied"):
+        oomless.apply(model, plan)
+    with pytest.raises(oomless.ApplyError, match="already applied"):
+        oomless.fit(model, inputs, "1GiB", loss_fn=_loss)
+    assert hooks == {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    oomless.remove(model)
+    with pytest.raises(oomless.ApplyError, match="not applied"):
+        oomless.remove(model)
+
+
+def test_output_not_a_scalar_loss_and_no_loss_fn():
+    model, inputs = _model_and_inputs()
+    before = copy.deepcopy(model)
+    with pytest.raises(oomless.InputError, match="not a scalar loss.*loss_fn"):
+        oomless.fit(model, inputs, "1GiB")
+    _assert_untouched(model, before)
+    oomless.fit(model, inputs, "1GiB", loss_fn=oomless.sum_of_outputs)  # the suggested fix works
+
+
+def test_plan_for_another_model():
+    model, inputs = _model_and_inputs()
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with pytest.raises(oomless.ApplyError, match="does not have"):
+        oomless.apply(other, plan)
+    assert not hasattr(other, "_oomless")
+
+
+def test_blocks_that_do_not_exist():
+    model, inputs = _model_and_inputs()
+    with pytest.raises(oomless.InputError, match="not modules of the model"):
+        oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["no.such.block"])
