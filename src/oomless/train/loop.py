@@ -8,8 +8,6 @@ PyTorch; with a budget the model goes through ``oomless.fit`` once and the loop 
 which is the point: oomless is a transform on the model, not a different training loop.
 """
 
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +20,7 @@ from torch import nn
 from oomless.data import SyntheticVolumes
 from oomless.errors import InputError
 from oomless.models import build_model
+from oomless.profile.rss import MemoryProbe
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from oomless.train.config import TrainConfig
@@ -56,41 +55,25 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: peak bytes allocated by PyTorch. CPU: the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kilobytes, macOS bytes.
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def build_segmentation_model(config: TrainConfig) -> nn.Module:
     return build_model(config.model, in_channels=config.channels, out_channels=2,
                        base_channels=config.base_channels, depth=config.depth)
 
 
 def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: SyntheticVolumes,
-                   config: TrainConfig, device: torch.device) -> None:
+                   config: TrainConfig, device: torch.device, console: Console):
+    """Plan for the budget on the first batch and install the plan; profiling leaves the model's
+    weights, buffers and RNG as they were, so the run continues exactly as a plain one would."""
     import oomless
 
     volumes, labels = dataset.batch(0, config.global_batch)
     volumes, labels = volumes.to(device), labels.to(device)
-    # Profiling runs the model: it would draw from the RNG and move BatchNorm running statistics.
-    # Both are put back so that a budgeted run starts from the very state a plain run starts from.
-    rng_state = torch.get_rng_state()
-    cuda_rng_states = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    oomless.fit(model, volumes, memory=config.memory, optimizer=optimizer,
-                loss_fn=lambda logits: segmentation_loss(logits, labels))
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
-    torch.set_rng_state(rng_state)
-    if cuda_rng_states is not None:
-        torch.cuda.set_rng_state_all(cuda_rng_states)
-    optimizer.zero_grad(set_to_none=True)
+    plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
+                        loss_fn=lambda logits: segmentation_loss(logits, labels))
+    if config.progress:
+        console.print(str(plan), soft_wrap=True)
+    oomless.apply(model, plan)
+    return plan
 
 
 def _resume(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console) -> int:
@@ -126,15 +109,17 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
     console = console or Console(stderr=True)
     device = config.resolve_device()
     seed_everything(config.seed, config.deterministic)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
+    # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+    memory = MemoryProbe(device)
+    memory.mark()
 
     model = build_segmentation_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
     oomless_applied = config.memory is not None
-    if oomless_applied:
-        _apply_oomless(model, optimizer, dataset, config, device)
+    plan = _apply_oomless(model, optimizer, dataset, config, device, console) if oomless_applied else None
     # Resume after fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
     start_step = _resume(config, model, optimizer, console) if config.resume else 0
     model.train()
@@ -170,7 +155,7 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
                 rate = (steps_done - start_step) * config.global_batch / max(elapsed, 1e-9)
                 metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
                            f"{rate * voxels_per_volume / 1e6:.2f} Mvox/s  "
-                           f"peak {format_bytes(peak_memory_bytes(device))}")
+                           f"peak {format_bytes(memory.peak_since_mark())}")
                 progress.update(task, metrics=metrics)
                 if config.progress and not show_bar:
                     console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
@@ -187,16 +172,21 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
     trained = config.steps - start_step if config.steps > start_step else 0
     volumes_per_second = trained * config.global_batch / elapsed if trained and elapsed > 0 else 0.0
     stats = None
+    peak = memory.peak_since_mark()
     if oomless_applied:
         stats, line = _stats_line(model)
         console.print(line, soft_wrap=True)
+        seconds_per_step = elapsed / trained if trained else float("nan")
+        console.print(f"predicted vs measured: peak {format_bytes(plan.predicted_peak_bytes)} vs {format_bytes(peak)}"
+                      f" (budget {format_bytes(plan.memory_bytes)}), step {plan.predicted_step_seconds:.3f} s vs "
+                      f"{seconds_per_step:.3f} s", soft_wrap=True)
     if config.save is not None:
         console.print(f"saved weights to {save_weights(config.save, model)}")
     return TrainResult(
         steps_done=max(config.steps, start_step),
         final_loss=loss.item() if loss is not None else float("nan"),
         final_dice=dice.item() if dice is not None else float("nan"),
-        peak_memory_bytes=peak_memory_bytes(device),
+        peak_memory_bytes=peak,
         volumes_per_second=volumes_per_second,
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
