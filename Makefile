@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/oomless train --size 48 --memory 1GiB --steps 20 --seed 0
+	$(VENV)/bin/oomless train --size 64 --global-batch 2 --memory 256MiB --steps 20 --seed 0 --save runs/demo.safetensors
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q

@@ -25,7 +25,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from oomless.cli import plan, train
+    from oomless.cli import bench, plan, train
 
     parser = OneLineErrorParser(
         prog="oomless",
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     subcommands.required = True
-    for module in (train, plan):
+    for module in (train, plan, bench):
         module.add_parser(subcommands)
     return parser
 
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"oomless {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`oomless plan ... --json | head`): not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
