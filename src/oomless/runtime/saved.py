@@ -70,7 +70,10 @@ class ForwardRegistry:
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         entry = self.by_storage.get(key)
-        if entry is not None and not entry.weak.expired():
+        # An entry whose handles all went (a graph freed during the forward, e.g. a metric computed
+        # with grad and dropped) has been released: its ticket and ledger share are gone, so a
+        # later save of the same live storage needs a fresh entry, not that one.
+        if entry is not None and not entry.weak.expired() and entry.handles > 0:
             return entry
         entry = _Entry(self, block_index, storage, decision)
         self.by_storage[key] = entry
