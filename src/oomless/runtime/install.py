@@ -38,7 +38,8 @@ class InstalledPlan:
         self.ledger = Ledger()
         self.tier = make_tier(device) if SWAP in plan.decisions.values() or recorder else None
         budget = plan.activation_budget if plan.activation_budget > 0 else None
-        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes, budget)
+        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes, budget,
+                                        device)
         self.engine.recorder = recorder
         self.engine.recompute_bytes = {index: block.saved_bytes for index, block in enumerate(plan.blocks)}
         self.recorder = recorder

@@ -137,8 +137,10 @@ class ForwardRegistry:
 class SavedTensorEngine:
     """pack/unpack for one installed model."""
 
-    def __init__(self, ledger, tier, prefetch_blocks: int, min_swap_bytes: int, budget_bytes: int | None = None):
+    def __init__(self, ledger, tier, prefetch_blocks: int, min_swap_bytes: int, budget_bytes: int | None = None,
+                 device: torch.device | None = None):
         self.ledger = ledger
+        self.device = device
         self.budget_bytes = budget_bytes
         self.tier = tier
         self.prefetch_blocks = prefetch_blocks
@@ -229,10 +231,19 @@ class SavedTensorEngine:
         if (tensor.device, storage.data_ptr()) in self.resident_storages:
             return tensor  # a parameter, buffer or forward input: resident anyway, never moved
         decision = self.decision
-        if decision == SWAP and storage.nbytes() < self.min_swap_bytes:
+        if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not self._movable(tensor)):
             decision = KEEP
         self.poll()
         return _Handle(registry.entry_for(tensor, block_index, decision), tensor)
+
+    def _movable(self, tensor: torch.Tensor) -> bool:
+        """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
+        another device than the tier's (a CPU scalar in a CUDA op, a second GPU: the tier's streams
+        and pinned copies are for its own device), nor a conjugate or negative view: its conj/neg
+        bit is not in the bytes, and dropping it would change the values backward reads."""
+        if self.device is not None and tensor.device != self.device:
+            return False
+        return not (tensor.is_conj() or tensor.is_neg())
 
     def unpack(self, packed):
         if not isinstance(packed, _Handle):
