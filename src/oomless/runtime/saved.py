@@ -38,9 +38,9 @@ class _Handle:
 
     __slots__ = ("entry", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
 
-    def __init__(self, entry: _Entry | None, tensor: torch.Tensor):
+    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, hold: bool = False):
         self.entry = entry
-        if entry is None or entry.decision == KEEP:
+        if entry is None or entry.decision == KEEP or hold:
             self.tensor = tensor
         else:
             self.tensor = None
@@ -231,10 +231,13 @@ class SavedTensorEngine:
         if (tensor.device, storage.data_ptr()) in self.resident_storages:
             return tensor  # a parameter, buffer or forward input: resident anyway, never moved
         decision = self.decision
-        if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not self._movable(tensor)):
+        movable = self._movable(tensor)
+        if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not movable):
             decision = KEEP
         self.poll()
-        return _Handle(registry.entry_for(tensor, block_index, decision), tensor)
+        # hold: the storage may already have a swap entry (saved earlier through a plain view);
+        # this view still cannot be rebuilt from bytes, so its handle keeps the tensor itself.
+        return _Handle(registry.entry_for(tensor, block_index, decision), tensor, hold=not movable)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
