@@ -8,7 +8,7 @@ from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
 from oomless.profile.profile import Profile
 from oomless.profile.profiler import profile_model
-from oomless.profile.tensors import model_device, tensors_in
+from oomless.profile.tensors import check_inputs_device, model_device, tensors_in
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
 from oomless.sizes import parse_bytes
@@ -24,20 +24,27 @@ def sum_of_outputs(output) -> torch.Tensor:
 
 def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
          blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024,
-         profile: Profile | None = None) -> Plan:
+         profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto") -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
     keep/swap/recompute for every block instead of searching; storages smaller than
     ``min_swap_bytes`` are never swapped (the copy would cost more than it frees). A ``profile``
     from `oomless.profile` is reused instead of measuring again.
+
+    With ``target`` (a device name such as "h100", or an `oomless.Device`), nothing runs for real:
+    the step is profiled on meta tensors and timed by that device's roofline, so the model and the
+    inputs may be on the meta device; ``dtype`` then casts floating-point parameters and inputs.
+    ``solver`` is "greedy", "exact" or "auto" (exact up to a few hundred blocks, see `plan.solvers`).
     """
     memory_bytes = parse_bytes(memory)
-    if target is not None:
-        raise InputError(f"target={target!r}: planning for another device on fake tensors is not "
-                         "available yet; plan on the device itself (target=None)")
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
+    if profile is None and target is not None:
+        from oomless.profile.fake import profile_for_target
+        check_inputs_device(model, example_inputs, allow_meta=True)
+        profile = profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
+                                     blocks=blocks, dtype=dtype)
     if profile is None:
         profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
     if decisions is not None:
@@ -46,7 +53,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes)
+    return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None) -> Profile:

@@ -6,13 +6,15 @@ state, the step's inputs) + reserve (transient memory of forward and backward, e
 profile) + activation budget (saved activations, the ledger's domain).
 """
 
-from oomless.errors import PlanError
+from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
 from oomless.plan.simulate import simulate
+from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes
 
 DECISIONS = ("keep", "swap", "recompute")
+EXACT_MAX_BLOCKS = 300  # "auto" runs the exact solver too up to here; the DP is O(n * bins)
 
 
 def static_breakdown(profile: Profile) -> dict[str, int]:
@@ -46,73 +48,20 @@ def reserve_bytes(profile: Profile) -> int:
     return int((per_block + 2 * final_output) * (1 + MEASUREMENT_MARGIN))
 
 
-class _Search:
-    def __init__(self, profile: Profile, budget: int, prefetch_blocks: int, max_pending_out_bytes):
-        self.profile = profile
-        self.budget = budget
-        self.prefetch_blocks = prefetch_blocks
-        self.max_pending = max_pending_out_bytes
-
-    def run(self, decisions):
-        return simulate(self.profile, decisions, self.prefetch_blocks, self.max_pending)
-
-    def greedy(self, start: list[str]) -> list[str]:
-        """Move the block that buys the most bytes per added second until the plan fits, then
-        undo moves that are no longer needed, cheapest-first."""
-        decisions = list(start)
-        current = self.run(decisions)
-        while current.activation_peak_bytes > self.budget:
-            best, best_score, best_timeline = None, 0.0, None
-            for i, decision in enumerate(decisions):
-                for option in (("swap", "recompute") if decision == "keep" else
-                               ("recompute",) if decision == "swap" else ()):
-                    trial = decisions[:i] + [option] + decisions[i + 1:]
-                    timeline = self.run(trial)
-                    saved = (current.activation_peak_bytes - timeline.activation_peak_bytes
-                             + 0.01 * (current.forward_end_bytes - timeline.forward_end_bytes))
-                    if saved <= 0:
-                        continue
-                    added = max(timeline.step_seconds - current.step_seconds, 0.0)
-                    score = saved / (added + 1e-6)
-                    if score > best_score:
-                        best, best_score, best_timeline = trial, score, timeline
-            if best is None:
-                break
-            decisions, current = best, best_timeline
-        return self.relax(decisions)
-
-    def relax(self, decisions: list[str]) -> list[str]:
-        improved = True
-        while improved:
-            improved = False
-            base = self.run(decisions)
-            for i, decision in enumerate(decisions):
-                for option in {"recompute": ("keep", "swap"), "swap": ("keep",), "keep": ()}[decision]:
-                    trial = decisions[:i] + [option] + decisions[i + 1:]
-                    timeline = self.run(trial)
-                    if (timeline.activation_peak_bytes <= max(self.budget, base.activation_peak_bytes)
-                            and timeline.step_seconds < base.step_seconds - 1e-12):
-                        decisions, base, improved = trial, timeline, True
-                        break
-        return decisions
-
-
-def _reason(profile, index, decisions, search, timeline) -> str:
-    block, decision = profile.blocks[index], decisions[index]
+def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, solver: str) -> str:
+    """Why block ``index`` got ``decision``, from the chosen plan's timeline and the per-block costs."""
+    block = profile.blocks[index]
     if decision == "keep":
         return "fits: kept on the device"
-    kept = decisions[:index] + ["keep"] + decisions[index + 1:]
-    swap = decisions[:index] + ["swap"] + decisions[index + 1:]
-    recompute = decisions[:index] + ["recompute"] + decisions[index + 1:]
-    added = {name: search.run(trial).step_seconds - search.run(kept).step_seconds
-             for name, trial in (("swap", swap), ("recompute", recompute))}
+    recompute_ms = block.forward_seconds * 1e3
+    copy_ms = block.saved_bytes / profile.link.in_bytes_per_second * 1e3
+    swap_ms = swap_added_seconds(profile, index) * 1e3
     if decision == "swap":
-        hidden = "transfer hidden behind compute" if added["swap"] <= 1e-4 else \
-            f"adds {added['swap'] * 1e3:.1f} ms"
-        return f"swap: {hidden}; recompute would add {added['recompute'] * 1e3:.1f} ms"
-    return f"recompute: adds {added['recompute'] * 1e3:.1f} ms; swap would add {added['swap'] * 1e3:.1f} ms" \
-        if search.run(swap).activation_peak_bytes <= search.budget else \
-        f"recompute: adds {added['recompute'] * 1e3:.1f} ms; swap alone would not fit"
+        stall_ms = (timeline.block_stall_seconds or [0.0] * len(profile.blocks))[index] * 1e3
+        hidden = "transfer hidden behind compute" if stall_ms <= 0.1 else f"backward waits {stall_ms:.1f} ms for it"
+        return f"swap ({solver}): {hidden} ({copy_ms:.1f} ms copy); recompute would add {recompute_ms:.1f} ms"
+    return (f"recompute ({solver}): adds {recompute_ms:.1f} ms; swap would add ~{swap_ms:.1f} ms "
+            f"({copy_ms:.1f} ms copy back)")
 
 
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
@@ -131,7 +80,8 @@ def _with_margin(num_bytes: int) -> int:
 
 
 def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | None = None,
-              max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024) -> Plan:
+              max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024,
+              solver: str = "auto") -> Plan:
     """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given)."""
     static = static_breakdown(profile)
     static_bytes = sum(static.values())
@@ -157,31 +107,42 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                         "a smaller batch, or finer blocks (blocks=...)",
                         minimum_bytes=minimum, limiting_block=limiting_name)
 
+    if solver not in ("auto", "greedy", "exact"):
+        raise InputError(f"solver must be 'auto', 'greedy' or 'exact', got {solver!r}")
+    use_exact = solver == "exact" or (solver == "auto" and len(names) <= EXACT_MAX_BLOCKS)
     best = None
     for prefetch in (1, 2, 3):
-        search = _Search(profile, budget, prefetch, max_pending_out_bytes)
+        run = simulator_for(profile, prefetch, max_pending_out_bytes)
+        candidates = []
         if decisions:
-            candidates = [[decisions[name] for name in names]]
+            candidates.append(("given", [decisions[name] for name in names]))
         else:
-            # Greedy from all-keep is usually best; when it stalls (no single move lowers the peak),
-            # relaxing the most frugal plans back towards keep still finds a fitting plan.
-            candidates = [search.greedy(["keep"] * len(names))] + \
-                [search.relax([option] * len(names)) for option in ("swap", "recompute")]
-        for chosen in candidates:
-            timeline = search.run(chosen)
+            if solver != "exact":
+                candidates.append(("greedy", greedy(run, profile, budget, ["keep"] * len(names))))
+            if use_exact:
+                found = exact(run, profile, budget)
+                if found is not None:
+                    candidates.append(("exact", relax(run, profile, budget, found)))
+            # When the greedy stalls (no move lowers the peak), relaxing the most frugal plans back
+            # towards keep still finds a fitting plan.
+            if not any(run(chosen).activation_peak_bytes <= budget for _, chosen in candidates):
+                candidates += [("relaxed", relax(run, profile, budget, [option] * len(names)))
+                               for option in ("swap", "recompute")]
+        for solver_name, chosen in candidates:
+            timeline = run(chosen)
             fits = timeline.activation_peak_bytes <= budget
             key = (not fits, timeline.step_seconds if fits else timeline.activation_peak_bytes)
             if best is None or key < best[0]:
-                best = (key, prefetch, chosen, timeline, search)
-    _, prefetch, chosen, timeline, search = best
+                best = (key, prefetch, chosen, timeline, solver_name)
+    _, prefetch, chosen, timeline, solver_name = best
     if timeline.activation_peak_bytes > budget and decisions is None:
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "
                         f"{format_bytes(static_bytes + reserve + timeline.activation_peak_bytes)}",
                         minimum_bytes=_with_margin(static_bytes + reserve + timeline.activation_peak_bytes))
-    blocks = [BlockPlan(block.name, chosen[i], _reason(profile, i, chosen, search, timeline),
+    blocks = [BlockPlan(block.name, chosen[i], _reason(profile, i, chosen[i], timeline, budget, solver_name),
                         block.saved_bytes, block.forward_seconds, block.backward_seconds)
               for i, block in enumerate(profile.blocks)]
-    notes = list(profile.notes)
+    notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, prefetch distance {prefetch})"]
     if decisions is not None and timeline.activation_peak_bytes > budget:
         notes.append(f"the given decisions are predicted to exceed the activation budget by "
                      f"{format_bytes(timeline.activation_peak_bytes - budget)}")

@@ -8,6 +8,7 @@ Prefetch of block i is issued when backward reaches block i + distance. A recomp
 inputs from forward to backward and re-runs its forward before its backward.
 """
 
+from collections import deque
 from dataclasses import dataclass
 
 from oomless.profile.profile import Profile
@@ -20,6 +21,9 @@ class Timeline:
     forward_end_bytes: int
     stall_seconds: float
     curve: list[tuple[float, int]]  # (seconds, resident activation bytes) after each event
+    peak_seconds: float = 0.0       # when the peak is first reached
+    block_stall_seconds: list[float] | None = None  # per block: backward waiting for its prefetch
+    forward_seconds: float = 0.0    # when the forward (and loss) ended
 
 
 def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
@@ -29,13 +33,16 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
     events: list[tuple[float, int]] = []  # (time, +/- bytes)
     now, copy_out_free, stall = 0.0, 0.0, 0.0
     out_end = [0.0] * len(blocks)
-    pending_out: list[tuple[float, int]] = []  # (copy end, bytes) not yet written
+    pending_out: deque[tuple[float, int]] = deque()  # (copy end, bytes) not yet written, in copy order
+    pending_bytes = 0
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
         if max_pending_out_bytes is not None:
             # The disk tier makes the forward wait when too many bytes are still unwritten.
-            pending_out = [(end, size) for end, size in pending_out if end > now]
-            while pending_out and sum(size for _, size in pending_out) + block.saved_bytes > max_pending_out_bytes:
-                waited_until = pending_out.pop(0)[0]
+            while pending_out and pending_out[0][0] <= now:
+                pending_bytes -= pending_out.popleft()[1]
+            while pending_out and pending_bytes + block.saved_bytes > max_pending_out_bytes:
+                waited_until, size = pending_out.popleft()
+                pending_bytes -= size
                 stall += max(waited_until - now, 0.0)
                 now = max(now, waited_until)
         now += block.forward_seconds
@@ -48,6 +55,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
             copy_out_free = out_end[i] = max(start + block.saved_bytes / out_rate, now)
             events.append((out_end[i], -block.saved_bytes))
             pending_out.append((out_end[i], block.saved_bytes))
+            pending_bytes += block.saved_bytes
     now += profile.loss_seconds
     forward_end = now
     forward_end_bytes = sum(delta for time, delta in events if time <= forward_end)
@@ -62,15 +70,18 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
         copy_in_free = ready[index] = start + blocks[index].saved_bytes / in_rate
         events.append((start, blocks[index].saved_bytes))
 
-    issued = set()
+    block_stall = [0.0] * len(blocks)
+    # Swapped blocks in descending order; prefetches are issued in that order as backward reaches
+    # block j + distance, so one pointer walks them (the simulator stays O(n log n)).
+    next_prefetch = len(swapped) - 1
     for i in range(len(blocks) - 1, -1, -1):
-        for j in swapped:
-            if j not in issued and i - prefetch_blocks <= j <= i:
-                issue_prefetch(j, now)
-                issued.add(j)
+        while next_prefetch >= 0 and swapped[next_prefetch] >= i - prefetch_blocks:
+            issue_prefetch(swapped[next_prefetch], now)
+            next_prefetch -= 1
         block, decision = blocks[i], decisions[i]
         if decision == "swap" and ready[i] > now:
             stall += ready[i] - now
+            block_stall[i] = ready[i] - now
             now = ready[i]
         if decision == "recompute":
             events.append((now, block.saved_bytes))
@@ -81,11 +92,16 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
             events.append((now, -block.input_bytes))
 
     # Additions before removals at equal times: the conservative reading of simultaneous events.
-    events.sort(key=lambda event: (event[0], -event[1]))
+    # (Sorting (time, -delta) pairs natively: a key function would dominate the planner's time.)
+    events = [(time, -delta) for time, delta in events]
+    events.sort()
     resident, peak, curve = profile.unassigned_saved_bytes, profile.unassigned_saved_bytes, []
-    for time, delta in events:
-        resident += delta
-        peak = max(peak, resident)
+    peak_seconds = 0.0
+    for time, negative_delta in events:
+        resident -= negative_delta
+        if resident > peak:
+            peak, peak_seconds = resident, time
         if keep_curve:
             curve.append((time, resident))
-    return Timeline(peak, now, forward_end_bytes + profile.unassigned_saved_bytes, stall, curve)
+    return Timeline(peak, now, forward_end_bytes + profile.unassigned_saved_bytes, stall, curve,
+                    peak_seconds, block_stall, forward_end)

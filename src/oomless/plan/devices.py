@@ -1,0 +1,146 @@
+"""Target devices for planning without the hardware: memory, bandwidths and peak throughput.
+
+    oomless.plan(model, inputs, memory="80GiB", target="h100")     # a name or alias from the table
+    oomless.register_device(oomless.Device("my-gpu", ...))          # add one in code
+    OOMLESS_DEVICES=/path/devices.json oomless plan ...              # or from a JSON file: a list of
+                                                                     # objects with Device's fields
+
+Every figure is the vendor's datasheet number, dense (no structured-sparsity doubling), and every
+entry names its source. Datasheet peaks are not reached by real kernels: the roofline in
+`oomless.profile.fake` scales them by the achievable fractions below, which are assumptions
+(typical of large cuBLAS GEMMs and streaming kernels), not measurements of ours.
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+from oomless.errors import InputError
+from oomless.profile.profile import LinkProfile
+
+# Achievable fractions of the datasheet peaks (assumptions; see the module docstring).
+MATMUL_EFFICIENCY = 0.7        # large GEMMs / convolutions on tensor cores
+MEMORY_EFFICIENCY = 0.8        # streaming elementwise kernels against HBM/GDDR
+HOST_LINK_EFFICIENCY = 0.8     # pinned-memory copies against the PCIe link's raw rate
+KERNEL_OVERHEAD_SECONDS = 4e-6  # launch and tail of one kernel, from the host's side
+
+_PCIE4_X16 = 32e9   # bytes/s each way: PCI-SIG, PCIe 4.0 x16 (16 GT/s x 16 lanes, 128b/130b)
+_PCIE5_X16 = 64e9   # bytes/s each way: PCI-SIG, PCIe 5.0 x16 (32 GT/s x 16 lanes)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: int
+    memory_bytes_per_second: float        # HBM / GDDR bandwidth
+    bf16_flops: float                     # dense tensor-core throughput, FLOP/s
+    fp16_flops: float
+    fp32_flops: float                     # plain FP32 (matmul default: TF32 off)
+    tf32_flops: float                     # TF32 tensor cores (cuDNN convolutions by default)
+    host_to_device_bytes_per_second: float
+    device_to_host_bytes_per_second: float
+    source: str
+    aliases: tuple[str, ...] = ()
+
+    def flops_for(self, dtype_name: str, op_kind: str = "matmul") -> float:
+        """Peak FLOP/s for an op computing in ``dtype_name``; FP32 convolutions use TF32 as cuDNN
+        does by default (torch.backends.cudnn.allow_tf32), FP32 matmuls do not (allow_tf32=False)."""
+        if dtype_name == "bfloat16":
+            return self.bf16_flops
+        if dtype_name == "float16":
+            return self.fp16_flops
+        if dtype_name == "float32" and op_kind == "convolution":
+            return self.tf32_flops
+        return self.fp32_flops
+
+    def link_profile(self) -> LinkProfile:
+        """The swap tier for this device: pinned host memory over its host link."""
+        return LinkProfile("pcie", self.device_to_host_bytes_per_second * HOST_LINK_EFFICIENCY,
+                           self.host_to_device_bytes_per_second * HOST_LINK_EFFICIENCY)
+
+
+_H100_SOURCE = "NVIDIA H100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h100/"
+_A100_SOURCE = ("NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/"
+                "Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+
+_BUILT_IN = [
+    Device("h100-sxm", 80 * 10**9, 3.35e12, 989e12, 989e12, 67e12, 494e12, _PCIE5_X16, _PCIE5_X16,
+           _H100_SOURCE + " (H100 SXM column)", aliases=("h100",)),
+    Device("h100-pcie", 80 * 10**9, 2.0e12, 756e12, 756e12, 51e12, 378e12, _PCIE5_X16, _PCIE5_X16,
+           _H100_SOURCE + " (H100 PCIe column)"),
+    Device("h200", 141 * 10**9, 4.8e12, 989e12, 989e12, 67e12, 494e12, _PCIE5_X16, _PCIE5_X16,
+           "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM)",
+           aliases=("h200-sxm",)),
+    Device("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 312e12, 19.5e12, 156e12, _PCIE4_X16, _PCIE4_X16,
+           _A100_SOURCE + " (A100 80GB SXM column)", aliases=("a100",)),
+    Device("a100-40gb", 40 * 10**9, 1.555e12, 312e12, 312e12, 19.5e12, 156e12, _PCIE4_X16, _PCIE4_X16,
+           _A100_SOURCE + " (A100 40GB PCIe column)"),
+    Device("l4", 24 * 10**9, 300e9, 121e12, 121e12, 30.3e12, 60e12, _PCIE4_X16, _PCIE4_X16,
+           "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/"),
+    Device("rtx-4090", 24 * 10**9, 1008e9, 165.2e12, 165.2e12, 82.6e12, 82.6e12, _PCIE4_X16, _PCIE4_X16,
+           "NVIDIA Ada GPU architecture whitepaper, Table 2 (GeForce RTX 4090; FP16/BF16 tensor with FP32 "
+           "accumulate), https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
+           aliases=("4090",)),
+]
+
+_REGISTRY: dict[str, Device] = {}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def register_device(device: Device) -> Device:
+    """Add (or replace) a target device; its name and aliases become valid ``target=`` values."""
+    if not isinstance(device, Device):
+        raise InputError(f"register_device expects an oomless.Device, got {type(device).__name__}")
+    for name in (device.name, *device.aliases):
+        _REGISTRY[_key(name)] = device
+    return device
+
+
+def load_devices(path: str) -> list[Device]:
+    """Register the devices of a JSON file: a list of objects with `Device`'s fields."""
+    try:
+        with open(path) as file:
+            entries = json.load(file)
+    except (OSError, json.JSONDecodeError) as error:
+        raise InputError(f"cannot read devices from {path}: {error}") from error
+    known = {field.name for field in fields(Device)}
+    devices = []
+    for entry in entries if isinstance(entries, list) else [entries]:
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise InputError(f"device entry in {path} has unknown fields {unknown}; known: {sorted(known)}")
+        entry = {**entry, "aliases": tuple(entry.get("aliases", ()))}
+        try:
+            devices.append(register_device(Device(**entry)))
+        except TypeError as error:
+            raise InputError(f"device entry in {path} is incomplete: {error}") from error
+    return devices
+
+
+def devices() -> list[Device]:
+    """Every registered device, once each."""
+    return list({device.name: device for device in _REGISTRY.values()}.values())
+
+
+def find_device(target: "str | Device") -> Device:
+    if isinstance(target, Device):
+        return target
+    device = _REGISTRY.get(_key(str(target)))
+    if device is None:
+        names = ", ".join(sorted(_REGISTRY))
+        raise InputError(f"unknown target device {target!r}; known: {names}. Add one with "
+                         "oomless.register_device(oomless.Device(...)) or OOMLESS_DEVICES=devices.json")
+    return device
+
+
+def describe(device: Device) -> dict:
+    return asdict(device)
+
+
+for _device in _BUILT_IN:
+    register_device(_device)
+if os.environ.get("OOMLESS_DEVICES"):
+    load_devices(os.environ["OOMLESS_DEVICES"])

@@ -1,0 +1,262 @@
+"""Solvers: choose keep / swap / recompute per block so the simulated peak fits the activation
+budget with the least simulated step time. The simulator (`plan.simulate`) is the judge of every
+plan; the solvers differ in how they search.
+
+- `greedy`: moves blocks in batches ranked by bytes freed per second added (estimated per block,
+  then checked by one simulation per batch), then undoes moves the slack allows. About a dozen
+  simulations of O(n log n) each: 1000 blocks plan in well under a second
+  (`bench/bench_predict.py --solver-blocks 1000`).
+- `exact`: dynamic programming over a separable model of the step (below), exact for that model,
+  its answer then checked by the simulator and, if the simulator disagrees, solved again with the
+  budget tightened by the overshoot. For up to a few hundred blocks.
+
+The separable model (blocks in execution order, prefetch distance 1). While block j's backward runs,
+resident activation bytes are: the unassigned saves; for every earlier block i < j, its saved bytes
+if kept, its input if recomputed, nothing if swapped; block j's own saved bytes (kept, fetched back
+or recomputed; plus its input if recomputed); and block j-1's saved bytes if it is swapped (its
+prefetch runs meanwhile). Every such sum must fit the budget. Added seconds: a recompute re-runs the
+block's forward; a swap costs its prefetch time beyond the backward of the block after it. Bytes
+are counted in units of budget / bins, rounded up, so a model solution never exceeds the budget.
+Tests check the DP against brute force over all 3^n plans of this model (tests/test_solvers.py).
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from oomless.plan.simulate import Timeline, simulate
+from oomless.profile.profile import Profile
+
+KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
+_CHOICES = (KEEP, SWAP, RECOMPUTE)
+_TIE_SECONDS = 1e-9  # a free swap still loses to keep: the plan moves nothing it need not
+
+
+@dataclass
+class SeparableModel:
+    saved_units: list[int]
+    input_units: list[int]
+    added_seconds: dict[str, list[float]]
+    budget_units: int
+
+
+def swap_added_seconds(profile: Profile, index: int) -> float:
+    """Prefetch time of block ``index`` not hidden behind the backward of the block after it."""
+    block = profile.blocks[index]
+    hiding = profile.blocks[index + 1].backward_seconds if index + 1 < len(profile.blocks) else profile.loss_seconds
+    return max(block.saved_bytes / profile.link.in_bytes_per_second - hiding, 0.0)
+
+
+def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None) -> SeparableModel:
+    blocks = profile.blocks
+    bins = bins or min(max(4096, 32 * len(blocks)), 65536)
+    usable = budget_bytes - profile.unassigned_saved_bytes
+    unit = max(budget_bytes / bins, 1.0)
+    return SeparableModel(
+        saved_units=[math.ceil(block.saved_bytes / unit) for block in blocks],
+        input_units=[math.ceil(block.input_bytes / unit) for block in blocks],
+        added_seconds={KEEP: [0.0] * len(blocks),
+                       SWAP: [swap_added_seconds(profile, i) + _TIE_SECONDS for i in range(len(blocks))],
+                       RECOMPUTE: [block.forward_seconds + 2 * _TIE_SECONDS for block in blocks]},
+        budget_units=math.floor(usable / unit) if usable >= 0 else -1,
+    )
+
+
+def _held_units(model: SeparableModel, index: int, decision: str) -> int:
+    """What block ``index`` keeps resident for the backwards of the blocks after it."""
+    return {KEEP: model.saved_units[index], SWAP: 0, RECOMPUTE: model.input_units[index]}[decision]
+
+
+def _own_units(model: SeparableModel, index: int, decision: str) -> int:
+    """What block ``index`` holds during its own backward."""
+    return model.saved_units[index] + (model.input_units[index] if decision == RECOMPUTE else 0)
+
+
+def evaluate(model: SeparableModel, decisions) -> tuple[bool, float]:
+    """(fits, added seconds) of ``decisions`` in the separable model."""
+    held, fits = 0, True
+    for j, decision in enumerate(decisions):
+        window = model.saved_units[j - 1] if j > 0 and decisions[j - 1] == SWAP else 0
+        fits &= held + _own_units(model, j, decision) + window <= model.budget_units
+        held += _held_units(model, j, decision)
+    return fits, sum(model.added_seconds[d][j] for j, d in enumerate(decisions))
+
+
+def brute_force(model: SeparableModel) -> tuple[list[str] | None, float]:
+    """The cheapest fitting plan by enumerating all 3^n (tests only)."""
+    best, best_seconds = None, math.inf
+    for decisions in itertools.product(_CHOICES, repeat=len(model.saved_units)):
+        fits, seconds = evaluate(model, decisions)
+        if fits and seconds < best_seconds:
+            best, best_seconds = list(decisions), seconds
+    return best, best_seconds
+
+
+def solve_separable(model: SeparableModel) -> tuple[list[str] | None, float]:
+    """Exact DP: state (bytes held so far in units, whether the previous block is swapped)."""
+    n, capacity = len(model.saved_units), model.budget_units
+    if capacity < 0:
+        return None, math.inf
+    cost = np.full((2, capacity + 1), np.inf)
+    cost[0, 0] = 0.0
+    choices = []  # per block: (decision index, previous flag) that reached each new state
+    for j in range(n):
+        new_cost = np.full((2, capacity + 1), np.inf)
+        new_choice = np.full((2, capacity + 1), -1, dtype=np.int8)
+        for flag in (0, 1):
+            window = model.saved_units[j - 1] if flag else 0
+            for d, decision in enumerate(_CHOICES):
+                limit = capacity - _own_units(model, j, decision) - window
+                if limit < 0:
+                    continue
+                shift = _held_units(model, j, decision)
+                candidate = cost[flag, :limit + 1] + model.added_seconds[decision][j]
+                new_flag = 1 if decision == SWAP else 0
+                target = new_cost[new_flag, shift:shift + limit + 1]
+                better = candidate < target
+                target[better] = candidate[better]
+                new_choice[new_flag, shift:shift + limit + 1][better] = d * 2 + flag
+        cost, choices = new_cost, choices + [new_choice]
+    flag, held = np.unravel_index(np.argmin(cost), cost.shape)
+    if not np.isfinite(cost[flag, held]):
+        return None, math.inf
+    best_seconds = float(cost[flag, held])
+    decisions = []
+    for j in range(n - 1, -1, -1):
+        code = int(choices[j][flag, held])
+        d, previous_flag = divmod(code, 2)
+        decisions.append(_CHOICES[d])
+        held -= _held_units(model, j, _CHOICES[d])
+        flag = previous_flag
+    return decisions[::-1], best_seconds
+
+
+def exact(run, profile: Profile, budget_bytes: int, attempts: int = 4) -> list[str] | None:
+    """The separable model's optimum, re-solved with a tighter budget while the simulator says it
+    does not fit (the model ignores copy-stream contention and prefetch distances above 1)."""
+    target = budget_bytes
+    for _ in range(attempts):
+        decisions, _ = solve_separable(separable_model(profile, target))
+        if decisions is None:
+            return None
+        timeline = run(decisions)
+        if timeline.activation_peak_bytes <= budget_bytes:
+            return decisions
+        target -= timeline.activation_peak_bytes - budget_bytes
+    return None
+
+
+def _resident_at_peak(profile: Profile, decisions: list[str], timeline: Timeline) -> list[int]:
+    """Blocks whose saved bytes are (roughly) resident when the peak is reached: all kept and
+    swapped blocks if the peak falls in backward at or after their backward start, estimated by the
+    forward order."""
+    return [i for i, decision in enumerate(decisions) if decision != RECOMPUTE]
+
+
+def _move_estimates(profile: Profile, decisions: list[str], candidates: list[int]):
+    """(score, bytes freed, seconds added, index, new decision) for each possible single move."""
+    moves = []
+    for i in candidates:
+        block = profile.blocks[i]
+        options = (SWAP, RECOMPUTE) if decisions[i] == KEEP else (RECOMPUTE,) if decisions[i] == SWAP else ()
+        for option in options:
+            if option == SWAP:
+                freed, added = block.saved_bytes, swap_added_seconds(profile, i)
+            else:
+                freed = block.saved_bytes - block.input_bytes if decisions[i] == KEEP else 0
+                added = block.forward_seconds - (swap_added_seconds(profile, i) if decisions[i] == SWAP else 0.0)
+                if decisions[i] == SWAP:
+                    freed = block.saved_bytes // 2  # a swap whose copy does not finish in time frees nothing
+            if freed > 0:
+                moves.append((freed / (max(added, 0.0) + 1e-6), freed, added, i, option))
+    moves.sort(key=lambda move: (-move[0], move[3]))
+    return moves
+
+
+def greedy(run, profile: Profile, budget_bytes: int, start: list[str], max_rounds: int = 200) -> list[str]:
+    """Batches of the best-scoring moves until the simulated peak fits, then `relax`."""
+    decisions = list(start)
+    current = run(decisions)
+    for _ in range(max_rounds):
+        if current.activation_peak_bytes <= budget_bytes:
+            break
+        deficit = current.activation_peak_bytes - budget_bytes
+        moves = _move_estimates(profile, decisions, _resident_at_peak(profile, decisions, current))
+        trial, expected, moved = list(decisions), 0, set()
+        for _, freed, _, index, option in moves:
+            if index in moved:
+                continue
+            trial[index] = option
+            moved.add(index)
+            expected += freed
+            if expected >= deficit:
+                break
+        timeline = run(trial)
+        if timeline.activation_peak_bytes < current.activation_peak_bytes:
+            decisions, current = trial, timeline
+            continue
+        # The estimates were wrong (copies not finishing in time, a peak elsewhere): try the
+        # best few single moves by simulation instead.
+        best = None
+        for _, _, _, index, option in moves[:16]:
+            single = decisions[:index] + [option] + decisions[index + 1:]
+            timeline = run(single)
+            gained = current.activation_peak_bytes - timeline.activation_peak_bytes \
+                + 0.01 * (current.forward_end_bytes - timeline.forward_end_bytes)
+            if gained > 0:
+                score = gained / (max(timeline.step_seconds - current.step_seconds, 0.0) + 1e-6)
+                if best is None or score > best[0]:
+                    best = (score, single, timeline)
+        if best is None:
+            break
+        _, decisions, current = best
+    return relax(run, profile, budget_bytes, decisions)
+
+
+def relax(run, profile: Profile, budget_bytes: int, decisions: list[str], max_trials: int | None = None) -> list[str]:
+    """Undo moves while the plan still fits and gets faster: costliest moves first, and only those
+    whose bytes fit in the slack left (the others cannot be undone), each checked by simulation.
+    At most ``max_trials`` simulations (default: 400, fewer for long models so that 1000 blocks
+    stay within a second)."""
+    if max_trials is None:
+        max_trials = min(400, max(16, 20000 // max(len(profile.blocks), 1)))
+    decisions = list(decisions)
+    base = run(decisions)
+    limit = max(budget_bytes, base.activation_peak_bytes)
+    trials = 0
+    improved = True
+    while improved and trials < max_trials:
+        improved = False
+        slack = limit - base.activation_peak_bytes
+        undo = []
+        for i, decision in enumerate(decisions):
+            block = profile.blocks[i]
+            cost = block.forward_seconds if decision == RECOMPUTE else swap_added_seconds(profile, i)
+            for option in {RECOMPUTE: (KEEP, SWAP), SWAP: (KEEP,), KEEP: ()}[decision]:
+                needs = block.saved_bytes - (block.input_bytes if decision == RECOMPUTE else 0)
+                if option == SWAP or needs <= slack or len(profile.blocks) <= 64:
+                    undo.append((-cost, i, option))
+        for _, i, option in sorted(undo):
+            if trials >= max_trials:
+                break
+            trials += 1
+            trial = decisions[:i] + [option] + decisions[i + 1:]
+            timeline = run(trial)
+            if timeline.activation_peak_bytes <= limit and timeline.step_seconds < base.step_seconds - 1e-12:
+                decisions, base, improved = trial, timeline, True
+                break
+    return decisions
+
+
+def simulator_for(profile: Profile, prefetch_blocks: int, max_pending_out_bytes: int | None):
+    """A memoised ``run(decisions) -> Timeline`` for one prefetch distance."""
+    cache: dict[tuple, Timeline] = {}
+
+    def run(decisions) -> Timeline:
+        key = tuple(decisions)
+        if key not in cache:
+            cache[key] = simulate(profile, list(decisions), prefetch_blocks, max_pending_out_bytes)
+        return cache[key]
+    return run

@@ -1,0 +1,298 @@
+"""Profile one training step for a target device on the meta device: nothing is allocated.
+
+    profile = profile_for_target(model, example_inputs, "h100", dtype=torch.bfloat16)
+
+The model may live on the meta device (built under ``with torch.device("meta"):``) or anywhere
+else: its parameters and buffers are replaced for the step by meta stand-ins through
+`torch.func.functional_call`, so the model itself is left exactly as found. Forward, loss and
+backward then run on meta tensors, which carry shapes, dtypes and storages but no data.
+
+Per block, the same numbers the real profiler measures:
+- saved-activation bytes, by storage, with the runtime's semantics (`runtime/saved.py`): the first
+  block to save a storage owns it, parameters, buffers and the forward's inputs never count, saves
+  outside every block are "unassigned";
+- input, output and held bytes (earlier blocks' outputs still alive at a block's start, gradients
+  alive when its backward starts);
+- seconds from a roofline per aten op: max(FLOPs / peak FLOP/s for the op's dtype, bytes read and
+  written / memory bandwidth) plus a per-kernel overhead. FLOPs come from PyTorch's own formulas
+  (`torch.utils.flop_counter`), counted for matmuls, convolutions and attention, the ops that use
+  tensor cores; every other op is bandwidth-bound. Roofline: Williams, Waterman, Patterson,
+  "Roofline: an insightful visual performance model", CACM 52(4), 2009.
+Transient bytes are left unmeasured (None): the planner estimates them from output and largest
+saved sizes.
+"""
+
+import time
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry
+
+from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
+from oomless.profile.blocks import find_blocks
+from oomless.profile.profile import BlockProfile, Profile
+from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
+from oomless.profile.tensors import tensors_in
+
+_CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
+# Ops that only describe tensors or alias them: no kernel runs on the device.
+_FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+         "split", "split_with_sizes", "chunk", "select", "slice", "as_strided", "alias", "unbind",
+         "lift_fresh", "_reshape_alias", "reshape", "empty", "empty_like", "empty_strided", "new_empty",
+         "unflatten", "flatten", "view_as", "expand_as", "narrow", "diagonal"}
+
+_LOSS = -1
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Roofline(TorchDispatchMode):
+    """Adds each aten op's roofline seconds to the phase that is running (a block's forward or
+    backward, the loss, or nothing)."""
+
+    def __init__(self, device: Device, charge):
+        super().__init__()
+        self.device = device
+        self.charge = charge
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in _FREE or getattr(func, "is_view", False):
+            return out
+        tensors = [t for t in tensors_in((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        moved = sum(_tensor_bytes(t) for t in tensors)
+        flops = 0
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+        floats = [t for t in tensors if t.is_floating_point()]
+        dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "float32"
+        kind = "convolution" if name in _CONVOLUTIONS else "matmul"
+        seconds = max(flops / (self.device.flops_for(dtype, kind) * MATMUL_EFFICIENCY),
+                      moved / (self.device.memory_bytes_per_second * MEMORY_EFFICIENCY)) + KERNEL_OVERHEAD_SECONDS
+        self.flops += flops
+        self.charge(seconds)
+        return out
+
+
+class _FakeRecorder:
+    """Block boundaries, saved storages and held bytes during the meta step."""
+
+    def __init__(self, names: list[str], resident: set[int]):
+        self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
+        self.order: list[int] = []
+        self.resident = resident
+        self.forward_block: int | None = None
+        self.backward_block: int | None = None
+        self.in_backward = False
+        self.loss_seconds = 0.0
+        self.unassigned_saved_bytes = 0
+        self.saved_storages: dict[int, StorageWeakRef] = {}
+        self.live_outputs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live_gradients: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def charge(self, seconds: float) -> None:
+        if self.in_backward:
+            if self.backward_block is None:
+                self.loss_seconds += seconds
+            else:
+                self.blocks[self.backward_block].backward_seconds += seconds
+        elif self.forward_block is not None:
+            self.blocks[self.forward_block].forward_seconds += seconds
+        else:
+            self.loss_seconds += seconds  # between blocks and after them: embeddings' glue, the loss
+
+    def pack(self, tensor: torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_nested:
+            return tensor
+        key = _storage_key(tensor)
+        if key in self.resident:
+            return tensor
+        seen = self.saved_storages.get(key)
+        if seen is not None and not seen.expired():
+            return tensor  # a storage already saved in this forward: counted once, by its first saver
+        storage = tensor.untyped_storage()
+        self.saved_storages[key] = StorageWeakRef(storage)
+        num_bytes = storage.nbytes()
+        if self.forward_block is None:
+            self.unassigned_saved_bytes += num_bytes
+        else:
+            block = self.blocks[self.forward_block]
+            block.saved_bytes += num_bytes
+            block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
+        # Keep only the description, as the profiling runtime's swap does: the saved tensor must
+        # not keep its storage (and so the held-bytes tracking) alive until backward.
+        return (num_bytes, tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        num_bytes, dtype, offset, shape, stride = packed
+        storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta").untyped_storage()
+        return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
+
+    @staticmethod
+    def _alive_bytes(live: dict) -> int:
+        for key in [key for key, (weak, _) in live.items() if weak.expired()]:
+            del live[key]
+        return sum(num_bytes for _, num_bytes in live.values())
+
+    def _track(self, live: dict, tensors) -> None:
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            if key not in self.resident:
+                live[key] = (StorageWeakRef(tensor.untyped_storage()), tensor.untyped_storage().nbytes())
+
+    def pre_hook(self, index: int):
+        def hook(module, args, kwargs=None):
+            if index not in self.order:
+                self.order.append(index)
+            block = self.blocks[index]
+            block.calls += 1
+            block.input_bytes += _distinct_bytes(tensors_in((args, kwargs)))
+            block.held_forward_bytes = max(block.held_forward_bytes, self._alive_bytes(self.live_outputs))
+            self.forward_block = index
+        return hook
+
+    def post_hook(self, index: int):
+        def hook(module, args, output):
+            self.forward_block = None
+            block = self.blocks[index]
+            outputs = tensors_in(output)
+            block.output_bytes += _distinct_bytes(outputs)
+            self._track(self.live_outputs, outputs)
+            for tensor in outputs:
+                if tensor.requires_grad:
+                    tensor.register_hook(self._backward_mark(index))
+                    break
+        return hook
+
+    def _backward_mark(self, index: int):
+        def hook(grad):
+            self.backward_block = index
+            self._track(self.live_gradients, [grad])
+            block = self.blocks[index]
+            block.held_backward_bytes = max(block.held_backward_bytes, self._alive_bytes(self.live_gradients))
+        return hook
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum({_storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _meta_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return torch.empty(tensor.shape, dtype=cast, device="meta")
+
+
+def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, optimizer=None, blocks=None,
+                       dtype: torch.dtype | None = None) -> Profile:
+    """One training step of ``model`` on meta tensors, timed by the roofline of ``target``.
+
+    ``dtype`` casts floating-point parameters, buffers and inputs (e.g. torch.bfloat16 for pure
+    bf16 training); by default each keeps its own dtype.
+    """
+    device = find_device(target)
+    started = time.perf_counter()
+    found = find_blocks(model, blocks)
+    notes = [f"profiled on meta tensors for {device.name}: times are a roofline from datasheet peaks "
+             f"({device.source}); transient bytes are estimated"]
+    # One stand-in per distinct parameter, so tied weights stay tied in the step.
+    stand_ins: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) not in stand_ins:
+            stand_ins[id(parameter)] = _meta_like(parameter, dtype).requires_grad_(parameter.requires_grad)
+        state[name] = stand_ins[id(parameter)]
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if id(buffer) not in stand_ins:
+            stand_ins[id(buffer)] = _meta_like(buffer, dtype)
+        state[name] = stand_ins[id(buffer)]
+    inputs = tree_map(lambda value: _meta_like(value, dtype) if isinstance(value, torch.Tensor) else value,
+                      example_inputs)
+    parameters = [stand_ins[id(p)] for p in dict.fromkeys(model.parameters())]
+    buffers = [stand_ins[id(b)] for b in dict.fromkeys(model.buffers())]
+    resident = {_storage_key(t) for t in (*stand_ins.values(), *tensors_in(inputs))}
+
+    def step(found):
+        recorder = _FakeRecorder([name for name, _ in found], resident)
+        roofline = _Roofline(device, recorder.charge)
+        handles = []
+        try:
+            for index, (_, module) in enumerate(found):
+                handles.append(module.register_forward_pre_hook(recorder.pre_hook(index), with_kwargs=True))
+                handles.append(module.register_forward_hook(recorder.post_hook(index)))
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), roofline:
+                args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+                kwargs = inputs if isinstance(inputs, dict) else {}
+                output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
+                                                    strict=False)
+                loss = loss_of(output, loss_fn)
+                recorder.in_backward = True
+                loss.backward()
+                del output, loss
+        finally:
+            for handle in handles:
+                handle.remove()
+        return recorder, roofline
+
+    recorder, roofline = step(found)
+    # The real profiler's size-based policy: a block holding over a quarter of all saved bytes is
+    # split into its children, so both profiles of a model have the same blocks.
+    refined = _refined(found, recorder) if blocks is None else None
+    if refined is not None:
+        found = refined
+        recorder, roofline = step(found)
+
+    block_profiles = []
+    modules = dict(found)
+    for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
+        block = recorder.blocks[index]
+        block.parameter_bytes = _distinct_bytes([stand_ins[id(p)] for p in modules[block.name].parameters()])
+        if block.calls == 0:
+            notes.append(f"block {block.name} did not run in the profiled step")
+        block_profiles.append(block)
+    trainable = [p for p in parameters if p.requires_grad]
+    notes.append(f"{roofline.flops / 1e12:.2f} TFLOP per step (matmuls, convolutions, attention); "
+                 f"profiled in {time.perf_counter() - started:.1f} s")
+    return Profile(
+        device=device.name,
+        blocks=block_profiles,
+        parameter_bytes=_distinct_bytes(parameters),
+        gradient_bytes=_distinct_bytes(trainable),
+        buffer_bytes=_distinct_bytes(buffers),
+        optimizer_state_bytes=_optimizer_state_bytes(optimizer, trainable, notes),
+        input_bytes=_distinct_bytes(tensors_in(inputs)),
+        unassigned_saved_bytes=recorder.unassigned_saved_bytes,
+        loss_seconds=recorder.loss_seconds,
+        link=device.link_profile(),
+        notes=notes,
+    )
+
+
+def _optimizer_state_bytes(optimizer, trainable: list[torch.Tensor], notes: list[str]) -> int:
+    """State copies of the trainable parameters, by optimizer type (its state does not exist yet)."""
+    if optimizer is None:
+        notes.append("no optimizer given: its state is counted as 0 bytes (pass optimizer= to count it)")
+        return 0
+    name = type(optimizer).__name__
+    copies = _OPTIMIZER_STATE_COPIES.get(name)
+    if name == "SGD":
+        copies = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
+    if copies is None:
+        notes.append(f"optimizer {name} is not one oomless knows: its state is estimated as one copy of the parameters")
+        copies = 1
+    return copies * _distinct_bytes(trainable)
