@@ -28,3 +28,7 @@ class ApplyError(OomlessError):
 
 class InputError(OomlessError, ValueError):
     """Example inputs or model outputs that oomless cannot work with as given."""
+
+
+class CollectiveError(OomlessError, RuntimeError):
+    """A torch.distributed collective failed or timed out; the message names the rank and the collective."""

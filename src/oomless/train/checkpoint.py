@@ -1,5 +1,10 @@
 """Crash-safe checkpoints in one safetensors file: model, optimizer, RNG states, step, data position.
 
+Under data parallel, rank 0 writes the one file for every rank: its own state at the top level and,
+for each other rank r, what differs there under ``rank.<r>.`` (its RNG always; its weights and optimizer
+in the relaxed modes, where ranks drift apart between averages). `load_checkpoint(..., rank=r)` restores
+rank r's own entries where the file has them and rank 0's otherwise.
+
 Why safetensors for everything: a checkpoint may come from anywhere, and unpickling runs code.
 Tensors go in as tensors; everything else (step, optimizer hyper-parameters, Python/NumPy RNG
 state) goes in the file's string metadata as JSON. Nothing here ever calls ``pickle``.
@@ -172,16 +177,35 @@ def latest_checkpoint(directory: Path | str) -> Path | None:
     return found[-1][1] if found else None
 
 
+def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """This process's RNG states and, if given, model and optimizer: (tensors, JSON-ready metadata)."""
+    tensors, meta = {}, {}
+    if model is not None:
+        tensors.update({f"model.{name}": tensor.detach().cpu() for name, tensor in model.state_dict().items()})
+    if optimizer is not None:
+        optimizer_tensors, meta["optimizer"] = _split_optimizer_state(optimizer.state_dict())
+        tensors.update({name: tensor.detach().cpu() for name, tensor in optimizer_tensors.items()})
+    rng_tensors, meta["rng"] = _rng_state()
+    tensors.update(rng_tensors)
+    return tensors, meta
+
+
 def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, trajectory: dict | None = None, keep: int = 2) -> Path:
-    """Write ``step-NNNNNNNN.safetensors`` atomically and delete all but the newest ``keep``."""
-    tensors = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    optimizer_tensors, optimizer_meta = _split_optimizer_state(optimizer.state_dict())
-    rng_tensors, rng_meta = _rng_state()
-    tensors = _to_savable({**tensors, **optimizer_tensors, **rng_tensors})
+                    data_position: int, trajectory: dict | None = None, keep: int = 2,
+                    other_ranks: list[tuple[dict, dict]] | None = None) -> Path:
+    """Write ``step-NNNNNNNN.safetensors`` atomically and delete all but the newest ``keep``.
+
+    ``other_ranks[r - 1]`` is rank r's `process_state` (gathered by `oomless.parallel.rank_state`)."""
+    tensors, process_meta = process_state(model, optimizer)
+    ranks_meta = {}
+    for rank, (rank_tensors, rank_meta) in enumerate(other_ranks or [], start=1):
+        tensors.update({f"rank.{rank}.{name}": tensor for name, tensor in rank_tensors.items()})
+        ranks_meta[str(rank)] = rank_meta
+    tensors = _to_savable(tensors)
     meta = {
         "format_version": FORMAT_VERSION, "step": step, "data_position": data_position,
-        "optimizer": optimizer_meta, "rng": rng_meta, "trajectory": _json_ready(trajectory or {}),
+        "optimizer": process_meta["optimizer"], "rng": process_meta["rng"],
+        "trajectory": _json_ready(trajectory or {}), "ranks": ranks_meta,
     }
     path = atomic_write(checkpoint_path(directory, step),
                         lambda temporary: save_file(tensors, temporary, metadata={"oomless": json.dumps(meta)}))
@@ -191,8 +215,10 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
 
 
 def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True) -> CheckpointState:
-    """Restore model, optimizer and RNG states in place from ``path``; return step and data position."""
+                    restore_rng: bool = True, rank: int = 0) -> CheckpointState:
+    """Restore model, optimizer and RNG states in place from ``path``; return step and data position.
+
+    ``rank``: a data-parallel rank restores its own entries (``rank.<r>.``) where the file has them."""
     path = Path(path)
     from safetensors import safe_open
 
@@ -204,6 +230,15 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     if meta.get("format_version") != FORMAT_VERSION:
         raise InputError(f"{path} has checkpoint format {meta.get('format_version')}, expected {FORMAT_VERSION}")
     tensors = load_file(str(path))
+    if rank:
+        prefix = f"rank.{rank}."
+        own = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+        for kind in ("model.", "optimizer.", "rng."):
+            if any(name.startswith(kind) for name in own):
+                tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith(kind)}
+                tensors.update({name: tensor for name, tensor in own.items() if name.startswith(kind)})
+        meta = {**meta, **meta.get("ranks", {}).get(str(rank), {})}
+    tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith("rank.")}
     model_state = {name[len("model."):]: tensor for name, tensor in tensors.items() if name.startswith("model.")}
     model.load_state_dict(model_state)
     if optimizer is not None:

@@ -1,19 +1,21 @@
 """The typed configuration of ``oomless train``; the CLI maps its flags onto this and nothing else."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from oomless.errors import InputError
+from oomless.parallel.config import ParallelConfig
 from oomless.sizes import parse_bytes
 
 SEGMENTATION_MODELS = ("unet3d", "monai-unet")
 
 # Fields that change the trajectory of a run: resuming under different values would silently
 # produce a run that equals neither the old nor the new configuration, so it is refused.
-TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "base_channels", "depth")
+TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "base_channels", "depth",
+                     "max_grad_norm")
 
 
 @dataclass
@@ -44,6 +46,8 @@ class TrainConfig:
     log_every: int = 1
     progress: bool = True
     deterministic: bool = False
+    max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -70,6 +74,9 @@ class TrainConfig:
                 raise InputError(f"{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
         if not self.lr > 0:
             raise InputError(f"lr must be positive, got {self.lr}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise InputError(f"max-grad-norm must be positive, got {self.max_grad_norm}")
+        self.parallel.validate()
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:

@@ -6,6 +6,10 @@
 or ``oomless train --size 48 --memory 1GiB --steps 20 --seed 0``. With ``memory=None`` it is plain
 PyTorch; with a budget the model goes through ``oomless.fit`` once and the loop itself is unchanged,
 which is the point: oomless is a transform on the model, not a different training loop.
+
+Under ``torchrun`` with ``parallel=ParallelConfig(mode="dp"|"local-sgd"|"async")`` every process runs
+this same loop on its shard of the global batch; the strategy from `oomless.parallel` owns every
+collective, rank 0 prints, writes checkpoints (with every rank's state) and ``--save``.
 """
 
 import time
@@ -20,6 +24,9 @@ from torch import nn
 from oomless.data import SyntheticVolumes
 from oomless.errors import InputError
 from oomless.models import build_model
+from oomless.parallel import join_process_group, leave_process_group, make_strategy, shard_start
+from oomless.parallel.process_group import local_batch_size
+from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
@@ -61,27 +68,41 @@ def build_segmentation_model(config: TrainConfig) -> nn.Module:
 
 
 def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: SyntheticVolumes,
-                   config: TrainConfig, device: torch.device, console: Console):
+                   config: TrainConfig, device: torch.device, console: Console, strategy=None):
     """Plan for the budget on the first batch and install the plan; profiling leaves the model's
-    weights, buffers and RNG as they were, so the run continues exactly as a plain one would."""
+    weights, buffers and RNG as they were, so the run continues exactly as a plain one would.
+
+    Under data parallel every rank plans on its own shard, then all take rank 0's plan: recomputed
+    blocks run collectives (global BatchNorm) in backward, so the ranks' plans must agree."""
     import oomless
 
-    volumes, labels = dataset.batch(0, config.global_batch)
+    ranks = strategy.ranks if strategy is not None else None
+    world_size = ranks.world_size if ranks else 1
+    local_batch = local_batch_size(config.global_batch, world_size)
+    volumes, labels = dataset.batch(shard_start(0, config.global_batch, ranks) if ranks else 0, local_batch)
     volumes, labels = volumes.to(device), labels.to(device)
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
                         loss_fn=lambda logits: segmentation_loss(logits, labels))
-    if config.progress:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        shared = [plan.to_json()]
+        with strategy.collective("plan broadcast from rank 0"):
+            dist.broadcast_object_list(shared, src=0)
+        plan = oomless.Plan.from_json(shared[0])
+    if config.progress and (ranks is None or ranks.is_first):
         console.print(str(plan), soft_wrap=True)
     oomless.apply(model, plan)
     return plan
 
 
-def _resume(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console) -> int:
+def _resume(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console,
+            rank: int = 0) -> int:
     path = latest_checkpoint(config.checkpoint_dir)
     if path is None:
         console.print(f"no checkpoint in {config.checkpoint_dir}; starting from step 0")
         return 0
-    state = load_checkpoint(path, model, optimizer)
+    state = load_checkpoint(path, model, optimizer, rank=rank)
     expected = config.trajectory()
     different = {name: (state.trajectory.get(name), value) for name, value in expected.items()
                  if state.trajectory.get(name) != value}
@@ -104,10 +125,26 @@ def _stats_line(model: nn.Module) -> tuple[object | None, str]:
 
 
 def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
-    """Run ``config.steps`` optimizer steps (continuing from the latest checkpoint if ``config.resume``)."""
+    """Run ``config.steps`` optimizer steps (continuing from the latest checkpoint if ``config.resume``).
+
+    With ``config.parallel.mode`` other than "none" this joins the process group torchrun describes
+    (or reuses one already initialised) and leaves it at the end if it joined it."""
     config.validate()
-    console = console or Console(stderr=True)
     device = config.resolve_device()
+    ranks = join_process_group(config.parallel, device)
+    try:
+        if device.type == "cuda" and config.parallel.distributed:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _train(config, console, device, ranks)
+    finally:
+        leave_process_group(ranks)
+
+
+def _train(config: TrainConfig, console: Console | None, device: torch.device, ranks) -> TrainResult:
+    strategy = make_strategy(config.parallel, ranks, device)
+    local_batch = local_batch_size(config.global_batch, ranks.world_size)
+    # Only rank 0 talks; the others would print the same lines N times.
+    console = console or Console(stderr=True, quiet=not ranks.is_first)
     seed_everything(config.seed, config.deterministic)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
@@ -119,10 +156,14 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
     oomless_applied = config.memory is not None
-    plan = _apply_oomless(model, optimizer, dataset, config, device, console) if oomless_applied else None
+    plan = _apply_oomless(model, optimizer, dataset, config, device, console, strategy) if oomless_applied else None
     # Resume after fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
-    start_step = _resume(config, model, optimizer, console) if config.resume else 0
+    start_step = _resume(config, model, optimizer, console, ranks.rank) if config.resume else 0
     model.train()
+    # `model` keeps its parameter names for checkpoints and --save; the loop calls `train_model`
+    # (DDP under dp, the model itself otherwise).
+    train_model = strategy.prepare(model, optimizer, config.max_grad_norm)
+    sum_across = strategy.sum_across_ranks()
 
     voxels_per_volume = int(np.prod(config.shape))
     history: list[dict] = []
@@ -131,25 +172,26 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
     columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[metrics]}"))
     # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
-    show_bar = config.progress and console.is_terminal
+    show_bar = config.progress and console.is_terminal and ranks.is_first
     with Progress(*columns, console=console, disable=not show_bar) as progress:
         task = progress.add_task("train", total=config.steps, completed=start_step, metrics="")
         for step in range(start_step, config.steps):
-            volumes, labels = dataset.batch(step * config.global_batch, config.global_batch)
+            volumes, labels = dataset.batch(shard_start(step, config.global_batch, ranks), local_batch)
             volumes = volumes.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            logits = model(volumes)
-            loss = segmentation_loss(logits, labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            logits = train_model(volumes)
+            loss = segmentation_loss(logits, labels, sum_across=sum_across)
+            strategy.backward(loss)
+            strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
             dice = hard_dice(logits.detach(), labels)
             del logits                  # the biggest activation; free it before the next forward
 
             steps_done = step + 1
             if steps_done % config.log_every == 0 or steps_done == config.steps:
                 # .item() waits for the device: done only when logging, never on every step.
-                record = {"step": steps_done, "loss": loss.item(), "dice": dice.item()}
+                # Under data parallel: the mean over ranks (for dp, the global-batch loss).
+                record = {"step": steps_done, "loss": strategy.mean_across_ranks(loss.detach()).item(),
+                          "dice": strategy.mean_across_ranks(dice).item()}
                 history.append(record)
                 elapsed = time.perf_counter() - started
                 rate = (steps_done - start_step) * config.global_batch / max(elapsed, 1e-9)
@@ -161,11 +203,18 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
                     console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
             if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0
                                                       or steps_done == config.steps):
-                save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
-                                data_position=steps_done * config.global_batch,
-                                trajectory=config.trajectory(), keep=config.keep_checkpoints)
+                strategy.synchronize(model)            # no update or average may be in flight
+                other_ranks = gather_other_ranks(strategy, model, optimizer)
+                if ranks.is_first:
+                    save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
+                                    data_position=steps_done * config.global_batch,
+                                    trajectory=config.trajectory(), keep=config.keep_checkpoints,
+                                    other_ranks=other_ranks)
             progress.update(task, completed=steps_done)
 
+    strategy.finish(model)                      # every rank now holds the same final weights
+    final_loss = strategy.mean_across_ranks(loss.detach()).item() if loss is not None else float("nan")
+    final_dice = strategy.mean_across_ranks(dice).item() if dice is not None else float("nan")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - started
@@ -180,12 +229,12 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
         console.print(f"predicted vs measured: peak {format_bytes(plan.predicted_peak_bytes)} vs {format_bytes(peak)}"
                       f" (budget {format_bytes(plan.memory_bytes)}), step {plan.predicted_step_seconds:.3f} s vs "
                       f"{seconds_per_step:.3f} s", soft_wrap=True)
-    if config.save is not None:
+    if config.save is not None and ranks.is_first:
         console.print(f"saved weights to {save_weights(config.save, model)}")
+    strategy.barrier()                          # the file exists before any rank returns
     return TrainResult(
         steps_done=max(config.steps, start_step),
-        final_loss=loss.item() if loss is not None else float("nan"),
-        final_dice=dice.item() if dice is not None else float("nan"),
+        final_loss=final_loss, final_dice=final_dice,
         peak_memory_bytes=peak,
         volumes_per_second=volumes_per_second,
         voxels_per_second=volumes_per_second * voxels_per_volume,

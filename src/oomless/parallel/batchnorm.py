@@ -1,0 +1,74 @@
+"""Batch statistics over the global batch, so N processes normalise exactly what one process would.
+
+Data parallel with plain BatchNorm normalises each rank's shard by the shard's own mean and variance,
+which is a different model from the one-process run on the global batch. On CUDA torch's
+``nn.SyncBatchNorm`` fixes that; it refuses CPU tensors (its kernels are CUDA-only), so for gloo on
+CPU `GlobalBatchNorm` computes the same statistics with differentiable all-reduces
+(`sum_across_ranks`): per-channel sums, then the mean, then the centred
+sum of squares (two passes, so the variance does not suffer the E[x^2] - E[x]^2 cancellation).
+
+`convert_batchnorm_for_data_parallel` swaps the layers in place, reusing the same parameter and buffer
+tensors, so parameter names, the optimizer and hooks installed on parent modules are unaffected.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from oomless.parallel.process_group import sum_across_ranks
+
+
+class GlobalBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics cover every rank's shard (CPU / gloo counterpart of
+    ``nn.SyncBatchNorm``); equal shards are assumed, as `local_batch_size` enforces."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if not self.training or world_size == 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        dims = [0, *range(2, input.dim())]
+        count = input.numel() // input.size(1) * world_size
+        mean = sum_across_ranks(input.sum(dim=dims)) / count
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        centred = input - mean.view(shape)
+        variance = sum_across_ranks((centred * centred).sum(dim=dims)) / count
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum)
+                self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+                unbiased = variance.detach() * (count / max(count - 1, 1))
+                self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+        normalised = centred * torch.rsqrt(variance + self.eps).view(shape)
+        if self.affine:
+            normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
+        return normalised
+
+
+def _replacement(module: _BatchNorm, device: torch.device) -> nn.Module:
+    kind = nn.SyncBatchNorm if device.type == "cuda" else GlobalBatchNorm
+    replacement = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+    if module.affine:
+        replacement.weight, replacement.bias = module.weight, module.bias       # the same Parameters
+    if module.track_running_stats:
+        replacement.running_mean, replacement.running_var = module.running_mean, module.running_var
+        replacement.num_batches_tracked = module.num_batches_tracked
+    replacement.train(module.training)
+    return replacement
+
+
+def convert_batchnorm_for_data_parallel(model: nn.Module, device: torch.device) -> int:
+    """Replace every BatchNorm in ``model`` in place by one with global-batch statistics; return how many."""
+    converted = 0
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _BatchNorm) and not isinstance(child, (GlobalBatchNorm, nn.SyncBatchNorm)):
+                setattr(parent, name, _replacement(child, device))
+                converted += 1
+    return converted

@@ -1,0 +1,133 @@
+"""How the training loop runs on one process or many: the `Replication` strategies.
+
+The loop asks its strategy for the module to call, the loss reduction, and what to do after backward;
+the strategy owns every collective. `SingleProcess` is plain PyTorch. `SynchronousDataParallel` is
+torch DDP (bucketed all-reduce hidden behind backward) plus, by default, the overlapped update of
+`oomless.parallel.overlap`. The relaxed strategies live in `oomless.parallel.relaxed`.
+
+Equal to the one-process run: each rank takes its equal shard of the global batch (`shard_start`);
+DDP averages gradients, which is the gradient of the global mean when shards are equal; BatchNorm is
+converted to global-batch statistics (`convert_batchnorm_for_data_parallel`); and loss terms that are
+not means over samples (the soft Dice's sums) are summed across ranks before the ratio is taken.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
+from oomless.parallel.config import ParallelConfig
+from oomless.parallel.overlap import OverlappedUpdate, apply_overlapped_update, needs_global_view
+from oomless.parallel.process_group import Ranks, named_collective, sum_across_ranks
+
+
+class SingleProcess:
+    """One process, no collectives: the reference every other strategy is compared to."""
+
+    relaxed = False
+
+    def __init__(self, config: ParallelConfig, ranks: Ranks, device: torch.device):
+        self.config, self.ranks, self.device = config, ranks, device
+        self.max_grad_norm: float | None = None
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> nn.Module:
+        """Return the module the loop calls; ``model`` keeps its parameter names (checkpoints use it)."""
+        self.max_grad_norm = max_grad_norm
+        return model
+
+    def sum_across_ranks(self):
+        """A differentiable cross-rank sum for loss terms that are not per-sample means, or None."""
+        return None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step_index: int) -> None:
+        """Everything after backward for 0-based ``step_index``: clip, step, zero, average."""
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self, model: nn.Module) -> None:
+        """Finish anything in flight so model and optimizer can be read (checkpoint, save)."""
+
+    def finish(self, model: nn.Module) -> None:
+        """End of the run: after this every rank holds the same final weights."""
+        self.synchronize(model)
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def collective(self, name: str):
+        return named_collective(name, self.config.timeout_seconds)
+
+    def barrier(self) -> None:
+        pass
+
+
+class Collectives(SingleProcess):
+    """Shared by every multi-process strategy: logging means, barriers, named failures."""
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        if self.ranks.world_size == 1:
+            return value
+        total = value.detach().clone()
+        with self.collective("metric all-reduce"):
+            dist.all_reduce(total)
+        return total / self.ranks.world_size
+
+    def barrier(self) -> None:
+        with self.collective("barrier"):
+            dist.barrier()
+
+
+class SynchronousDataParallel(Collectives):
+    """torch DDP with global-batch BatchNorm and loss sums; with ``config.overlap`` the per-bucket update."""
+
+    def __init__(self, config: ParallelConfig, ranks: Ranks, device: torch.device):
+        super().__init__(config, ranks, device)
+        self.ddp: DistributedDataParallel | None = None
+        self.update: OverlappedUpdate | None = None
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> nn.Module:
+        self.max_grad_norm = max_grad_norm
+        if self.ranks.world_size > 1:
+            convert_batchnorm_for_data_parallel(model, self.device)
+        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        with self.collective("DDP parameter broadcast"):
+            # gradient_as_bucket_view: grads are views of DDP's buckets (no copy), which the overlapped
+            # update needs to read a bucket's averaged gradients without racing DDP's own copy.
+            self.ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
+                                               gradient_as_bucket_view=True)
+        if self.config.overlap and not needs_global_view(max_grad_norm):
+            self.update = apply_overlapped_update(self.ddp, optimizer)
+        return self.ddp
+
+    def sum_across_ranks(self):
+        if self.ranks.world_size == 1:
+            return None
+        return sum_across_ranks
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.collective("gradient all-reduce during backward (DDP buckets)"):
+            loss.backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step_index: int) -> None:
+        if self.update is not None:
+            self.update.step()
+            self.update.zero_grad()
+            return
+        super().step(model, optimizer, step_index)
+
+    def synchronize(self, model: nn.Module) -> None:
+        if self.update is not None:
+            with self.collective("overlapped update (bucket all-reduce)"):
+                self.update.synchronize()
+
+    def finish(self, model: nn.Module) -> None:
+        self.synchronize(model)
+        if self.update is not None:
+            self.update.remove()                # the returned model runs plain forwards again

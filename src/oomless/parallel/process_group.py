@@ -1,0 +1,113 @@
+"""Joining the process group ``torchrun`` describes, sharding the global batch, naming collectives.
+
+    torchrun --nproc-per-node 2 -m oomless train --parallel dp --global-batch 4
+
+``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `join_process_group`
+reads them through ``init_process_group``'s ``env://`` default. Several machines join through
+torchrun's rendezvous (``--rdzv-backend c10d --rdzv-endpoint host:port``); nothing here changes.
+"""
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from oomless.errors import CollectiveError, InputError
+from oomless.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: its rank among ``world_size`` and whether it created the group."""
+
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
+    """Join (or reuse) the default process group; a single process without torchrun is world size 1."""
+    if not config.distributed:
+        return Ranks()
+    if dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=False)
+    if "WORLD_SIZE" not in os.environ:
+        # Launched as a plain process: a world of one, so `--parallel dp` still runs (and equals plain).
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_seconds))
+    except Exception as error:
+        raise CollectiveError(f"rank {os.environ.get('RANK')}: could not join the {backend} process group "
+                              f"within {config.timeout_seconds:g} s: {_first_line(error)}") from error
+    return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def leave_process_group(ranks: Ranks) -> None:
+    if ranks.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def named_collective(name: str, timeout_seconds: float | None = None):
+    """Turn a failed or timed-out collective inside the block into a `CollectiveError` that says which
+    rank saw it and which collective it was; torch's own message only names a socket or a work id."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:       # DistBackendError and gloo/NCCL timeouts are RuntimeErrors
+        if not dist.is_initialized():
+            raise
+        limit = f" (timeout {timeout_seconds:g} s)" if timeout_seconds else ""
+        raise CollectiveError(f"rank {dist.get_rank()} of {dist.get_world_size()}: collective "
+                              f"'{name}' failed{limit}: {_first_line(error)}") from error
+
+
+def local_batch_size(global_batch: int, world_size: int) -> int:
+    """Equal shards only: with uneven shards DDP's mean of means is not the global mean, and a rank with
+    fewer batches would wait forever in a collective its peers never start."""
+    if global_batch % world_size:
+        raise InputError(f"global batch {global_batch} does not split evenly over {world_size} processes; "
+                         f"use a multiple of {world_size}")
+    return global_batch // world_size
+
+
+def shard_start(step: int, global_batch: int, ranks: Ranks) -> int:
+    """Index of this rank's first item at ``step``: rank r takes items r*b .. r*b+b-1 of the global batch,
+    so the ranks' shards laid end to end are exactly the one-process batch."""
+    return step * global_batch + ranks.rank * local_batch_size(global_batch, ranks.world_size)
+
+
+def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """Differentiable all-reduce (sum) over the default group: its backward all-reduces the gradient, so
+    a loss term computed from the global sum sends each rank the gradient for its own contribution.
+    (torch's functional collective; ``torch.distributed.nn.functional.all_reduce`` is deprecated.)"""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return all_reduce(tensor, "sum", dist.group.WORLD)
