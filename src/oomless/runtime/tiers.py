@@ -40,10 +40,10 @@ class PinnedPool:
 
 
 class _CudaTicket:
-    __slots__ = ("host", "host_ready", "out_done", "device", "in_done")
+    __slots__ = ("host", "host_ready", "source", "out_done", "device", "in_done")
 
     def __init__(self):
-        self.host = self.host_ready = self.out_done = self.device = self.in_done = None
+        self.host = self.host_ready = self.source = self.out_done = self.device = self.in_done = None
 
 
 class PinnedHostTier:
@@ -69,18 +69,26 @@ class PinnedHostTier:
                 # Hazard: overwriting a pooled buffer that a host->device copy still reads.
                 self.copy_out_stream.wait_event(ticket.host_ready)
             ticket.host.copy_(data, non_blocking=True)
-            # Hazard: the caching allocator handing this memory to a new tensor on the compute
-            # stream while the copy still reads it; it is freed only once this stream passes here.
-            data.record_stream(self.copy_out_stream)
             ticket.out_done = torch.cuda.Event()
             ticket.out_done.record(self.copy_out_stream)
+        # Hazard: the caching allocator handing this memory to a new tensor on the compute stream
+        # while the copy still reads it. The ticket holds the storage until `is_out`/`wait_out`
+        # see `out_done` complete, so it goes back to the allocator exactly when the ledger takes
+        # it off. Not `record_stream`: that counts the bytes as freed in `max_memory_allocated`
+        # at once, yet keeps the block unusable until this stream passes an event recorded at
+        # free time, behind every copy queued since, so the ledger's "out" would not mean free.
+        ticket.source = data
         return ticket
 
     def is_out(self, ticket: _CudaTicket) -> bool:
-        return ticket.out_done.query()
+        if ticket.out_done.query():
+            ticket.source = None
+            return True
+        return False
 
     def wait_out(self, ticket: _CudaTicket) -> None:
         ticket.out_done.synchronize()
+        ticket.source = None
 
     def prefetch(self, ticket: _CudaTicket) -> None:
         if ticket.device is not None:
@@ -108,9 +116,15 @@ class PinnedHostTier:
         return ticket.device
 
     def release(self, ticket: _CudaTicket) -> None:
+        if ticket.source is not None and not ticket.out_done.query():
+            # Hazard: same as in `put`: never drop the storage while the copy may still read it.
+            # Only when autograd drops a saved tensor before any poll saw its copy finish (a
+            # graph freed during the forward); rare, and the storage then waits for the copy
+            # stream like a record_stream'd block would.
+            ticket.source.record_stream(self.copy_out_stream)
         last_use = ticket.in_done or ticket.out_done
         self.pool.release(ticket.host, last_use)
-        ticket.device = ticket.host = None
+        ticket.device = ticket.host = ticket.source = None
 
     def collect_stall_seconds(self) -> float:
         """Seconds the compute stream spent waiting for copies, from events already complete."""
