@@ -24,15 +24,18 @@ def measure_link(device_text: str) -> LinkProfile:
 def _measure_pcie(device: torch.device) -> LinkProfile:
     host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    # The copies run on `device`'s current stream; the events must be recorded there too, not on
+    # the current device's (another GPU's) stream, or they would time nothing.
+    stream = torch.cuda.current_stream(device)
     seconds = {}
     for direction, (destination, source) in {"out": (host, on_device), "in": (on_device, host)}.items():
         destination.copy_(source, non_blocking=True)  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         for _ in range(4):
             destination.copy_(source, non_blocking=True)
-        end.record()
-        end.synchronize()
+        end.record(stream)
+        end.synchronize()  # profiling only: once per process
         seconds[direction] = start.elapsed_time(end) / 1000.0 / 4
     return LinkProfile("pcie", _PROBE_BYTES / seconds["out"], _PROBE_BYTES / seconds["in"])
 
