@@ -1,0 +1,83 @@
+"""Helpers for the data-parallel tests: start N gloo processes on loopback with a free port, run
+training jobs in each, and leave rank 0's ``--save`` files and results behind for the test to compare.
+
+Processes are started with ``torch.multiprocessing`` spawn (a fork of a process that already ran
+OpenMP kernels can hang); each runs one thread so 4 ranks share this machine's cores fairly.
+"""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TINY = dict(size=16, seed=0, base_channels=2, depth=1, progress=False, device="cpu", log_every=1)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def tiny_config(**overrides):
+    from oomless.parallel import ParallelConfig
+    from oomless.train import TrainConfig
+
+    settings = dict(TINY)
+    parallel = overrides.pop("parallel", {})
+    settings.update(overrides)
+    return TrainConfig(parallel=ParallelConfig(**parallel), **settings)
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from oomless.train import train
+
+    results = {}
+    try:
+        for name, overrides in jobs:
+            result = train(tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides))
+            results[name] = {"losses": [record["loss"] for record in result.history],
+                             "steps_done": result.steps_done}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_dir, "results.json").write_text(json.dumps(results))
+
+
+def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:
+    """Run ``jobs`` (name, TrainConfig overrides) in order on ``world_size`` processes; rank 0's results."""
+    mp.start_processes(_worker, args=(world_size, free_port(), jobs, str(out_dir)), nprocs=world_size,
+                       start_method="spawn")
+    return json.loads(Path(out_dir, "results.json").read_text())
+
+
+def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
+    import time
+    from datetime import timedelta
+
+    from oomless.parallel.process_group import named_collective
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(5)               # never joins the all-reduce: rank 0 must time out, not hang
+        return
+    try:
+        with named_collective("test parameter all-reduce", 2):
+            dist.all_reduce(torch.ones(4))
+        message = "no error"
+    except Exception as error:      # noqa: BLE001 - the test inspects whatever came out
+        message = f"{type(error).__name__}: {error}"
+    Path(out_dir, "error.txt").write_text(message)
+
+
+def run_timeout(out_dir: Path) -> str:
+    mp.start_processes(_timeout_worker, args=(free_port(), str(out_dir)), nprocs=2, start_method="spawn")
+    return Path(out_dir, "error.txt").read_text()
