@@ -56,7 +56,17 @@ class RecomputeBlock:
         if self.recomputing or not torch.is_grad_enabled():
             return
         options = (True, self._context_fns, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
-        self.generator = _GENERATOR(module, *options, *args, **kwargs)
+        # Keyword arguments go in positionally: torch's generator stashes the RNG state only of the
+        # devices of its positional tensors (get_device_states(*args)), so a block called as
+        # block(x=...) would replay dropout with CUDA's RNG already advanced: different masks,
+        # wrong gradients, and a CUDA RNG no longer in step with plain PyTorch. Positional inputs
+        # are also saved through the frame's version-checked input saver.
+        names, count = tuple(kwargs), len(args)
+
+        def call(*inputs):
+            return module(*inputs[:count], **dict(zip(names, inputs[count:])))
+
+        self.generator = _GENERATOR(call, *options, *args, *kwargs.values())
         next(self.generator)
         inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
         self.input_handles = self.engine.keep_handles(inputs, self.block_index)
