@@ -56,8 +56,15 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
 
 
-def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None) -> Profile:
-    """Measure one training step per block (see `oomless.profile.profiler`); plain data."""
+def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
+            dtype: torch.dtype | None = None) -> Profile:
+    """Measure one training step per block (see `oomless.profile.profiler`); plain data. With
+    ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`)."""
+    if target is not None:
+        from oomless.profile.fake import profile_for_target
+        check_inputs_device(model, example_inputs, allow_meta=True)
+        return profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
+                                  blocks=blocks, dtype=dtype)
     return profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
 
 

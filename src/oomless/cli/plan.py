@@ -3,10 +3,18 @@
     oomless plan unet3d --input-shape 1,1,64,64,64 --memory 2GiB
     oomless plan transformer --batch 8 --memory 512MiB --json --model-arg depth=12
     oomless plan my_package.nets:make_net --input-shape 4,3,224,224 --memory 20GiB --target h100
+    oomless plan unet3d --input-shape 1,1,256,256,256 --memory 80GiB --target h100 --plot plan.png
+    oomless plan transformer --input-shape 8,2048 --memory 80GiB --target h100 --dtype bf16 \
+        --model-arg vocab_size=50257 --model-arg dim=2048 --model-arg depth=18 --model-arg heads=16 \
+        --model-arg max_len=2048
+
+With --target nothing runs on this machine: the model is built on the meta device and profiled on
+meta tensors (`oomless.profile.fake`), timed by the target's roofline (`oomless.plan.devices`).
 """
 
 import argparse
 import ast
+import sys
 
 from oomless.errors import InputError
 
@@ -35,6 +43,9 @@ def parse_model_args(pairs: list[str]) -> dict:
     return kwargs
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "plan", help="print where each block's activations would live under a memory budget",
@@ -54,6 +65,12 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--optimizer", choices=("adam", "sgd", "none"), default="adam",
                         help="optimizer whose state is counted (default %(default)s)")
     parser.add_argument("--target", default=None, help="plan for this device (e.g. h100) on fake tensors")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
+                        help="with --target: cast parameters and inputs to this dtype (default: the model's own)")
+    parser.add_argument("--solver", choices=("auto", "greedy", "exact"), default="auto",
+                        help="plan search (default %(default)s: exact up to 300 blocks, and greedy)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="write memory over one step, plain PyTorch vs the plan, with the budget line")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
@@ -86,6 +103,17 @@ def run(args: argparse.Namespace) -> int:
                    "optimizer": optimizer(model.parameters(), lr=1e-3) if optimizer else None}
     if args.blocks:
         plan_kwargs["blocks"] = args.blocks
-    plan = oomless.plan(model, example, **plan_kwargs)
+    if args.dtype is not None:
+        if not args.target:
+            raise InputError("--dtype applies with --target (planning on meta tensors); without it the "
+                             "model runs here as built")
+        plan_kwargs["dtype"] = getattr(torch, _DTYPES[args.dtype])
+    profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
+                              blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"))
+    plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
+    if args.plot:
+        from oomless.plan.plot import plot_plan
+        print(f"memory over one step written to {plot_plan(profile, plan, args.plot)}",
+              file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -65,11 +65,12 @@ def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, 
 
 
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
-    """The smallest budget the most frugal plan (all swap, or all recompute) fits, for this profile."""
+    """The smallest budget one of the uniform plans (all swap, all recompute, or all keep: on a slow
+    link swaps free nothing before the peak, and recompute holds inputs) fits, for this profile."""
     if profile.link.kind == "disk" and max_pending_out_bytes is None:
         max_pending_out_bytes = 256 * 2**20
     frugal_peak = min(simulate(profile, [option] * len(profile.blocks), 1, max_pending_out_bytes).activation_peak_bytes
-                      for option in ("swap", "recompute"))
+                      for option in ("swap", "recompute", "keep"))
     return sum(static_breakdown(profile).values()) + reserve_bytes(profile) + frugal_peak
 
 

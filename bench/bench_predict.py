@@ -1,0 +1,186 @@
+"""Predicted against measured: step time and peak activation bytes of planned runs, and solver speed.
+
+    python bench/bench_predict.py                        # CPU here (CUDA where available)
+    python bench/bench_predict.py --quick --out /tmp/p.json
+
+For each of the fit engine's benchmark models (bench/bench_fit.py's sizes), in one process: profile
+one real step, plan it at three budgets (leaving 100 %, 50 % and 25 % of the plain step's saved
+activations; clamped up to the smallest feasible memory, the clamp recorded), apply each plan, run
+warm-up + measured steps (forward, loss, backward), and record the median measured step seconds and
+the ledger's peak activation bytes (`oomless.stats`) next to the plan's predictions. Error is
+(predicted - measured) / measured. Then the solver alone: make_plan on generated profiles of 1000
+blocks (greedy) and 300 blocks (exact), timed. Output: JSON with provenance, default
+bench/results/predict-<device>-<date>.json.
+"""
+
+import argparse
+import json
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import oomless
+from oomless.errors import PlanError
+from oomless.models import TinyTransformer, UNet3D
+from oomless.plan.planner import make_plan, smallest_memory
+from oomless.profile.profile import BlockProfile, LinkProfile, Profile
+
+BENCH_DIRECTORY = Path(__file__).resolve().parent
+SIZES = {
+    "cpu": {"transformer": dict(dim=256, depth=8, heads=8, vocab_size=512, batch=2, length=256),
+            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48)},
+    "cuda": {"transformer": dict(dim=1024, depth=8, heads=16, vocab_size=8192, batch=4, length=1024),
+             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128)},
+    "quick": {"transformer": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16),
+              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8)},
+}
+SHARES = (1.0, 0.5, 0.25)
+
+
+def build(name: str, sizes: dict, device: torch.device):
+    torch.manual_seed(0)
+    if name == "transformer":
+        model = TinyTransformer(vocab_size=sizes["vocab_size"], dim=sizes["dim"], depth=sizes["depth"],
+                                heads=sizes["heads"], max_len=sizes["length"], dropout=0.1).to(device)
+        tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
+        targets = tokens.roll(-1, 1)
+        return model, tokens, lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
+    model = UNet3D(base_channels=sizes["base_channels"], depth=sizes["depth"]).to(device)
+    side = sizes["side"]
+    volume = torch.randn(sizes["batch"], 1, side, side, side, device=device)
+    labels = (volume[:, 0] > 0.5).long()
+    return model, volume, lambda out: F.cross_entropy(out, labels)
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model, inputs, loss_fn, plan, device, steps: int) -> dict:
+    oomless.apply(model, plan)
+    try:
+        seconds, peaks = [], []
+        for step in range(steps + 1):
+            model.zero_grad(set_to_none=True)
+            _synchronize(device)
+            started = time.perf_counter()
+            loss_fn(model(inputs)).backward()
+            _synchronize(device)
+            stats = oomless.stats(model)
+            if step:  # the first step warms up caches and the swap tier
+                seconds.append(time.perf_counter() - started)
+                peaks.append(stats.peak_activation_bytes)
+    finally:
+        oomless.remove(model)
+    return {"step_seconds": statistics.median(seconds), "peak_activation_bytes": max(peaks)}
+
+
+def predict_against_measure(name: str, sizes: dict, device: torch.device, steps: int) -> list[dict]:
+    model, inputs, loss_fn = build(name, sizes, device)
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    roomy = make_plan(profile, 10**15)
+    rows = []
+    for share in SHARES:
+        memory = roomy.static_bytes + roomy.reserve_bytes + int(share * roomy.predicted_activation_peak_bytes)
+        clamped = memory < smallest_memory(profile)
+        memory = max(memory, smallest_memory(profile) + 2**20)
+        try:
+            plan = make_plan(profile, memory)
+        except PlanError as error:
+            rows.append({"model": name, "share": share, "error": str(error)})
+            continue
+        measured = measure(model, inputs, loss_fn, plan, device, steps)
+        predicted = {"step_seconds": plan.predicted_step_seconds,
+                     "peak_activation_bytes": plan.predicted_activation_peak_bytes}
+        rows.append({
+            "model": name, "share": share, "memory_bytes": memory, "clamped_to_minimum": clamped,
+            "decisions": {d: list(plan.decisions.values()).count(d) for d in ("keep", "swap", "recompute")},
+            "predicted": predicted, "measured": measured,
+            "error": {key: (predicted[key] - measured[key]) / measured[key] if measured[key] else None
+                      for key in predicted},
+        })
+        print(f"{name} {share:>4}: step predicted {predicted['step_seconds']:.3f} s measured "
+              f"{measured['step_seconds']:.3f} s; peak activations predicted "
+              f"{predicted['peak_activation_bytes'] / 2**20:.1f} MiB measured "
+              f"{measured['peak_activation_bytes'] / 2**20:.1f} MiB", flush=True)
+    return rows
+
+
+def generated_profile(blocks: int, seed: int) -> Profile:
+    rng, MiB = random.Random(seed), 2**20
+    made = [BlockProfile(name=f"b{i}", forward_seconds=(f := rng.uniform(1, 50) / 1e3), backward_seconds=2 * f,
+                         saved_bytes=(s := rng.randint(1, 100) * MiB), largest_saved_bytes=s // 4,
+                         input_bytes=rng.randint(1, 10) * MiB, output_bytes=MiB, calls=1,
+                         forward_transient_bytes=MiB, backward_transient_bytes=MiB) for i in range(blocks)]
+    return Profile(device="cuda:0", blocks=made, parameter_bytes=10 * MiB, gradient_bytes=10 * MiB, buffer_bytes=0,
+                   optimizer_state_bytes=20 * MiB, input_bytes=MiB, unassigned_saved_bytes=0, loss_seconds=0.001,
+                   link=LinkProfile("pcie", 2e9, 2e9))
+
+
+def solver_speed() -> list[dict]:
+    rows = []
+    for blocks, solver in ((1000, "greedy"), (300, "exact"), (300, "greedy")):
+        for share in (0.5, 0.3):
+            profile = generated_profile(blocks, 0)
+            roomy = make_plan(profile, 10**15)
+            memory = max(roomy.static_bytes + roomy.reserve_bytes + int(share * roomy.predicted_activation_peak_bytes),
+                         smallest_memory(profile) + 2**20)
+            started = time.perf_counter()
+            plan = make_plan(profile, memory, solver=solver)
+            rows.append({"blocks": blocks, "solver": solver, "share": share,
+                         "plan_seconds": time.perf_counter() - started,
+                         "slowdown": plan.predicted_step_seconds / plan.plain_step_seconds})
+            print(f"solver {solver} {blocks} blocks at {share}: {rows[-1]['plan_seconds']:.3f} s", flush=True)
+    return rows
+
+
+def provenance(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=BENCH_DIRECTORY).stdout.strip() or None
+    except OSError:
+        commit = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"device": str(device), "device_name": name, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "commit": commit,
+            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, *sys.argv])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=("transformer", "unet3d", "all"), default="all")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per plan (after one warm-up)")
+    parser.add_argument("--quick", action="store_true", help="tiny models")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    sizes = SIZES["quick" if args.quick else device.type]
+    names = ("transformer", "unet3d") if args.model == "all" else (args.model,)
+    result = {"provenance": provenance(device), "sizes": {name: sizes[name] for name in names},
+              "rows": [row for name in names for row in predict_against_measure(name, sizes[name], device, args.steps)],
+              "solver_speed": solver_speed()}
+    errors = [abs(row["error"][key]) for row in result["rows"] if isinstance(row.get("error"), dict)
+              for key in ("step_seconds", "peak_activation_bytes")]
+    result["max_abs_error"] = max(errors) if errors else None
+    date = datetime.now(timezone.utc).strftime("%Y%m%d")
+    out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"predict-{device.type}-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
