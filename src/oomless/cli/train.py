@@ -3,6 +3,7 @@
 import argparse
 
 from oomless.errors import InputError
+from oomless.parallel.config import PARALLEL_MODES, ParallelConfig
 from oomless.train.config import SEGMENTATION_MODELS, TrainConfig
 
 
@@ -45,6 +46,15 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-every", type=int, default=defaults.log_every, metavar="STEPS")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress output")
     parser.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower on CUDA)")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
+    parallel = ParallelConfig()
+    parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
+                        help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed)")
+    parser.add_argument("--no-overlap", action="store_true", help="dp: plain DDP, update after the whole backward")
+    parser.add_argument("--average-every", type=int, default=parallel.average_every, metavar="STEPS", help="local-sgd: H")
+    parser.add_argument("--bucket-cap-mb", type=float, default=parallel.bucket_cap_mb, help="DDP gradient bucket size")
+    parser.add_argument("--timeout", type=float, default=parallel.timeout_seconds, metavar="SECONDS",
+                        help="a collective slower than this fails, naming rank and collective")
     parser.set_defaults(run=run)
 
 
@@ -55,7 +65,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         base_channels=args.base_channels, depth=args.depth, device=args.device, save=args.save,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
-        progress=not args.quiet, deterministic=args.deterministic,
+        progress=not args.quiet, deterministic=args.deterministic, max_grad_norm=args.max_grad_norm,
+        parallel=ParallelConfig(mode=args.parallel, overlap=not args.no_overlap, average_every=args.average_every,
+                                bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout),
     )
 
 
@@ -66,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args).validate()
     result = train(config)
+    import os
+
+    if os.environ.get("RANK", "0") != "0":      # under torchrun, rank 0 reports for all
+        return 0
     print(f"done: {result.steps_done} steps, loss {result.final_loss:.4f}, dice {result.final_dice:.3f}, "
           f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}")
     return 0
