@@ -46,7 +46,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         profile = profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
                                      blocks=blocks, dtype=dtype)
     if profile is None:
-        profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
+        profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks,
+                                memory_bytes=memory_bytes)
     if decisions is not None:
         unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]

@@ -55,34 +55,56 @@ def loss_of(output, loss_fn):
     return loss
 
 
-def _measure_step(model, example_inputs, loss_fn, found, device) -> tuple[Recorder, float]:
-    """Run forward, loss and backward once under an all-swap plan, recording per block."""
+def _measure_step(model, example_inputs, loss_fn, found, device, decision: str = "swap") -> tuple[Recorder, float]:
+    """Run forward, loss and backward once with every block under ``decision``, recording per block."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
     names = [name for name, _ in found]
     # Prefetch distance 0: what backward brings back while a block runs is that block's own bytes,
     # so the memory rise measured there is the block's own transient.
-    frugal = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
-                  predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
-                  plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=0, min_swap_bytes=0,
-                  blocks=[BlockPlan(name, "swap", "profiling", 0, 0.0, 0.0) for name in names])
+    measuring = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
+                     predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
+                     plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=0, min_swap_bytes=0,
+                     blocks=[BlockPlan(name, decision, "profiling", 0, 0.0, 0.0) for name in names])
     recorder = Recorder(names, device)
-    install_plan(model, frugal, device, recorder=recorder)
+    install_plan(model, measuring, device, recorder=recorder)
     tier = installed_state(model).tier
-    recorder.tier_stall_source = tier.collect_stall_seconds
+    if tier is not None:
+        recorder.tier_stall_source = tier.collect_stall_seconds
     try:
         output = call_model(model, example_inputs)
         loss_started = recorder.now()
         loss = loss_of(output, loss_fn)
         loss_seconds = recorder.now() - loss_started
+        recorder.in_backward = True  # recompute re-runs block forwards: not forward calls
         loss.backward()
         recorder.backward_finished()
         recorder.assign_backward_seconds(recorder.now() - recorder.tier_stall())
+        if decision == "recompute":
+            for block in recorder.blocks.values():
+                block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
         del output, loss
     finally:
         uninstall_plan(model)
     return recorder, loss_seconds
+
+
+def _timing_decision(sized: Profile, memory_bytes: int | None) -> str | None:
+    """Which plan to time blocks under, once sizes are known: the all-swap sizing step's times are
+    inflated by its transfers (on CPU they share the cores with compute). All-keep when it fits the
+    budget, else all-recompute (no transfers, only block inputs held) when that fits; None keeps
+    the sizing step's times."""
+    from oomless.plan.planner import reserve_bytes, static_breakdown
+    from oomless.plan.simulate import simulate
+
+    if memory_bytes is None:
+        return "recompute"
+    room = memory_bytes - sum(static_breakdown(sized).values()) - reserve_bytes(sized)
+    for decision in ("keep", "recompute"):
+        if simulate(sized, [decision] * len(sized.blocks)).activation_peak_bytes <= room:
+            return decision
+    return None
 
 
 def _refined(found, recorder) -> list | None:
@@ -100,9 +122,14 @@ def _refined(found, recorder) -> list | None:
     return refined if changed else None
 
 
-def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None) -> Profile:
-    """Measure one training step of ``model`` (no optimizer step) under an all-swap plan; with the
-    default block policy, blocks too big to plan are split and the step measured once more."""
+def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None,
+                  memory_bytes: int | None = None) -> Profile:
+    """Measure one training step of ``model`` (no optimizer step), per block.
+
+    Sizes come from a step under an all-swap plan (nothing held but what is in flight); with the
+    default block policy, blocks too big to plan are split and that step measured once more. Times
+    then come from a step under all-keep if it fits ``memory_bytes``, else all-recompute.
+    """
     from oomless.runtime.install import installed_state
 
     device = check_inputs_device(model, example_inputs)
@@ -117,16 +144,31 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     saved_buffers = [b.detach().clone() for b in model.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
+
+    def measure(decision: str):
         for p in parameters:
             p.grad = None
-        recorder, loss_seconds = _measure_step(model, example_inputs, loss_fn, found, device)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        return _measure_step(model, example_inputs, loss_fn, found, device, decision)
+
+    try:
+        recorder, loss_seconds = measure("swap")
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
-            for p in parameters:
-                p.grad = None
             found = refined
-            recorder, loss_seconds = _measure_step(model, example_inputs, loss_fn, found, device)
+            recorder, loss_seconds = measure("swap")
+        sized = _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes)
+        timing = _timing_decision(sized, memory_bytes)
+        if timing is not None:
+            timer, sized.loss_seconds = measure(timing)
+            sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
+            sized.notes.append(f"block times measured in a step with every block under {timing}")
+            times = {block.name: block for block in timer.blocks.values()}
+            for block in sized.blocks:
+                block.forward_seconds = times[block.name].forward_seconds
+                block.backward_seconds = times[block.name].backward_seconds
     finally:
         with torch.no_grad():
             for p, grad in zip(parameters, saved_grads):
@@ -136,8 +178,12 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+    return sized
 
+
+def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes) -> Profile:
     modules = dict(found)
+    parameters = list(dict.fromkeys(model.parameters()))
     block_profiles = []
     for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
         block = recorder.blocks[index]

@@ -32,6 +32,7 @@ class Recorder:
         self.resident: set[tuple] = set()
         self.probe = MemoryProbe(device)
         self.backward_block: int | None = None
+        self.in_backward = False
         self.interval_saved_bytes = 0
         self.interval_fetched_bytes = 0
 
@@ -79,6 +80,8 @@ class Recorder:
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
 
     def block_started(self, index, args):
+        if self.in_backward:
+            return
         if index not in self.order:
             self.order.append(index)
         block = self.blocks[index]
@@ -90,6 +93,8 @@ class Recorder:
         self.probe.mark()
 
     def block_finished(self, index, output):
+        if self.in_backward:
+            return
         block = self.blocks[index]
         transient = max(self.probe.peak_since_mark() - self.interval_saved_bytes, 0)
         block.forward_transient_bytes = max(block.forward_transient_bytes or 0, transient)
