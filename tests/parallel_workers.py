@@ -65,13 +65,16 @@ def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
     from oomless.parallel.process_group import named_collective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
+    # Joining gets a generous timeout (a spawned process can take seconds to start on a loaded
+    # machine); only the group the collective runs on has the 2 s one under test.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    group = dist.new_group(ranks=[0, 1], timeout=timedelta(seconds=2))
     if rank == 1:
         time.sleep(5)               # never joins the all-reduce: rank 0 must time out, not hang
         return
     try:
         with named_collective("test parameter all-reduce", 2):
-            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4), group=group)
         message = "no error"
     except Exception as error:      # noqa: BLE001 - the test inspects whatever came out
         message = f"{type(error).__name__}: {error}"
