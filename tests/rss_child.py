@@ -46,10 +46,11 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     plan = None
     if memory != "plain":
-        plan_profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
-        plan = oomless.plan(model, inputs, memory, profile=plan_profile)
+        plan_profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory)
+        forced = None
         if len(sys.argv) > 3:
-            plan = plan.with_decisions({block: sys.argv[3] for block in plan.decisions})
+            forced = {block.name: sys.argv[3] for block in plan_profile.blocks}
+        plan = oomless.plan(model, inputs, memory, profile=plan_profile, decisions=forced)
         oomless.apply(model, plan)
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)

@@ -41,7 +41,7 @@ def test_step_peaks_within_memory_well_below_plain(model, share):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 def test_swapping_to_disk_really_lowers_resident_memory():
     plain = _run_child("unet3d", "plain")
-    swapped = _run_child("unet3d", str(int(plain["peak_bytes"] * 2)), "swap")
+    swapped = _run_child("unet3d", str(int(plain["peak_bytes"] * 0.7)), "swap")
     print(f"unet3d all-swap: plain {plain['peak_bytes'] / 2**20:.0f} MiB, swapped {swapped['peak_bytes'] / 2**20:.0f} MiB")
     # Half the saved activations of this U-Net live in its encoder; with every block's saved
     # tensors on disk the step's resident peak must fall clearly below the plain step's.

@@ -58,15 +58,17 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
-            dtype: torch.dtype | None = None) -> Profile:
-    """Measure one training step per block (see `oomless.profile.profiler`); plain data. With
-    ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`)."""
+            dtype: torch.dtype | None = None, memory=None) -> Profile:
+    """Measure one training step per block (see `oomless.profile.profiler`); plain data. Block
+    times are measured under the plan for ``memory`` when given (else recomputing every block).
+    With ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`)."""
     if target is not None:
         from oomless.profile.fake import profile_for_target
         check_inputs_device(model, example_inputs, allow_meta=True)
         return profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
                                   blocks=blocks, dtype=dtype)
-    return profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks)
+    return profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks,
+                         memory_bytes=None if memory is None else parse_bytes(memory))
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:

@@ -5,7 +5,8 @@ Streams modelled (as in the CUDA runtime): one compute stream, a copy-out stream
 forward and a copy-in stream for prefetches in backward. A swapped block's bytes leave the ledger
 when its copy-out ends and return when its prefetch starts (the destination is allocated then).
 Prefetch of block i is issued when backward reaches block i + distance. A recompute block holds its
-inputs from forward to backward and re-runs its forward before its backward.
+inputs from forward to backward and re-runs its forward before its backward. With the disk tier
+(compute on CPU) transfers share the cores with compute, so their time is added to the step.
 """
 
 from collections import deque
@@ -30,6 +31,9 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
              max_pending_out_bytes: int | None = None, keep_curve: bool = False) -> Timeline:
     blocks = profile.blocks
     out_rate, in_rate = profile.link.out_bytes_per_second, profile.link.in_bytes_per_second
+    # The disk tier's workers copy on the same CPU cores compute runs on: its transfers do not hide
+    # behind compute, they take their time from it (the conservative reading: fully serialised).
+    contended = profile.link.kind == "disk"
     events: list[tuple[float, int]] = []  # (time, +/- bytes)
     now, copy_out_free, stall = 0.0, 0.0, 0.0
     out_end = [0.0] * len(blocks)
@@ -53,6 +57,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
         if decision == "swap":
             start = max(copy_out_free, now - block.forward_seconds)
             copy_out_free = out_end[i] = max(start + block.saved_bytes / out_rate, now)
+            if contended:
+                now += block.saved_bytes / out_rate
             events.append((out_end[i], -block.saved_bytes))
             pending_out.append((out_end[i], block.saved_bytes))
             pending_bytes += block.saved_bytes
@@ -83,6 +89,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
             stall += ready[i] - now
             block_stall[i] = ready[i] - now
             now = ready[i]
+        if decision == "swap" and contended:
+            now += block.saved_bytes / in_rate
         if decision == "recompute":
             events.append((now, block.saved_bytes))
             now += block.forward_seconds

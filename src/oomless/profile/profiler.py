@@ -55,8 +55,9 @@ def loss_of(output, loss_fn):
     return loss
 
 
-def _measure_step(model, example_inputs, loss_fn, found, device, decision: str = "swap") -> tuple[Recorder, float]:
-    """Run forward, loss and backward once with every block under ``decision``, recording per block."""
+def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None
+                  ) -> tuple[Recorder, float]:
+    """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per block."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
@@ -66,7 +67,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decision: str =
     measuring = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
                      predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
                      plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=0, min_swap_bytes=0,
-                     blocks=[BlockPlan(name, decision, "profiling", 0, 0.0, 0.0) for name in names])
+                     blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
+                             for name in names])
     recorder = Recorder(names, device)
     install_plan(model, measuring, device, recorder=recorder)
     tier = installed_state(model).tier
@@ -81,8 +83,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decision: str =
         loss.backward()
         recorder.backward_finished()
         recorder.assign_backward_seconds(recorder.now() - recorder.tier_stall())
-        if decision == "recompute":
-            for block in recorder.blocks.values():
+        for block in recorder.blocks.values():
+            if (decisions or {}).get(block.name) == "recompute":  # its backward re-ran its forward
                 block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
         del output, loss
     finally:
@@ -90,21 +92,20 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decision: str =
     return recorder, loss_seconds
 
 
-def _timing_decision(sized: Profile, memory_bytes: int | None) -> str | None:
-    """Which plan to time blocks under, once sizes are known: the all-swap sizing step's times are
-    inflated by its transfers (on CPU they share the cores with compute). All-keep when it fits the
-    budget, else all-recompute (no transfers, only block inputs held) when that fits; None keeps
-    the sizing step's times."""
-    from oomless.plan.planner import reserve_bytes, static_breakdown
-    from oomless.plan.simulate import simulate
+def _timing_decisions(sized: Profile, memory_bytes: int | None) -> dict[str, str] | None:
+    """The decisions to time blocks under, once sizes are known. The all-swap sizing step's times are
+    inflated by its transfers (on CPU they share the cores with compute); the plan for the budget,
+    made from those sizes, fits and moves only what it must. Without a budget: recompute every
+    block (no transfers, only block inputs held). None (no plan fits) keeps the sizing times."""
+    from oomless.errors import PlanError
+    from oomless.plan.planner import make_plan
 
     if memory_bytes is None:
-        return "recompute"
-    room = memory_bytes - sum(static_breakdown(sized).values()) - reserve_bytes(sized)
-    for decision in ("keep", "recompute"):
-        if simulate(sized, [decision] * len(sized.blocks)).activation_peak_bytes <= room:
-            return decision
-    return None
+        return {block.name: "recompute" for block in sized.blocks}
+    try:
+        return make_plan(sized, memory_bytes).decisions
+    except PlanError:
+        return None
 
 
 def _refined(found, recorder) -> list | None:
@@ -128,7 +129,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
 
     Sizes come from a step under an all-swap plan (nothing held but what is in flight); with the
     default block policy, blocks too big to plan are split and that step measured once more. Times
-    then come from a step under all-keep if it fits ``memory_bytes``, else all-recompute.
+    then come from a step under the plan those sizes give for ``memory_bytes``.
     """
     from oomless.runtime.install import installed_state
 
@@ -145,26 +146,25 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
-    def measure(decision: str):
+    def measure(decisions: dict[str, str] | None = None):
         for p in parameters:
             p.grad = None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        return _measure_step(model, example_inputs, loss_fn, found, device, decision)
+        return _measure_step(model, example_inputs, loss_fn, found, device, decisions)
 
     try:
-        recorder, loss_seconds = measure("swap")
+        recorder, loss_seconds = measure()
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
             found = refined
-            recorder, loss_seconds = measure("swap")
+            recorder, loss_seconds = measure()
         sized = _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes)
-        timing = _timing_decision(sized, memory_bytes)
+        timing = _timing_decisions(sized, memory_bytes)
         if timing is not None:
             timer, sized.loss_seconds = measure(timing)
             sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
-            sized.notes.append(f"block times measured in a step with every block under {timing}")
             times = {block.name: block for block in timer.blocks.values()}
             for block in sized.blocks:
                 block.forward_seconds = times[block.name].forward_seconds

@@ -77,8 +77,9 @@ class ForwardRegistry:
             return entry
         entry = _Entry(self, block_index, storage, decision)
         self.by_storage[key] = entry
-        if decision == SWAP:
-            self.engine.make_room(entry.num_bytes)
+        # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
+        # would pass the budget.
+        self.engine.make_room(entry.num_bytes)
         ledger = self.engine.ledger
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
@@ -191,7 +192,7 @@ class SavedTensorEngine:
         return self.budget_bytes is None or self.ledger.resident_bytes + num_bytes <= self.budget_bytes
 
     def make_room(self, num_bytes: int) -> None:
-        """Before a swap puts more bytes on the ledger: if that would pass the activation budget,
+        """Before a saved storage goes on the ledger: if that would pass the activation budget,
         wait for earlier swaps' copies to finish. The plan predicts this never happens; when copies
         fall behind the prediction, waiting keeps the budget a promise (on CUDA this is a host
         synchronisation, the only one the runtime makes, and only in that case)."""
