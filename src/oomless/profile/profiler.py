@@ -13,7 +13,7 @@ import torch.nn as nn
 from oomless.errors import ApplyError, InputError
 from oomless.profile.blocks import children_as_blocks, find_blocks
 from oomless.profile.links import measure_link
-from oomless.profile.profile import Profile
+from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
 from oomless.profile.rss import return_freed_memory_to_the_system
 from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
@@ -83,6 +83,9 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         loss.backward()
         recorder.backward_finished()
         recorder.assign_backward_seconds(recorder.now() - recorder.tier_stall())
+        rates = tier.measured_rates() if hasattr(tier, "measured_rates") else None
+        if rates is not None:
+            recorder.link = LinkProfile("disk", *rates)
         for block in recorder.blocks.values():
             if (decisions or {}).get(block.name) == "recompute":  # its backward re-ran its forward
                 block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
@@ -202,7 +205,7 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         input_bytes=storage_bytes(tensors_in(example_inputs)),
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=loss_seconds,
-        link=measure_link(str(device)),
+        link=recorder.link or measure_link(str(device)),
         notes=notes,
         measured_peak_bytes=recorder.probe.highest_bytes,
     )

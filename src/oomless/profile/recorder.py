@@ -33,6 +33,7 @@ class Recorder:
         self.probe = MemoryProbe(device)
         self.backward_block: int | None = None
         self.in_backward = False
+        self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
         self.interval_saved_bytes = 0
         self.interval_fetched_bytes = 0
 

@@ -169,6 +169,16 @@ class DiskTier:
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self.stall_seconds = 0.0
+        # Bytes and busy seconds of the workers, each direction: the bandwidth this tier really
+        # reaches (many files of activation size, sharing the cores with compute), for the planner.
+        self.moved = {"out": [0, 0.0], "in": [0, 0.0]}
+
+    def measured_rates(self, minimum_bytes: int = 8 * 2**20) -> tuple[float, float] | None:
+        """(out, in) bytes per second seen so far, once both directions moved enough to tell."""
+        (out_bytes, out_seconds), (in_bytes, in_seconds) = self.moved["out"], self.moved["in"]
+        if min(out_bytes, in_bytes) < minimum_bytes or min(out_seconds, in_seconds) <= 0:
+            return None
+        return out_bytes / out_seconds, in_bytes / in_seconds
 
     def put(self, data: torch.Tensor) -> _DiskTicket:
         ticket = _DiskTicket(os.path.join(self.directory, f"{next(self._names)}.bin"), data.numel())
@@ -180,7 +190,9 @@ class DiskTier:
         return ticket
 
     def _write(self, ticket: _DiskTicket, data: torch.Tensor) -> None:
+        started = time.perf_counter()
         data.numpy().tofile(ticket.path)
+        self._count("out", ticket.num_bytes, time.perf_counter() - started)
         with self._lock:
             self._pending.remove(ticket)
             self._pending_bytes -= ticket.num_bytes
@@ -207,7 +219,15 @@ class DiskTier:
 
     def _read(self, ticket: _DiskTicket) -> torch.Tensor:
         ticket.written.result()
-        return torch.from_numpy(np.fromfile(ticket.path, dtype=np.uint8))
+        started = time.perf_counter()
+        data = torch.from_numpy(np.fromfile(ticket.path, dtype=np.uint8))
+        self._count("in", ticket.num_bytes, time.perf_counter() - started)
+        return data
+
+    def _count(self, direction: str, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self.moved[direction][0] += num_bytes
+            self.moved[direction][1] += seconds
 
     def get(self, ticket: _DiskTicket) -> torch.Tensor:
         self.prefetch(ticket)
