@@ -189,7 +189,7 @@ class SavedTensorEngine:
         self.registry = ForwardRegistry(self)
 
     def has_room(self, num_bytes: int) -> bool:
-        return self.budget_bytes is None or self.ledger.resident_bytes + num_bytes <= self.budget_bytes
+        return self.budget_bytes is None or self.ledger.resident_activation_bytes + num_bytes <= self.budget_bytes
 
     def make_room(self, num_bytes: int) -> None:
         """Before a saved storage goes on the ledger: if that would pass the activation budget,
