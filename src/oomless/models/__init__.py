@@ -40,6 +40,21 @@ def build_monai_unet(in_channels: int = 1, out_channels: int = 2, base_channels:
     )
 
 
+def build_transformers_model(model_type: str, **config) -> nn.Module:
+    """A Hugging Face transformers causal LM built from its config class (``hf:gpt2``, ``hf:llama``),
+    randomly initialised: no weights are downloaded. ``config`` sets config fields (n_layer=...)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:
+        raise OomlessError(f"model 'hf:{model_type}' needs transformers, which is not installed; "
+                           "run: pip install oomless[transformers]") from error
+    try:
+        settings = AutoConfig.for_model(model_type, **config)
+    except ValueError as error:
+        raise InputError(f"transformers has no model type {model_type!r}: {error}") from error
+    return AutoModelForCausalLM.from_config(settings)
+
+
 _FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "unet3d": UNet3D,
     "transformer": TinyTransformer,
@@ -71,6 +86,8 @@ def _import_factory(spec: str) -> Callable[..., nn.Module]:
 
 def build_model(name: str, **kwargs) -> nn.Module:
     """Build a model from a registered name (see ``MODEL_NAMES``) or a ``package.module:factory`` string."""
+    if name.startswith("hf:"):
+        return build_transformers_model(name[3:], **kwargs)
     if ":" in name:
         model = _import_factory(name)(**kwargs)
         if not isinstance(model, nn.Module):
@@ -100,7 +117,7 @@ def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Seque
             shape = (batch, model_kwargs.get("in_channels", 1), size, size, size)
         elif name == "cnn":
             shape = (batch, model_kwargs.get("in_channels", 3), size, size)
-        elif name == "transformer":
+        elif name == "transformer" or name.startswith("hf:"):
             shape = (batch, size)
         elif name == "mlp":
             shape = (batch, tuple(model_kwargs.get("sizes", MLP().sizes))[0])
@@ -111,8 +128,8 @@ def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Seque
     shape = tuple(int(side) for side in shape)
     if any(side <= 0 for side in shape):
         raise InputError(f"input shape {shape} has a non-positive side")
-    if name == "transformer":
-        vocab_size = model_kwargs.get("vocab_size", 256)
+    if name == "transformer" or name.startswith("hf:"):
+        vocab_size = model_kwargs.get("vocab_size", 256)  # hf: token ids below 256 are valid for every vocabulary
         example = torch.randint(0, vocab_size, shape, generator=generator)
     else:
         example = torch.randn(shape, generator=generator)

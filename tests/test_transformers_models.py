@@ -1,0 +1,48 @@
+"""A Hugging Face model (built from its config, no download) trains under oomless exactly as plain
+PyTorch does, and plans for a target device by name (`hf:gpt2`)."""
+
+import copy
+
+import pytest
+import torch
+
+import oomless
+from oomless.models import build_model, example_input_for
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("policy", ["swap", "recompute"])
+def test_hf_gpt2_trains_bitwise_like_plain_pytorch(policy):
+    torch.manual_seed(0)
+    model = build_model("hf:gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    tokens = example_input_for("hf:gpt2", batch=2, size=32)
+
+    def loss_fn(output):
+        return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+    reference = copy.deepcopy(model)
+    plan = oomless.plan(model, tokens, "1GiB", loss_fn=loss_fn, min_swap_bytes=0)
+    assert any(name.startswith("transformer.h.") for name in plan.decisions)
+    oomless.apply(model, plan.with_decisions({name: policy for name in plan.decisions}))
+    for trained in (reference, model):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(10 + step)
+            loss_fn(trained(tokens)).backward()
+            optimizer.step()
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected, actual), name
+        assert torch.equal(expected.grad, actual.grad), name
+    stats = oomless.stats(model)
+    assert stats.offloaded_bytes > 0 or stats.recomputed_blocks > 0
+
+
+def test_hf_model_plans_for_a_target_on_meta():
+    with torch.device("meta"):
+        model = build_model("hf:gpt2", n_layer=4, n_embd=256, n_head=4)
+    tokens = example_input_for("hf:gpt2", batch=2, size=128).to("meta")
+    plan = oomless.plan(model, tokens, "2GiB", target="h100", loss_fn=oomless.sum_of_outputs)
+    assert plan.predicted_peak_bytes <= 2 * 2**30
+    assert plan.predicted_step_seconds > 0
