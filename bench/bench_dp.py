@@ -22,9 +22,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
+if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
+    sys.path.insert(0, str(BENCH_DIRECTORY))
+from common import provenance  # noqa: E402  (bench/common.py)
+
 VARIANTS = ("no_communication", "plain_ddp", "overlapped")
 
 
@@ -146,22 +148,6 @@ def _worker(rank, world_size, port, args, out_path):
     dist.destroy_process_group()
 
 
-def provenance(device: str, world_size: int, backend: str) -> dict:
-    def git(*command):
-        try:
-            return subprocess.run(["git", *command], cwd=BENCH_DIRECTORY, capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    name = torch.cuda.get_device_name(0) if device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
-    return {"device": name, "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "utc_date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "world_size": world_size, "backend": backend,
-            "host": socket.gethostname()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -193,7 +179,8 @@ def main() -> None:
     base = summary["no_communication"]["median_step_seconds_slowest_rank"]
     for variant in VARIANTS:
         summary[variant]["vs_no_communication"] = summary[variant]["median_step_seconds_slowest_rank"] / base
-    result = {"provenance": provenance(args.device, args.world_size, backend), "settings": vars(args),
+    result = {"provenance": provenance(args.device, world_size=args.world_size, backend=backend,
+                                          threads=args.threads), "settings": vars(args),
               "summary": summary, "per_rank": per_rank}
     date = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"dp-{args.device}-{backend}-{date}.json"

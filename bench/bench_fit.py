@@ -25,60 +25,29 @@ The result is JSON with provenance, default bench/results/fit-<device>-<date>.js
 import argparse
 import copy
 import json
-import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import oomless
 from oomless.errors import InputError, PlanError
-from oomless.models import TinyTransformer, UNet3D
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.links import measure_link
 from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
+if str(BENCH_DIRECTORY) not in sys.path:    # loaded from its path by `oomless bench`, not run as a script
+    sys.path.insert(0, str(BENCH_DIRECTORY))
+from common import SIZES, build_model, provenance  # noqa: E402  (bench/common.py)
+
 VARIANTS = ("plain", "keep", "plan_50", "plan_25", "plan_ckpt_memory", "checkpoint", "save_on_cpu")
 PLAN_SHARES = {"plan_50": 0.5, "plan_25": 0.25}
-
-# Sizes: on this 2-core CPU one plain step takes ~0.3-1 s; on an H100 the models are large enough
-# that a step's saved activations (GiB) take as long over PCIe as the step's compute.
-SIZES = {
-    "cpu": {"transformer": dict(dim=256, depth=8, heads=8, vocab_size=512, batch=2, length=256),
-            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48)},
-    "cuda": {"transformer": dict(dim=1024, depth=8, heads=16, vocab_size=8192, batch=4, length=1024),
-             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128)},
-    "quick": {"transformer": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16),
-              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8)},
-}
-
-
-def build_model(name: str, sizes: dict, device: torch.device):
-    """The model, its example input and its loss, seeded: every variant starts from a copy of it."""
-    torch.manual_seed(0)
-    if name == "transformer":
-        model = TinyTransformer(vocab_size=sizes["vocab_size"], dim=sizes["dim"], depth=sizes["depth"],
-                                heads=sizes["heads"], max_len=sizes["length"], dropout=0.1)
-        tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
-        targets = tokens.roll(-1, 1)
-        return model.to(device), tokens, lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
-    if name == "unet3d":
-        model = UNet3D(base_channels=sizes["base_channels"], depth=sizes["depth"])
-        side = sizes["side"]
-        volume = torch.randn(sizes["batch"], 1, side, side, side, device=device)
-        labels = (volume[:, 0] > 0.5).long()
-        return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
-    raise InputError(f"unknown benchmark model {name!r}; choose transformer, unet3d or all")
 
 
 class CheckpointedBlock(nn.Module):
@@ -311,32 +280,6 @@ def bench_model(model_name: str, sizes: dict, device: torch.device, steps: int, 
     return {"sizes": sizes, "blocks": len(profile.blocks), "smallest_memory_bytes": minimum,
             "link": asdict(link) if link is not None else asdict(profile.link),
             "variants": results, "targets": check_targets(results, device)}
-
-
-def provenance(device: torch.device, command: str) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIRECTORY, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=BENCH_DIRECTORY,
-                                    capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as cpuinfo:
-                device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-    return {"device": device.type, "device_name": device_name, "torch_version": torch.__version__,
-            "cuda_version": torch.version.cuda if device.type == "cuda" else None,
-            "oomless_version": oomless.__version__, "git_commit": commit, "git_dirty": dirty,
-            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            # Other work on the machine slows multi-threaded CPU kernels (their threads wait on each other).
-            "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def print_table(report: dict) -> None:

@@ -3,7 +3,7 @@
     python bench/bench_predict.py                        # CPU here (CUDA where available)
     python bench/bench_predict.py --quick --out /tmp/p.json
 
-For each of the fit engine's benchmark models (bench/bench_fit.py's sizes), in one process: profile
+For each of the fit engine's benchmark models (bench/common.py's sizes), in one process: profile
 one real step, plan it at three budgets (leaving 100 %, 50 % and 25 % of the plain step's saved
 activations; clamped up to the smallest feasible memory, the clamp recorded), apply each plan, run
 warm-up + measured steps (forward, loss, backward), and record the median measured step seconds and
@@ -15,50 +15,26 @@ bench/results/predict-<device>-<date>.json.
 
 import argparse
 import json
-import platform
 import random
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import oomless
 from oomless.errors import PlanError
-from oomless.models import TinyTransformer, UNet3D
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
-SIZES = {
-    "cpu": {"transformer": dict(dim=256, depth=8, heads=8, vocab_size=512, batch=2, length=256),
-            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48)},
-    "cuda": {"transformer": dict(dim=1024, depth=8, heads=16, vocab_size=8192, batch=4, length=1024),
-             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128)},
-    "quick": {"transformer": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16),
-              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8)},
-}
+if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
+    sys.path.insert(0, str(BENCH_DIRECTORY))
+from common import SIZES, build_model, provenance  # noqa: E402  (bench/common.py)
+
 SHARES = (1.0, 0.5, 0.25)
-
-
-def build(name: str, sizes: dict, device: torch.device):
-    torch.manual_seed(0)
-    if name == "transformer":
-        model = TinyTransformer(vocab_size=sizes["vocab_size"], dim=sizes["dim"], depth=sizes["depth"],
-                                heads=sizes["heads"], max_len=sizes["length"], dropout=0.1).to(device)
-        tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
-        targets = tokens.roll(-1, 1)
-        return model, tokens, lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
-    model = UNet3D(base_channels=sizes["base_channels"], depth=sizes["depth"]).to(device)
-    side = sizes["side"]
-    volume = torch.randn(sizes["batch"], 1, side, side, side, device=device)
-    labels = (volume[:, 0] > 0.5).long()
-    return model, volume, lambda out: F.cross_entropy(out, labels)
 
 
 def _synchronize(device):
@@ -86,7 +62,7 @@ def measure(model, inputs, loss_fn, plan, device, steps: int) -> dict:
 
 
 def predict_against_measure(name: str, sizes: dict, device: torch.device, steps: int) -> list[dict]:
-    model, inputs, loss_fn = build(name, sizes, device)
+    model, inputs, loss_fn = build_model(name, sizes, device)
     profile = oomless.profile(model, inputs, loss_fn=loss_fn)
     roomy = make_plan(profile, 10**15)
     rows = []
@@ -142,19 +118,6 @@ def solver_speed() -> list[dict]:
                          "slowdown": plan.predicted_step_seconds / plan.plain_step_seconds})
             print(f"solver {solver} {blocks} blocks at {share}: {rows[-1]['plan_seconds']:.3f} s", flush=True)
     return rows
-
-
-def provenance(device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=BENCH_DIRECTORY).stdout.strip() or None
-    except OSError:
-        commit = None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {"device": str(device), "device_name": name, "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "commit": commit,
-            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([sys.executable, *sys.argv])}
 
 
 def main(argv=None) -> int:

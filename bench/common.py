@@ -1,0 +1,104 @@
+"""What the benchmark programs share: model sizes, the model/input/loss builder, and provenance.
+
+bench_fit.py, bench_predict.py and bench_dp.py import it as ``common``: run as scripts, bench/ is
+on sys.path already; loaded from its file path (``oomless bench`` loads bench_fit.py that way), the
+program puts bench/ on sys.path first.
+"""
+
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import oomless
+from oomless.errors import InputError
+from oomless.models import TinyTransformer, UNet3D
+
+BENCH_DIRECTORY = Path(__file__).resolve().parent
+
+# Sizes: on a 2-core CPU one plain step takes ~0.3-1 s; on an H100 the models are large enough
+# that a step's saved activations (GiB) take as long over PCIe as the step's compute.
+SIZES = {
+    "cpu": {"transformer": dict(dim=256, depth=8, heads=8, vocab_size=512, batch=2, length=256),
+            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48)},
+    "cuda": {"transformer": dict(dim=1024, depth=8, heads=16, vocab_size=8192, batch=4, length=1024),
+             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128)},
+    "quick": {"transformer": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16),
+              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8)},
+}
+
+
+def build_model(name: str, sizes: dict, device: torch.device):
+    """The model (on ``device``), its example input and its loss, seeded: the same on every call."""
+    torch.manual_seed(0)
+    if name == "transformer":
+        model = TinyTransformer(vocab_size=sizes["vocab_size"], dim=sizes["dim"], depth=sizes["depth"],
+                                heads=sizes["heads"], max_len=sizes["length"], dropout=0.1)
+        tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
+        targets = tokens.roll(-1, 1)
+        return model.to(device), tokens, lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
+    if name == "unet3d":
+        model = UNet3D(base_channels=sizes["base_channels"], depth=sizes["depth"])
+        side = sizes["side"]
+        volume = torch.randn(sizes["batch"], 1, side, side, side, device=device)
+        labels = (volume[:, 0] > 0.5).long()
+        return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
+    raise InputError(f"unknown benchmark model {name!r}; choose transformer, unet3d or all")
+
+
+def _git(*arguments: str) -> str | None:
+    try:
+        return subprocess.run(["git", *arguments], cwd=BENCH_DIRECTORY, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name, or the CPU model from /proc/cpuinfo (the platform's name without it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return name
+
+
+def provenance(device: torch.device | str, command: str | None = None, **extra) -> dict:
+    """Where and how a result was produced. ``command`` defaults to this process's command line;
+    ``extra`` fields (world_size, backend, ...) are merged in last.
+
+    Several fields appear under two names, ``git_commit``/``commit``, ``git_dirty``/``dirty``,
+    ``date_utc``/``utc_date``, ``torch_version``/``torch``: the programs wrote different names before
+    they shared this function, and results committed then stay comparable with later ones."""
+    device = torch.device(device)
+    commit = _git("rev-parse", "HEAD") or None
+    dirty_text = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = None if dirty_text is None else bool(dirty_text)
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record = {
+        "device": device.type, "device_name": device_name(device),
+        "torch_version": torch.__version__, "torch": torch.__version__,
+        "cuda_version": torch.version.cuda if device.type == "cuda" else None,
+        "oomless_version": oomless.__version__,
+        "git_commit": commit or "unknown", "commit": commit,
+        "git_dirty": dirty, "dirty": bool(dirty),
+        "date_utc": date, "utc_date": date,
+        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+        # Other work on the machine slows multi-threaded CPU kernels (their threads wait on each other).
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "host": socket.gethostname(),
+    }
+    record.update(extra)
+    return record
