@@ -1,0 +1,103 @@
+"""Helpers for the pipeline tests: the models and batches both sides train on, the single-process
+reference, and the gloo worker that trains one pipeline stage per process and leaves its parameters
+(under the original model's names) in ``out_dir/<job>-stage<i>.pt``."""
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from oomless.models import TinyTransformer, UNet3D
+from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
+from oomless.parallel.pipeline import PipelineParallel
+from tests.parallel_workers import free_port
+
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+def build(kind: str):
+    """(model, its BlockSequence, loss_fn(output, target)), the same in every process."""
+    torch.manual_seed(0)
+    if kind == "transformer":
+        # No dropout: micro-batching draws dropout masks in another order than one whole batch.
+        model = TinyTransformer(vocab_size=64, dim=32, depth=4, heads=2, max_len=16, dropout=0.0)
+        return model, transformer_sequence(model), lambda logits, target: F.cross_entropy(logits.flatten(0, 1),
+                                                                                          target.flatten())
+    model = UNet3D(base_channels=2, depth=2)
+    return model, unet_sequence(model), F.cross_entropy
+
+
+def make_optimizer(parameters):
+    # SGD, not Adam: the key part of an attention's qkv bias has an identically zero gradient
+    # (softmax ignores a shift shared by all keys), so its gradient is pure summation-order noise,
+    # which Adam normalises into lr-sized steps: one process with and without micro-batches already
+    # differs by 1.5e-5 there under Adam(lr=1e-3). SGD keeps noise at noise size.
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    if kind == "transformer":
+        tokens = torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+    volumes = torch.randn(GLOBAL_BATCH // 4, 1, 8, 8, 8, generator=generator)
+    return volumes, (volumes[:, 0] > 0).long()
+
+
+def reference(kind: str) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on one process, the whole global batch per step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # the workers run one thread; CPU kernels' sums depend on the split
+    try:
+        model, _, loss_fn = build(kind)
+        optimizer = make_optimizer(model.parameters())
+        for step in range(STEPS):
+            inputs, target = batch(kind, step)
+            optimizer.zero_grad()
+            loss_fn(model(inputs), target).backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for job in jobs:
+            model, sequence, loss_fn = build(job["kind"])
+            pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"])
+            optimizer = make_optimizer(pipeline.parameters())
+            for step in range(STEPS):
+                inputs, target = batch(job["kind"], step)
+                optimizer.zero_grad()
+                pipeline.step(inputs, target=target)
+                optimizer.step()
+            held = {id(parameter) for parameter in pipeline.parameters()}
+            torch.save({name: parameter.detach().clone() for name, parameter in model.named_parameters()
+                        if id(parameter) in held}, Path(out_dir) / f"{job['name']}-stage{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Run ``jobs`` in ``world_size`` gloo processes; per job, every stage's parameters merged."""
+    mp.start_processes(_worker, args=(world_size, free_port(), jobs, str(out_dir)), nprocs=world_size,
+                       start_method="spawn")
+    merged = {}
+    for job in jobs:
+        merged[job["name"]] = {}
+        for rank in range(world_size):
+            stage = torch.load(Path(out_dir) / f"{job['name']}-stage{rank}.pt")
+            for name, tensor in stage.items():
+                # A tied parameter lives on two stages: both copies must have taken the same update.
+                if name in merged[job["name"]]:
+                    assert torch.equal(merged[job["name"]][name], tensor), name
+                merged[job["name"]][name] = tensor
+    return merged
