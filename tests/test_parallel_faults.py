@@ -26,9 +26,7 @@ def _torchrun(tmp_path: Path, name: str, kill_at: int | None) -> subprocess.Comp
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if kill_at:
         environment["OOMLESS_TEST_KILL_AT_STEP"] = str(kill_at)
-    # use_agent_store=False: each attempt's rank 0 hosts a fresh store. With the agent's store, the
-    # restarted gloo group read the dead attempt's peer addresses in some runs (connection refused).
-    command = [str(TORCHRUN), "--standalone", "--rdzv-conf", "use_agent_store=False", "--nproc-per-node", "2",
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1",
                "--monitor-interval", "0.2", str(ROOT / "tests" / "parallel_kill_worker.py"),
                "--parallel", "dp", "--size", "16", "--base-channels", "2", "--depth", "1", "--global-batch", "4",
@@ -38,8 +36,6 @@ def _torchrun(tmp_path: Path, name: str, kill_at: int | None) -> subprocess.Comp
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed beside this Python")
-@pytest.mark.xfail(strict=False, reason="open: in about 1 run of 3 the restarted attempt's gloo group dials the "
-                   "killed attempt's peer address (connection refused) and the second attempt fails too")
 def test_sigkilled_worker_restarts_from_checkpoint_with_same_steps_and_weights(tmp_path):
     uninterrupted = _torchrun(tmp_path, "uninterrupted", kill_at=None)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]

@@ -48,11 +48,29 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_seconds))
+        dist.init_process_group(backend, store=_attempt_store(config.timeout_seconds),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=config.timeout_seconds))
     except Exception as error:
         raise CollectiveError(f"rank {os.environ.get('RANK')}: could not join the {backend} process group "
                               f"within {config.timeout_seconds:g} s: {_first_line(error)}") from error
     return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def _attempt_store(timeout_seconds: float) -> dist.Store:
+    """The rendezvous store, its keys under this restart attempt's own prefix.
+
+    After `torchrun --max-restarts` restarts the workers, a store that still holds the dead
+    attempt's keys hands gloo the dead peers' addresses (connection refused); a prefix per attempt
+    (TORCHELASTIC_RESTART_COUNT) keeps every attempt's rendezvous apart.
+    """
+    timeout = timedelta(seconds=timeout_seconds)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"oomless/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def leave_process_group(ranks: Ranks) -> None:
