@@ -32,7 +32,9 @@ def test_plain_training_gives_finite_falling_loss():
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0]
     assert 0.0 <= result.final_dice <= 1.0
-    assert result.peak_memory_bytes > 0 and result.volumes_per_second > 0
+    # Peak memory is resident memory above the loop's start: at this tiny size, in a test process
+    # whose heap already holds freed pages from earlier tests, it can be 0; never negative.
+    assert result.peak_memory_bytes >= 0 and result.volumes_per_second > 0
     assert result.voxels_per_second == pytest.approx(result.volumes_per_second * 16**3)
 
 
