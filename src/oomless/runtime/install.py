@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError
+from oomless.profile.tensors import tensors_in
 from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
@@ -22,11 +23,6 @@ STATE_ATTRIBUTE = "_oomless"
 def _storage_keys(tensors) -> set[tuple]:
     return {(t.device, t.untyped_storage().data_ptr()) for t in tensors
             if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-
-
-def _flatten_tensors(value) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(value)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 class InstalledPlan:
@@ -77,7 +73,7 @@ class InstalledPlan:
         if self._hooks_context is not None:
             return  # re-entrant call of the model inside its own forward
         resident = _storage_keys(model.parameters()) | _storage_keys(model.buffers())
-        resident |= _storage_keys(_flatten_tensors((args, kwargs)))
+        resident |= _storage_keys(tensors_in((args, kwargs)))
         self.engine.begin_forward(resident)
         self.ledger.steps += 1
         if self.tier is not None:
