@@ -1,5 +1,3 @@
-import copy
-
 import pytest
 import torch
 
@@ -18,3 +16,15 @@ def budget_for_share(profile, share: float, **plan_kwargs) -> int:
 def minimum_memory(profile) -> int:
     """The exact smallest budget for this profile (PlanError reports it with a margin)."""
     return smallest_memory(profile)
+
+
+def plan_under(model, inputs, loss_fn, policy: str):
+    """A plan with every block under ``policy`` (keep|swap|recompute), or for "planned" the
+    planner's own at half the plain step's activations (at least the smallest that fits). Returns
+    the plan and, for "planned", the memory it was made for."""
+    if policy == "planned":
+        profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+        memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
+        return oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile), memory
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
+    return plan.with_decisions({name: policy for name in plan.decisions}), None

@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 import oomless  # noqa: E402
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D  # noqa: E402
 from oomless.runtime.install import installed_state  # noqa: E402
-from tests.conftest import budget_for_share, minimum_memory  # noqa: E402
+from tests.conftest import budget_for_share, minimum_memory, plan_under  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -126,15 +126,9 @@ def test_training_on_cuda_equals_plain_pytorch(model_name, policy, deterministic
     if _differences(reference, control):
         pytest.skip(f"plain PyTorch itself is not bitwise reproducible for {model_name} on this GPU")
 
-    if policy == "planned":
-        profile = oomless.profile(model, inputs, loss_fn=loss_fn)
-        memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
-        plan = oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile)
-        if memory < plan.plain_peak_bytes:
-            assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
-    else:
-        plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
-        plan = plan.with_decisions({name: policy for name in plan.decisions})
+    plan, memory = plan_under(model, inputs, loss_fn, policy)
+    if policy == "planned" and memory < plan.plain_peak_bytes:
+        assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
     oomless.apply(model, plan)
     _train(model, inputs, loss_fn)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import oomless
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D
-from tests.conftest import budget_for_share, minimum_memory
+from tests.conftest import plan_under
 
 
 def _mlp():
@@ -66,17 +66,12 @@ def test_training_equals_plain_pytorch(model_name, policy):
     torch.manual_seed(0)
     model, inputs, loss_fn = MODELS[model_name]()
     reference = copy.deepcopy(model)
+    plan, memory = plan_under(model, inputs, loss_fn, policy)
     if policy == "planned":
-        profile = oomless.profile(model, inputs, loss_fn=loss_fn)
-        memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
-        plan = oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile)
         if memory < plan.plain_peak_bytes:
             assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
         else:
             assert model_name == "dict", "only the two-block dict model has nothing to gain from a plan"
-    else:
-        plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
-        plan = plan.with_decisions({name: policy for name in plan.decisions})
     oomless.apply(model, plan)
 
     _train(reference, inputs, loss_fn)
