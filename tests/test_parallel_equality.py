@@ -9,7 +9,6 @@ we accept 1e-5 absolute on every weight after 10 Adam steps (lr 1e-3; measured ~
 update and plain DDP at the same world size must agree bitwise: same all-reduce, same update.
 """
 
-import copy
 
 import pytest
 import torch
