@@ -1,42 +1,97 @@
-"""The partitioner: cut a profiled model into S contiguous pipeline stages, minimising the slowest
-stage's time under each stage's memory limit (DESIGN.md sections 5 and 6, issue 5).
+"""The partitioner: cut a profiled model into contiguous pipeline stages, P ranks x V stages per
+rank, minimising the slowest rank's time under each rank's memory limit, and choose the number of
+micro-batches (DESIGN.md sections 5 and 6, issue 5).
 
     profile = oomless.profile(model, one_microbatch, loss_fn=..., optimizer=...)
-    partition = partition_stages(profile, stages=4, memory=["20GiB"] * 4, microbatches=8)
-    print(partition)                  # stage -> blocks, predicted seconds and bytes, the bottleneck
+    partition = partition_stages(profile, stages=4, memory="20GiB", microbatches=8)
+    print(partition)                  # stage -> blocks, rank, predicted seconds and bytes, the bottleneck
     partition.stage_blocks            # [["blocks.0", "blocks.1"], ["blocks.2"], ...]
+    # or let the planner pick M from a profile of the whole per-replica batch of 32 samples:
+    partition = choose_microbatches(whole_batch_profile, 4, 32, "20GiB", schedule="interleaved-1f1b",
+                                    stages_per_rank=2)
 
-The profile must be of **one micro-batch**: its times and saved bytes are per micro-batch.
+`partition_stages` takes a profile of **one micro-batch**: its times and saved bytes are per
+micro-batch. `choose_microbatches` scales a whole-batch profile down (`scale_profile`).
 
-Cost model of stage s, holding blocks [i, j) of the profile, in a pipeline of S stages and M
-micro-batches:
+Schedules (`SCHEDULES`, torch.distributed.pipelining's; `stage_ranks` gives the placement):
+``gpipe`` and ``1f1b`` run one stage per rank; ``interleaved-1f1b`` (ScheduleInterleaved1F1B) and
+``zero-bubble`` (ScheduleInterleavedZeroBubble) V >= 2 stages per rank, stage s on rank s mod P;
+``zbv`` (ScheduleZBVZeroBubble) exactly 2, rank r holding stages r and 2P - 1 - r.
+
+Cost model of stage s holding blocks [i, j):
 
 - seconds per micro-batch: the blocks' forward + backward seconds (the loss's on the last stage),
-  plus, when ``link_bytes_per_second`` is given, the time to receive the tensors crossing the cut in
-  front of it and to send back their gradients (both directions of each cut counted once, on the
-  receiving stage). The pipeline's step then lasts about (M + S - 1) x the slowest stage
-  (GPipe and 1F1B alike, communication not overlapped); its bubble is (S - 1) / (M + S - 1).
+  plus, when ``link_bytes_per_second`` is given and the stage in front lives on another rank, the
+  time to receive the tensors crossing the cut and to send back their gradients. A rank's time per
+  micro-batch is the sum over its stages (plus ``overhead_seconds`` per stage in `choose_microbatches`).
 - bytes: parameters + gradients + optimizer state (the profile's optimizer bytes per parameter
-  byte, 0 when the profile had no optimizer: a note says so) + every buffer of the model (buffers are
-  not attributed to blocks; each stage is charged all of them, which overstates by at most
-  ``profile.buffer_bytes``) + in-flight micro-batches x (saved activations + bytes crossing the cut
-  in front, held as the stage's received input) + the largest working (transient) bytes of one of
-  its blocks, as the memory planner estimates them.
+  byte, 0 when the profile had no optimizer: a note says so) + in-flight micro-batches x (saved
+  activations + bytes crossing the cut in front, held as the stage's received input). A rank adds
+  its stages' static bytes, their activations at the rank's busiest moment (its stages do not peak
+  together: under zero-bubble with P = 2, M = 4 they peak at 4 and 2 micro-batches but hold 4 in
+  all; `rank_in_flight`), every buffer of the model once (buffers are not attributed to blocks,
+  which overstates by at most ``profile.buffer_bytes``) and the largest working (transient) bytes
+  of one of its blocks, as the memory planner estimates them.
 - bytes crossing the cut in front of block i: what the forward holds when block i starts (every
   earlier block output still referenced: the skips of a U-Net), at least block i's own input. For
   stage 0 it is the step's input.
-- in-flight micro-batches, whose saved activations a stage holds at once: GPipe runs every forward
-  before any backward, so M; 1F1B (PipeDream-flush, Narayanan et al. 2021) starts stage s's first
-  backward after S - s forwards, so min(S - s, M).
 
-The search is exact: dynamic programming over contiguous cuts, O(n^2 S) for n blocks, minimising the
-maximum stage time among cuts whose every stage fits its limit. Tested against brute force over every
-cut (tests/test_partition.py).
+In-flight micro-batches (M micro-batches, P ranks, V stages per rank, stage s on rank r):
+
+- gpipe: every forward before any backward (Huang et al. 2019), so M.
+- 1f1b (PipeDream-flush, Narayanan et al. 2021 section 2.2.1): stage s's first backward comes after
+  P - s forwards, so min(P - s, M).
+- interleaved-1f1b (Narayanan et al. 2021 section 2.2.2): a warm-up of (V - 1) m + 2 (P - 1 - r)
+  forwards over the rank's stages in turns of m micro-batches (Megatron-LM's count; torch's
+  ``_get_warmup_ops`` with m = M / max(1, M // P), which is why torch needs M to be a multiple of
+  max(1, M // P)), then one forward and one backward alternate. Counted exactly by walking that
+  order (`_looped_order`); tests compare every count with torch's own schedule order.
+- zero-bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1 as torch builds it): the
+  same walk with a warm-up of (V - 1) m + (P - 1 - r), and a micro-batch's activations freed only by
+  its weight-gradient pass, r steps after its input-gradient pass. Approximation: all its saved
+  bytes are held until then (the input-gradient pass frees part of them).
+- zbv (Qi et al. 2023 section 6, ZB-V as torch builds it, walked by `_zbv_order`): rank r's first
+  stage peaks at min(2P - r, M) micro-batches, its second at min(r + 1, M); each stage holds half
+  a rank's layers, so about 1F1B's P micro-batches of a whole rank.
+
+The predicted step, T the slowest rank's seconds per micro-batch and T_F / T_B / T_W its forward,
+input-gradient and weight-gradient shares (the profile does not split the backward: we take
+T_B = T_W = backward / 2, Qi et al.'s working assumption T_F = T_B = T_W being the case backward =
+2 forward):
+
+- gpipe, 1f1b: (M + P - 1) T; bubble (P - 1) / (M + P - 1) (Huang et al. 2019; Narayanan et al.).
+- interleaved-1f1b: M T + (P - 1) T / V for M >= P (Narayanan et al. 2021 section 2.2.2: the bubble
+  shrinks V-fold; bubble fraction (P - 1) / (V M + P - 1)). For M < P the loop of P V stages of
+  T / V each comes round before a rank has other work: (M + V P - 1) T / V, our estimate.
+- zero-bubble: M T + (P - 1) (T_F + T_B - T_W) / V for M >= P (ZB-H1's bubble, Qi et al. 2023
+  section 2.1, a third of 1F1B's when T_F = T_B = T_W; torch's schedule is their ZB1P; the division
+  by V for several stages per rank is our approximation). For M < P as interleaved-1f1b.
+- zbv: M T + (P - 1) max(0, T_F + T_B - 2 T_W) / 2 for M >= 2P - 1. Qi et al. 2023 section 6 give
+  ZB-V zero bubble when T_F = T_B = T_W; the general term is our approximation, ZB-H2's bubble
+  (their section 2.2) over stages of half a rank. Torch plans 2P - 1 micro-batch slots at least and
+  leaves the missing ones empty, so for fewer we take the lesser of that step and the
+  interleaved-1f1b estimate (the loop's, for M << P): our estimate.
+
+Choosing M (`choose_microbatches`): each divisor M of the per-replica batch that torch's schedule
+accepts is planned on the whole-batch profile scaled to 1 / M (`scale_profile`), every stage paying
+``overhead_seconds`` per micro-batch; the fastest predicted step that fits wins, fewer micro-batches
+on ties. More micro-batches shrink the bubble and cost overhead; they never cost bytes here (GPipe
+holds M micro-batches of 1 / M the activations each, 1F1B fewer), so memory only rules out small M.
+
+The search: with one stage per rank it is exact, dynamic programming over contiguous cuts,
+O(n^2 P) for n blocks. With several stages per rank the rank sums couple stages that are not
+neighbours; a depth-first branch and bound over cuts (pruned by the best rank time so far, the
+rank's memory and the time left to place) starts from two dynamic-programming cuts improved by
+local search, and is exact when it finishes within `SEARCH_STEPS` (it does on the small models of
+the tests, where it equals brute force over every cut: tests/test_partition.py). Otherwise the best
+cut found is returned with a note of its distance from the lower bound compute seconds / P (within
+about 2 % on generated models of 48 to 96 blocks on 4 to 8 ranks).
 """
 
 import io
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 
 from oomless.errors import InputError, PlanError
@@ -44,26 +99,193 @@ from oomless.plan.planner import _transient_bytes
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes, parse_bytes
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+# Branch-and-bound steps (candidate stages tried) before the search settles for the best cut found.
+SEARCH_STEPS = 100_000
+# Assumed fixed cost per micro-batch and stage (kernel launches, a p2p send/recv pair, the schedule's
+# Python dispatch): 1 ms, of the order of a gloo send/recv on loopback plus torch's per-action work
+# on CPU; not measured here. Give `overhead_seconds` for your device (GPU/NCCL: likely less).
+DEFAULT_OVERHEAD_SECONDS = 1e-3
+# Share of a step's compute in forward when the profile says nothing (T_F = T_B = T_W).
+DEFAULT_FORWARD_FRACTION = 1 / 3
+
+
+def check_schedule(schedule: str, ranks: int, stages_per_rank: int) -> None:
+    """Raise `InputError` unless ``schedule`` runs ``stages_per_rank`` stages on each of ``ranks``."""
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if ranks < 1 or stages_per_rank < 1:
+        raise InputError(f"stages (ranks) and stages_per_rank must be at least 1, got {ranks} and {stages_per_rank}")
+    if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
+        raise InputError(f"schedule {schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}; "
+                         "use interleaved-1f1b, zero-bubble or zbv for several")
+    if schedule in ("interleaved-1f1b", "zero-bubble") and stages_per_rank < 2:
+        raise InputError(f"schedule {schedule} needs at least 2 stages per rank, got {stages_per_rank}")
+    if schedule == "zbv" and stages_per_rank != 2:
+        raise InputError(f"schedule zbv runs exactly 2 stages per rank (a V), got {stages_per_rank}")
+
+
+def microbatch_problem(schedule: str, ranks: int, microbatches: int) -> str | None:
+    """Why torch's ``schedule`` on ``ranks`` would refuse ``microbatches``, or None."""
+    if microbatches < 1:
+        return f"microbatches must be at least 1, got {microbatches}"
+    if schedule == "1f1b" and microbatches < ranks:
+        return f"torch's Schedule1F1B needs at least as many micro-batches as stages ({ranks})"
+    rounds = max(1, microbatches // ranks)
+    if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % rounds:
+        return (f"torch's interleaved schedules need a multiple of max(1, microbatches // ranks) = {rounds} "
+                f"micro-batches, got {microbatches}")
+    return None
+
+
+def stage_ranks(schedule: str, pipeline_ranks: int, stages_per_rank: int) -> list[int]:
+    """The rank of each of the pipeline_ranks x stages_per_rank stages under ``schedule``."""
+    check_schedule(schedule, pipeline_ranks, stages_per_rank)
+    stages = pipeline_ranks * stages_per_rank
+    if schedule == "zbv":
+        return [stage if stage < pipeline_ranks else stages - 1 - stage for stage in range(stages)]
+    return [stage % pipeline_ranks for stage in range(stages)]
+
+
+def in_flight_microbatches(schedule: str, stage: int, ranks: int, microbatches: int, stages_per_rank: int = 1) -> int:
+    """Micro-batches whose saved activations stage ``stage`` holds at once, at its peak, under
+    ``schedule`` (the module docstring gives the sources)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(ranks - stage, microbatches)
+    placement = stage_ranks(schedule, ranks, stages_per_rank)
+    rank = placement[stage]
+    return rank_in_flight(schedule, rank, ranks, stages_per_rank, microbatches)[0][placement[:stage].count(rank)]
+
+
+def rank_in_flight(schedule: str, rank: int, ranks: int, stages_per_rank: int,
+                   microbatches: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    """For ``rank``'s stages (in stage order): each one's peak in-flight count, and the counts of all
+    of them at once at each moment the rank's total may peak (after a forward; those another
+    moment's counts dominate left out). A rank's activation bytes are the most, over those moments,
+    of counts x each stage's bytes per micro-batch: its stages do not peak together."""
+    if schedule in ("gpipe", "1f1b"):
+        count = in_flight_microbatches(schedule, rank, ranks, microbatches)
+        return [count], [(count,)]
+    if schedule == "zbv":
+        order = _zbv_order(rank, ranks, microbatches)
+    else:
+        order = _looped_order(rank, ranks, stages_per_rank, microbatches, zero_bubble=schedule == "zero-bubble")
+    live, moments = [0] * stages_per_rank, set()
+    for forward, local in order:
+        live[local] += 1 if forward else -1
+        if forward:
+            moments.add(tuple(live))
+    peaks = [max(moment[local] for moment in moments) for local in range(stages_per_rank)]
+    kept = [moment for moment in moments
+            if not any(other != moment and all(map(int.__ge__, other, moment)) for other in moments)]
+    return peaks, sorted(kept)
+
+
+def _looped_order(rank: int, ranks: int, local_stages: int, microbatches: int, zero_bubble: bool):
+    """(is a forward, local stage) of the forwards and the passes that free a micro-batch on ``rank``
+    under torch's interleaved schedules, up to the last forward: op k runs a forward of local stage
+    (k // m) mod V and, past the warm-up, frees micro-batch k - lag of local stage
+    V - 1 - ((k - lag) // m) mod V (a backward; zero bubble: a weight-gradient pass, r ops later)."""
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = (local_stages - 1) * per_round + (1 if zero_bubble else 2) * (ranks - 1 - rank)
+    lag = min(warmup, microbatches * local_stages) + (rank if zero_bubble else 0)
+    for op in range(microbatches * local_stages):
+        yield True, (op // per_round) % local_stages
+        if op >= lag:
+            yield False, local_stages - 1 - ((op - lag) // per_round) % local_stages
+
+
+def _zbv_order(rank: int, ranks: int, microbatches: int):
+    """(is a forward, local stage: 0 for stage r, 1 for stage 2P - 1 - r) of the forwards and the
+    weight-gradient passes (which free a micro-batch) on ``rank`` in torch's ZB-V order, up to the
+    last forward. Torch plans max(2P - 1, M) micro-batches and drops the passes of those past M."""
+    planned, done, order = max(2 * ranks - 1, microbatches), {}, []
+
+    def run(forward: bool, local: int):
+        index = done.get((forward, local), 0)
+        done[forward, local] = index + 1
+        if index < microbatches:
+            order.append((forward, local))
+
+    for _ in range(2 * (ranks - rank) - 1):
+        run(True, 0)
+    for _ in range(rank):
+        run(True, 1)
+        run(True, 0)
+    for _ in range(ranks - rank):
+        run(True, 1)
+        run(False, 1)
+    while done[True, 1] < done[True, 0] or done[True, 0] < planned:
+        if done[True, 0] < planned:
+            run(True, 0)
+        for forward, local in ((False, 0), (True, 1), (False, 1)):
+            run(forward, local)
+    return order
+
+
+def predicted_step_seconds(schedule: str, ranks: int, stages_per_rank: int, microbatches: int,
+                           rank_seconds: float, forward_fraction: float = DEFAULT_FORWARD_FRACTION) -> float:
+    """One step's seconds under ``schedule`` when the slowest rank takes ``rank_seconds`` per
+    micro-batch, ``forward_fraction`` of it in forward (formulas and sources: module docstring)."""
+    P, V, M, T = ranks, stages_per_rank, microbatches, rank_seconds
+    forward, input_grad = forward_fraction * T, (1 - forward_fraction) * T / 2   # T_B = T_W: an assumption
+    loop = max(M * T + (P - 1) * T / V, (M + V * P - 1) * T / V)
+    v_shape = lambda m: m * T + (P - 1) * max(0.0, forward - input_grad) / 2   # T_F + T_B - 2 T_W, half-rank stages
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule in ("gpipe", "1f1b"):
+        return (M + P - 1) * T
+    if schedule == "zero-bubble" and M >= P:
+        return M * T + (P - 1) * forward / V                       # T_F + T_B - T_W = T_F
+    if schedule == "zbv":
+        return v_shape(M) if M >= 2 * P - 1 else min(loop, v_shape(2 * P - 1))
+    return loop
 
 
 @dataclass
 class Partition:
-    """S contiguous stages of a profiled model and what the cost model predicts for each."""
+    """Contiguous stages of a profiled model, placed on ranks, and what the cost model predicts."""
 
     schedule: str
     microbatches: int
     stage_blocks: list[list[str]]
     stage_seconds: list[float]          # forward + backward per micro-batch (+ communication)
-    stage_bytes: list[int]              # predicted peak bytes of each stage's device
-    memory_limits: list[int]
+    stage_bytes: list[int]              # predicted peak bytes of each stage, as if alone on its device
+    memory_limits: list[int]            # per rank
     crossing_bytes: list[int]           # per micro-batch, into each stage (stage 0: the step's input)
     in_flight: list[int]                # micro-batches whose activations each stage holds at once
     notes: list[str] = field(default_factory=list)
+    stages_per_rank: int = 1
+    rank_bytes: list[int] = field(default_factory=list)   # predicted peak bytes of each rank
+    overhead_seconds: float = 0.0       # added per micro-batch to every stage's seconds
+    forward_fraction: float = DEFAULT_FORWARD_FRACTION
+
+    def __post_init__(self):
+        if not self.rank_bytes and self.stages_per_rank == 1:   # a partition saved before ranks had several stages
+            self.rank_bytes = list(self.stage_bytes)
 
     @property
     def stages(self) -> int:
         return len(self.stage_blocks)
+
+    @property
+    def ranks(self) -> int:
+        return self.stages // self.stages_per_rank
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        return stage_ranks(self.schedule, self.ranks, self.stages_per_rank)
+
+    @property
+    def rank_seconds(self) -> list[float]:
+        """Each rank's seconds per micro-batch: its stages' seconds plus the overhead of each."""
+        totals = [0.0] * self.ranks
+        for stage, rank in enumerate(self.stage_ranks):
+            totals[rank] += self.stage_seconds[stage] + self.overhead_seconds
+        return totals
 
     @property
     def bottleneck(self) -> int:
@@ -71,16 +293,30 @@ class Partition:
         return max(range(self.stages), key=lambda stage: (self.stage_seconds[stage], -stage))
 
     @property
+    def bottleneck_rank(self) -> int:
+        """Index of the slowest rank (the first one, on ties)."""
+        seconds = self.rank_seconds
+        return max(range(self.ranks), key=lambda rank: (seconds[rank], -rank))
+
+    @property
     def bottleneck_seconds(self) -> float:
-        return self.stage_seconds[self.bottleneck]
+        """The slowest rank's seconds per micro-batch: what the cut minimises."""
+        return self.rank_seconds[self.bottleneck_rank]
 
     @property
     def predicted_step_seconds(self) -> float:
-        return (self.microbatches + self.stages - 1) * self.bottleneck_seconds
+        return predicted_step_seconds(self.schedule, self.ranks, self.stages_per_rank, self.microbatches,
+                                      self.bottleneck_seconds, self.forward_fraction)
+
+    @property
+    def predicted_bubble_fraction(self) -> float:
+        """Share of the predicted step the slowest rank waits: 1 - M T / step."""
+        step = self.predicted_step_seconds
+        return 1 - self.microbatches * self.bottleneck_seconds / step if step else 0.0
 
     @property
     def bubble_fraction(self) -> float:
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+        return self.predicted_bubble_fraction
 
     def stage_of(self) -> dict[str, int]:
         """{block name: stage index}."""
@@ -97,40 +333,42 @@ class Partition:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"oomless pipeline cut: {self.stages} stages, {self.schedule}, "
+        table = Table(title=f"oomless pipeline cut: {self.stages} stages on {self.ranks} ranks, {self.schedule}, "
                             f"{self.microbatches} micro-batches")
-        for column in ("stage", "blocks", "ms / micro-batch", "bytes", "limit", "crossing in", "in flight"):
+        for column in ("stage", "rank", "blocks", "ms / micro-batch", "bytes", "crossing in", "in flight"):
             table.add_column(column, justify="left" if column == "blocks" else "right")
-        for stage, names in enumerate(self.stage_blocks):
+        for stage, (names, rank) in enumerate(zip(self.stage_blocks, self.stage_ranks)):
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
-            marker = " *" if stage == self.bottleneck else ""
-            table.add_row(f"{stage}{marker}", shown, f"{self.stage_seconds[stage] * 1e3:.2f}",
-                          format_bytes(self.stage_bytes[stage]), format_bytes(self.memory_limits[stage]),
-                          format_bytes(self.crossing_bytes[stage]), str(self.in_flight[stage]))
+            marker = " *" if rank == self.bottleneck_rank else ""
+            table.add_row(f"{stage}", f"{rank}{marker}", shown, f"{self.stage_seconds[stage] * 1e3:.2f}",
+                          format_bytes(self.stage_bytes[stage]), format_bytes(self.crossing_bytes[stage]),
+                          str(self.in_flight[stage]))
         buffer = io.StringIO()
         Console(file=buffer, width=120, force_terminal=False, color_system=None).print(table)
-        lines = [f"bottleneck: stage {self.bottleneck} (*), {self.bottleneck_seconds * 1e3:.2f} ms per micro-batch; "
-                 f"predicted step {self.predicted_step_seconds * 1e3:.1f} ms, bubble {self.bubble_fraction:.0%}"]
+        ranks = ", ".join(f"{rank}: {format_bytes(used)} of {format_bytes(limit)}"
+                          for rank, (used, limit) in enumerate(zip(self.rank_bytes, self.memory_limits)))
+        slowest = f"stage {self.bottleneck}" if self.stages_per_rank == 1 else f"rank {self.bottleneck_rank}"
+        lines = [f"bottleneck: {slowest} (*), {self.bottleneck_seconds * 1e3:.2f} ms per micro-batch; "
+                 f"predicted step {self.predicted_step_seconds * 1e3:.1f} ms, bubble {self.bubble_fraction:.0%}",
+                 f"bytes per rank: {ranks}"]
         return buffer.getvalue() + "\n".join(lines + [f"note: {note}" for note in self.notes])
 
 
-def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    """Micro-batches whose saved activations stage ``stage`` holds at once under ``schedule``."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(stages - stage, microbatches)
-    raise InputError(f"schedule must be one of {', '.join(SCHEDULES)} for the partitioner, got {schedule!r}")
-
-
 class StageCosts:
-    """Seconds and bytes of any contiguous run of blocks as a stage, in O(1) from prefix sums."""
+    """Seconds and bytes of any contiguous run of blocks as a stage, in O(1) from prefix sums (the
+    largest working bytes in O(length)). ``stages`` is the number of pipeline ranks P; the model is
+    cut into P x ``stages_per_rank`` stages placed by `stage_ranks`."""
 
     def __init__(self, profile: Profile, stages: int, microbatches: int, schedule: str,
-                 link_bytes_per_second: float | None = None):
+                 link_bytes_per_second: float | None = None, stages_per_rank: int = 1):
         blocks = profile.blocks
-        self.profile, self.stages, self.microbatches, self.schedule = profile, stages, microbatches, schedule
+        self.profile, self.ranks, self.microbatches, self.schedule = profile, stages, microbatches, schedule
         self.link_bytes_per_second = link_bytes_per_second
+        self.stage_rank = stage_ranks(schedule, stages, stages_per_rank)
+        self.local = [self.stage_rank[:stage].count(rank) for stage, rank in enumerate(self.stage_rank)]
+        by_rank = [rank_in_flight(schedule, rank, stages, stages_per_rank, microbatches) for rank in range(stages)]
+        self.in_flight = [by_rank[rank][0][local] for rank, local in zip(self.stage_rank, self.local)]
+        self.moments = [moments for _, moments in by_rank]   # per rank: in-flight counts of its stages at once
         self._seconds = [0.0, *accumulate(block.forward_seconds + block.backward_seconds for block in blocks)]
         self._parameters = [0, *accumulate(block.parameter_bytes for block in blocks)]
         self._saved = [0, *accumulate(block.saved_bytes for block in blocks)]
@@ -142,24 +380,61 @@ class StageCosts:
         self.optimizer_per_parameter_byte = (profile.optimizer_state_bytes / profile.parameter_bytes
                                              if profile.parameter_bytes else 0.0)
 
-    def seconds(self, start: int, stop: int) -> float:
-        """Per micro-batch seconds of blocks [start, stop) as one stage."""
-        total = self._seconds[stop] - self._seconds[start]
-        if stop == len(self.profile.blocks):
-            total += self.profile.loss_seconds
-        if self.link_bytes_per_second and start > 0:
+    def compute_seconds(self, start: int, stop: int) -> float:
+        """Forward + backward seconds of blocks [start, stop), the loss's if it ends the model."""
+        last = stop == len(self.profile.blocks)
+        return self._seconds[stop] - self._seconds[start] + (self.profile.loss_seconds if last else 0.0)
+
+    def seconds(self, start: int, stop: int, stage: int | None = None) -> float:
+        """Per micro-batch seconds of blocks [start, stop) as stage ``stage``: compute, plus the
+        crossing in front both ways unless the stage before lives on the same rank (zbv's turn)."""
+        total = self.compute_seconds(start, stop)
+        remote = stage is None or stage == 0 or self.stage_rank[stage - 1] != self.stage_rank[stage]
+        if self.link_bytes_per_second and start > 0 and remote:
             total += 2 * self.crossing[start] / self.link_bytes_per_second   # activations in, gradients back
         return total
 
-    def bytes(self, stage: int, start: int, stop: int) -> int:
-        """Predicted peak bytes of blocks [start, stop) as stage ``stage``."""
+    def static_bytes(self, start: int, stop: int) -> int:
+        """Parameters, gradients and optimizer state of blocks [start, stop)."""
         parameters = self._parameters[stop] - self._parameters[start]
-        static = 2 * parameters + int(parameters * self.optimizer_per_parameter_byte) + self.profile.buffer_bytes
+        return 2 * parameters + int(parameters * self.optimizer_per_parameter_byte)
+
+    def activation_bytes(self, start: int, stop: int) -> int:
+        """What one in-flight micro-batch holds on a stage of blocks [start, stop): saved activations
+        and the received input (the loss's saved tensors on the last)."""
         activations = self._saved[stop] - self._saved[start] + self.crossing[start]
-        if stop == len(self.profile.blocks):
-            activations += self.profile.unassigned_saved_bytes    # the loss's saved tensors
-        in_flight = in_flight_microbatches(self.schedule, stage, self.stages, self.microbatches)
-        return static + in_flight * activations + max(self._working[start:stop], default=0)
+        return activations + (self.profile.unassigned_saved_bytes if stop == len(self.profile.blocks) else 0)
+
+    def working_bytes(self, start: int, stop: int) -> int:
+        """The largest working bytes of one block in [start, stop): one block runs at a time."""
+        return max(self._working[start:stop], default=0)
+
+    def bytes(self, stage: int, start: int, stop: int) -> int:
+        """Predicted peak bytes of blocks [start, stop) as stage ``stage``, alone on its device."""
+        return (self.static_bytes(start, stop) + self.in_flight[stage] * self.activation_bytes(start, stop)
+                + self.profile.buffer_bytes + self.working_bytes(start, stop))
+
+    def rank_bytes(self, cuts: list[int]) -> list[int]:
+        """Predicted peak bytes of each rank for stage boundaries ``cuts``: its stages' static bytes,
+        their activations at the rank's worst moment, the largest working bytes, buffers once."""
+        static, working = [0] * self.ranks, [0] * self.ranks
+        activations = [[0] * len(moments) for moments in self.moments]
+        for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+            rank, local = self.stage_rank[stage], self.local[stage]
+            static[rank] += self.static_bytes(start, stop)
+            working[rank] = max(working[rank], self.working_bytes(start, stop))
+            per_microbatch = self.activation_bytes(start, stop)
+            activations[rank] = [total + moment[local] * per_microbatch
+                                 for total, moment in zip(activations[rank], self.moments[rank])]
+        return [static[rank] + max(activations[rank]) + working[rank] + self.profile.buffer_bytes
+                for rank in range(self.ranks)]
+
+    def rank_seconds(self, cuts: list[int]) -> list[float]:
+        """Each rank's seconds per micro-batch for stage boundaries ``cuts``."""
+        totals = [0.0] * self.ranks
+        for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+            totals[self.stage_rank[stage]] += self.seconds(start, stop, stage)
+        return totals
 
 
 def _min_max_cut(n: int, stages: int, cost, allowed) -> tuple[float, list[int]] | None:
@@ -187,65 +462,263 @@ def _min_max_cut(n: int, stages: int, cost, allowed) -> tuple[float, list[int]] 
     return best[stages][n], cuts[::-1]
 
 
-def _limits(memory, stages: int) -> list[int]:
+class _RankSearch:
+    """Depth-first branch and bound over cuts into stages placed on ranks, for the least slowest-rank
+    seconds among cuts whose every rank fits its limit. Exact when ``complete`` after `run`."""
+
+    def __init__(self, costs: StageCosts, limits: list[int], steps: int):
+        self.costs, self.limits, self.steps_left, self.complete = costs, limits, steps, True
+        self.n, self.stages = len(costs.profile.blocks), len(costs.stage_rank)
+        self.best_seconds, self.best_cuts = math.inf, None
+        # Per rank, over the stages placed so far: seconds, static bytes, activation bytes at each of
+        # its moments (`StageCosts.moments`), largest working bytes.
+        self.seconds, self.static, self.working = [0.0] * costs.ranks, [0] * costs.ranks, [0] * costs.ranks
+        self.activations = [[0] * len(moments) for moments in costs.moments]
+        self.unplaced = [costs.stage_rank.count(rank) for rank in range(costs.ranks)]
+
+    def offer(self, cuts: list[int] | None) -> None:
+        """Start from ``cuts`` (a heuristic's) if it fits and beats the best so far."""
+        if cuts and all(used <= limit for used, limit in zip(self.costs.rank_bytes(cuts), self.limits)):
+            value = max(self.costs.rank_seconds(cuts))
+            if value < self.best_seconds:
+                self.best_seconds, self.best_cuts = value, list(cuts)
+
+    def run(self) -> list[int] | None:
+        self._visit(0, [0])
+        return self.best_cuts
+
+    def _room(self) -> float:
+        """Seconds the ranks with stages still to place can take on and stay under the best."""
+        return sum(self.best_seconds - seconds for seconds, left in zip(self.seconds, self.unplaced) if left)
+
+    def _visit(self, stage: int, cuts: list[int]) -> None:
+        costs, start = self.costs, cuts[-1]
+        if stage == self.stages:
+            if max(self.seconds) < self.best_seconds:
+                self.best_seconds, self.best_cuts = max(self.seconds), list(cuts)
+            return
+        rank, local = costs.stage_rank[stage], costs.local[stage]
+        before = self.seconds[rank], self.static[rank], self.activations[rank], self.working[rank]
+        self.unplaced[rank] -= 1
+        first = self.n if stage == self.stages - 1 else start + 1
+        for stop in range(first, self.n - (self.stages - 1 - stage) + 1):
+            if self.steps_left == 0:
+                self.complete = False
+                break
+            self.steps_left -= 1
+            # Seconds and bytes only grow with `stop`: past the best or the limit, so is every later stop.
+            seconds = before[0] + costs.seconds(start, stop, stage)
+            static = before[1] + costs.static_bytes(start, stop)
+            per_microbatch = costs.activation_bytes(start, stop)
+            activations = [total + moment[local] * per_microbatch
+                           for total, moment in zip(before[2], costs.moments[rank])]
+            working = max(before[3], costs.working_bytes(start, stop))
+            if (seconds >= self.best_seconds
+                    or static + max(activations) + working + costs.profile.buffer_bytes > self.limits[rank]):
+                break
+            self.seconds[rank], self.static[rank], self.activations[rank], self.working[rank] = (
+                seconds, static, activations, working)
+            # The blocks after `stop` must fit in the room left under the best: if not, take more now.
+            if stop < self.n and costs.compute_seconds(stop, self.n) >= self._room():
+                continue
+            cuts.append(stop)
+            self._visit(stage + 1, cuts)
+            cuts.pop()
+        self.seconds[rank], self.static[rank], self.activations[rank], self.working[rank] = before
+        self.unplaced[rank] += 1
+
+
+def _improve(costs: StageCosts, limits: list[int], cuts: list[int]) -> list[int]:
+    """Local search from ``cuts``: move one boundary by one block while that lowers the bytes over
+    the limits, then the rank seconds sorted slowest first (compared in order, so moves that
+    shorten the second-slowest rank count too: the plateaus of the maximum alone stall)."""
+    def key(candidate):
+        over = sum(max(0, used - limit) for used, limit in zip(costs.rank_bytes(candidate), limits))
+        return over, sorted(costs.rank_seconds(candidate), reverse=True)
+
+    best, best_key, moved = list(cuts), key(cuts), True
+    while moved:
+        moved = False
+        for index in range(1, len(best) - 1):
+            for step in (-1, 1):
+                candidate = best[:index] + [best[index] + step] + best[index + 1:]
+                if candidate[index - 1] < candidate[index] < candidate[index + 1] and key(candidate) < best_key:
+                    best, best_key, moved = candidate, key(candidate), True
+    return best
+
+
+def _rank_cut(costs: StageCosts, limits: list[int]) -> tuple[list[int] | None, bool]:
+    """The cut for several stages per rank, and whether it is proven the best: branch and bound
+    from two dynamic-programming cuts (the most even stage seconds; the most even stage bytes
+    against their rank's limit), each first improved by `_improve`."""
+    n, stages = len(costs.profile.blocks), len(costs.stage_rank)
+    search = _RankSearch(costs, limits, SEARCH_STEPS)
+    for cost in (lambda stage, start, stop: costs.seconds(start, stop, stage),
+                 lambda stage, start, stop: costs.bytes(stage, start, stop) / limits[costs.stage_rank[stage]]):
+        search.offer(_improve(costs, limits, _min_max_cut(n, stages, cost, lambda stage, start, stop: True)[1]))
+    return search.run(), search.complete
+
+
+def _limits(memory, ranks: int, stages_per_rank: int) -> list[int]:
     if isinstance(memory, (list, tuple)):
-        if len(memory) != stages:
-            raise InputError(f"memory gives {len(memory)} limits for {stages} stages; give one per stage or one for all")
+        if len(memory) != ranks:
+            holders = "stages" if stages_per_rank == 1 else "ranks (a rank holds all its stages)"
+            raise InputError(f"memory gives {len(memory)} limits for {ranks} {holders}; give one each or one for all")
         return [parse_bytes(limit) for limit in memory]
-    return [parse_bytes(memory)] * stages
+    return [parse_bytes(memory)] * ranks
+
+
+def _forward_fraction(profile: Profile) -> float:
+    forward = sum(block.forward_seconds for block in profile.blocks) + profile.loss_seconds
+    total = forward + sum(block.backward_seconds for block in profile.blocks)
+    return forward / total if total > 0 else DEFAULT_FORWARD_FRACTION
 
 
 def partition_stages(profile: Profile, stages: int, memory, microbatches: int = 1, schedule: str = "1f1b",
-                     link_bytes_per_second: float | None = None) -> Partition:
-    """Cut ``profile``'s blocks into ``stages`` contiguous stages with the slowest stage as fast as
-    possible, each stage within its memory limit (``memory``: one size for all, or one per stage).
-    Raises `PlanError` naming the smallest per-stage memory that would fit when no cut does."""
-    n = len(profile.blocks)
-    if stages < 1 or microbatches < 1:
-        raise InputError(f"stages and microbatches must be at least 1, got {stages} and {microbatches}")
-    if n < stages:
-        raise InputError(f"cannot cut {n} blocks into {stages} stages; use fewer stages or finer blocks (blocks=...)")
-    limits = _limits(memory, stages)
-    costs = StageCosts(profile, stages, microbatches, schedule, link_bytes_per_second)
-    costs.bytes(0, 0, 1)  # rejects an unknown schedule before the search
-
-    found = _min_max_cut(n, stages, lambda stage, start, stop: costs.seconds(start, stop),
-                         lambda stage, start, stop: costs.bytes(stage, start, stop) <= limits[stage])
-    if found is None:
-        _raise_no_cut_fits(profile, costs, stages, limits)
-    _, cuts = found
-    spans = list(zip(cuts, cuts[1:]))
-    notes = []
+                     link_bytes_per_second: float | None = None, stages_per_rank: int = 1) -> Partition:
+    """Cut ``profile``'s blocks (one micro-batch's) into ``stages`` x ``stages_per_rank`` contiguous
+    stages, placed on ``stages`` pipeline ranks as ``schedule`` places them, with the slowest rank as
+    fast as possible and each rank within its memory limit (``memory``: one size for all ranks, or
+    one per rank). Raises `InputError` for what torch's schedule would refuse, and `PlanError`
+    naming a per-rank memory that would fit when no cut does."""
+    check_schedule(schedule, stages, stages_per_rank)
+    n, count = len(profile.blocks), stages * stages_per_rank
+    problem = microbatch_problem(schedule, stages, microbatches)
+    if problem and schedule != "1f1b":   # 1f1b: planned anyway (earlier callers did), with a note
+        raise InputError(problem)
+    if n < count:
+        raise InputError(f"cannot cut {n} blocks into {count} stages; use fewer stages or finer blocks (blocks=...)")
+    limits = _limits(memory, stages, stages_per_rank)
+    costs = StageCosts(profile, stages, microbatches, schedule, link_bytes_per_second, stages_per_rank)
+    if stages_per_rank == 1:
+        found = _min_max_cut(n, count, lambda stage, start, stop: costs.seconds(start, stop),
+                             lambda stage, start, stop: costs.bytes(stage, start, stop) <= limits[stage])
+        cuts, proven = (found[1] if found else None), True
+    else:
+        cuts, proven = _rank_cut(costs, limits)
+    if cuts is None:
+        _raise_no_cut_fits(profile, costs, limits, stopped=not proven)
+    spans, notes = list(zip(cuts, cuts[1:])), []
+    if not proven:
+        gap = max(costs.rank_seconds(cuts)) / (costs.compute_seconds(0, n) / stages) - 1
+        notes.append(f"cut search stopped after {SEARCH_STEPS} steps: the best cut found, not proven the best; "
+                     f"its slowest rank is {gap:.1%} above the lower bound (compute seconds / ranks)")
+    if problem:
+        notes.append(f"{problem}: predicted as planned, but torch will refuse {microbatches} micro-batches")
     if profile.parameter_bytes and not profile.optimizer_state_bytes:
         notes.append("the profile counted no optimizer state (profile with optimizer=...): counted as 0")
     if link_bytes_per_second is None and stages > 1:
         notes.append("communication between stages not counted (give link_bytes_per_second)")
     return Partition(
-        schedule=schedule, microbatches=microbatches,
+        schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
         stage_blocks=[[block.name for block in profile.blocks[start:stop]] for start, stop in spans],
-        stage_seconds=[costs.seconds(start, stop) for start, stop in spans],
+        stage_seconds=[costs.seconds(start, stop, stage) for stage, (start, stop) in enumerate(spans)],
         stage_bytes=[costs.bytes(stage, start, stop) for stage, (start, stop) in enumerate(spans)],
-        memory_limits=limits, crossing_bytes=[costs.crossing[start] for start, _ in spans],
-        in_flight=[in_flight_microbatches(schedule, stage, stages, microbatches) for stage in range(stages)],
-        notes=notes)
+        rank_bytes=costs.rank_bytes(cuts), memory_limits=limits,
+        crossing_bytes=[costs.crossing[start] for start, _ in spans], in_flight=list(costs.in_flight),
+        forward_fraction=_forward_fraction(profile), notes=notes)
 
 
-def _raise_no_cut_fits(profile: Profile, costs: StageCosts, stages: int, limits: list[int]):
-    """No cut fits: find the cut that needs the least memory (relative to each stage's limit) and say
-    what one limit for every stage would fit, and which block dominates the stage that overflows."""
-    n = len(profile.blocks)
-    _, cuts = _min_max_cut(n, stages, lambda stage, start, stop: costs.bytes(stage, start, stop) / limits[stage],
-                           lambda stage, start, stop: True)
-    spans = list(zip(cuts, cuts[1:]))
-    needed = [costs.bytes(stage, start, stop) for stage, (start, stop) in enumerate(spans)]
-    worst = max(range(stages), key=lambda stage: needed[stage] / limits[stage])
-    start, stop = spans[worst]
-    heaviest = max(profile.blocks[start:stop], key=lambda block: 2 * block.parameter_bytes + block.saved_bytes)
-    uniform = _min_max_cut(n, stages, lambda stage, start, stop: costs.bytes(stage, start, stop),
-                           lambda stage, start, stop: True)[0]
+def _raise_no_cut_fits(profile: Profile, costs: StageCosts, limits: list[int], stopped: bool = False):
+    """No cut fits: find the cut that needs the least memory (relative to each limit) and say what
+    one limit for every rank would fit, and which block dominates the rank that overflows. Exact
+    with one stage per rank; with several, the bytes of a cut that fits, not proven the least."""
+    n, stages, single = len(profile.blocks), len(costs.stage_rank), costs.ranks == len(costs.stage_rank)
+    anything = lambda stage, start, stop: True
+    cuts = _min_max_cut(n, stages, lambda stage, start, stop: costs.bytes(stage, start, stop)
+                        / limits[costs.stage_rank[stage]], anything)[1]
+    needed = costs.rank_bytes(cuts)
+    worst = max(range(costs.ranks), key=lambda rank: needed[rank] / limits[rank])
+    heaviest = max((block for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])) if costs.stage_rank[stage] == worst
+                    for block in profile.blocks[start:stop]),
+                   key=lambda block: 2 * block.parameter_bytes + block.saved_bytes)
+    fewest = _min_max_cut(n, stages, lambda stage, start, stop: costs.bytes(stage, start, stop), anything)
+    uniform = int(fewest[0]) if single else max(costs.rank_bytes(fewest[1]))
+    holder, fits = (("stage", "per stage would fit") if single
+                    else ("rank", "per rank fits a cut (not proven the least)"))
+    found = f" within {SEARCH_STEPS} search steps (the search stopped: one may exist)" if stopped else ""
     raise PlanError(
-        f"no cut into {stages} stages fits the memory limits: the tightest cut still needs "
-        f"{format_bytes(needed[worst])} on stage {worst} (limit {format_bytes(limits[worst])}), mostly for "
-        f"block {heaviest.name}; {format_bytes(uniform)} ({int(uniform)} bytes) per stage would fit. Give more "
-        "memory, more stages, fewer micro-batches in flight (schedule='1f1b'), or plan each stage's "
-        "activations with the fit engine", minimum_bytes=int(uniform), limiting_block=heaviest.name)
+        f"no cut into {stages} stages fits the memory limits{found}: the tightest cut {'' if single else 'found '}"
+        f"still needs {format_bytes(needed[worst])} on {holder} {worst} (limit {format_bytes(limits[worst])}), mostly "
+        f"for block {heaviest.name}; {format_bytes(uniform)} ({uniform} bytes) {fits}. Give more memory, more "
+        "stages, fewer micro-batches in flight (schedule='1f1b'), or plan each stage's activations with the fit "
+        "engine", minimum_bytes=uniform, limiting_block=heaviest.name)
+
+
+def scale_profile(profile: Profile, fraction: float) -> Profile:
+    """The profile of a batch ``fraction`` the size of the profiled one: times and activation bytes
+    scaled linearly (rounded up), parameters, buffers and optimizer state kept. Linear is an
+    approximation: small batches run less efficiently (on GPUs most), which the per-micro-batch
+    overhead of `choose_microbatches` only partly covers; parameter-sized transients do not shrink."""
+    if fraction <= 0:
+        raise InputError(f"fraction must be positive, got {fraction}")
+    bytes_ = lambda value: None if value is None else math.ceil(value * fraction)
+    blocks = [replace(block, forward_seconds=block.forward_seconds * fraction,
+                      backward_seconds=block.backward_seconds * fraction,
+                      saved_bytes=bytes_(block.saved_bytes), largest_saved_bytes=bytes_(block.largest_saved_bytes),
+                      input_bytes=bytes_(block.input_bytes), output_bytes=bytes_(block.output_bytes),
+                      held_forward_bytes=bytes_(block.held_forward_bytes),
+                      held_backward_bytes=bytes_(block.held_backward_bytes),
+                      forward_transient_bytes=bytes_(block.forward_transient_bytes),
+                      backward_transient_bytes=bytes_(block.backward_transient_bytes))
+              for block in profile.blocks]
+    return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
+                   unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
+                   loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None,
+                   notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
+
+
+def choose_microbatches(profile: Profile, stages: int, batch: int, memory, schedule: str = "1f1b",
+                        stages_per_rank: int = 1, link_bytes_per_second: float | None = None,
+                        overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None) -> Partition:
+    """The partition, and number of micro-batches M, with the fastest predicted step that fits
+    ``memory``. ``profile`` is of the whole per-replica batch of ``batch`` samples; each candidate M
+    (default: every divisor of ``batch``, so micro-batches are equal; those torch's schedule refuses
+    are skipped) is planned on the profile scaled to 1 / M, each stage paying ``overhead_seconds``
+    per micro-batch (`DEFAULT_OVERHEAD_SECONDS` is an assumption: give your device's). Ties go to
+    fewer micro-batches; the notes say what each M predicted. Raises `PlanError` when none fits."""
+    check_schedule(schedule, stages, stages_per_rank)
+    if batch < 1:
+        raise InputError(f"batch must be at least 1, got {batch}")
+    if candidates is None:
+        candidates = [m for m in range(1, batch + 1) if batch % m == 0]
+    candidates = sorted(set(candidates))
+    if not candidates or any(m < 1 or batch % m for m in candidates):
+        raise InputError(f"candidate micro-batch counts must divide the batch of {batch}, got {candidates}")
+    tried, fitted, refusals = [], [], []
+    for m in candidates:
+        problem = microbatch_problem(schedule, stages, m)
+        if problem:
+            tried.append(f"M={m}: skipped, {problem}")
+            continue
+        try:
+            partition = partition_stages(scale_profile(profile, 1 / m), stages, memory, m, schedule,
+                                         link_bytes_per_second, stages_per_rank)
+        except PlanError as error:
+            refusals.append((m, error))
+            tried.append(f"M={m}: does not fit ({format_bytes(error.minimum_bytes)} per rank would)")
+            continue
+        partition = replace(partition, overhead_seconds=overhead_seconds)
+        fitted.append(partition)
+        tried.append(f"M={m}: step {partition.predicted_step_seconds * 1e3:.1f} ms, "
+                     f"bubble {partition.bubble_fraction:.0%}")
+    if not fitted:
+        if not refusals:
+            raise InputError(f"no candidate micro-batch count suits schedule {schedule}: {'; '.join(tried)}")
+        least = min((error for _, error in refusals), key=lambda error: error.minimum_bytes)
+        raise PlanError(f"no micro-batch count of the batch of {batch} fits the memory limits: {'; '.join(tried)}",
+                        minimum_bytes=least.minimum_bytes, limiting_block=least.limiting_block)
+    chosen = fitted[0]
+    for partition in fitted[1:]:   # ascending M: a later one must be faster, not equal, to win
+        if partition.predicted_step_seconds < chosen.predicted_step_seconds * (1 - 1e-9):
+            chosen = partition
+    more = [m for m, _ in refusals if m > chosen.microbatches]
+    why = [f"M={', '.join(map(str, more))} would not fit"] if more else []
+    if any(partition.microbatches > chosen.microbatches for partition in fitted):
+        why.append("more micro-batches predict no faster step" + (
+            f" (what they take off the bubble, their {overhead_seconds * 1e3:g} ms overhead per micro-batch and "
+            "stage adds back: an assumption, see overhead_seconds)" if overhead_seconds else ""))
+    chosen.notes += [f"micro-batches tried: {'; '.join(tried)}",
+                     f"M={chosen.microbatches} chosen: the fastest predicted step of those that fit (fewer on ties)"
+                     + "".join(f"; {reason}" for reason in why)]
+    return chosen
