@@ -1,5 +1,5 @@
-"""Data parallel benchmark: step time and per-bucket exposed communication of the overlapped update
-vs plain DDP vs no communication, on N processes of one machine.
+"""Data parallel benchmark: step time, optimizer work and per-bucket exposed communication of the
+overlapped update vs plain DDP vs no communication, on N processes of one machine.
 
     /tmp/v/bin/python bench/bench_dp.py --world-size 2              # gloo on CPU
     python bench/bench_dp.py --world-size 2 --device cuda           # NCCL, one GPU per process
@@ -8,14 +8,21 @@ Variants (same model, data, buckets and optimizer; torch DDP in all three):
 - ``no_communication``: torch's ``noop_hook`` (``ddp_comm_hooks.debugging_hooks``), the headroom bound
   its docstring recommends: what a step costs if all-reduce were free;
 - ``plain_ddp``: DDP's default averaging all-reduce, optimizer step after backward;
-- ``overlapped``: `oomless.parallel.overlap` (per-bucket update when the all-reduce lands, per-layer
-  waits in the next forward).
+- ``overlapped``: `oomless.parallel.overlap` (each bucket's optimizer step chained on its all-reduce;
+  DDP's backward returns when the last bucket's update is done).
 
-Per bucket: ``communication_seconds`` (all-reduce launch to completion), ``exposed_after_backward_seconds``
-(the part of it after the last bucket was launched, i.e. after backward's compute, not already counted
-for an earlier bucket: DDP blocks backward until all of these land, in both DDP variants), and for the
-overlapped variant ``forward_wait_seconds`` (time the next forward's layers waited for this bucket's
-update). Means over the measured steps. Timing is measured here, never asserted in tests.
+Side by side: the three variants live in every process at once and run round-robin, ``--steps-per-round``
+consecutive steps each per round, the starting variant rotated each round, after a barrier; the first
+``--warmup-rounds`` rounds are dropped. A round's time of a variant is its block of steps divided by the
+number of steps. A synchronous step ends when
+the slowest rank's does: per round the slowest rank's time is taken. ``paired_ratio_vs_*`` = median
+over rounds of (this variant / the other in the same round), which cancels rounds slowed as a whole by
+other processes on a shared machine; read it first.
+
+Per bucket (field definitions in bench/README.md): ``communication_seconds``,
+``exposed_after_backward_seconds`` and, for the overlapped variant, ``update_seconds``. Per variant, from
+torch.optim's global step hooks: ``optimizer_step_calls_per_step`` and ``optimizer_step_seconds_per_step``.
+Means over the measured steps. Timing is measured here, never asserted in tests.
 """
 
 import argparse
@@ -23,6 +30,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +41,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
@@ -69,9 +78,51 @@ def _exposed_after_backward(records: list[dict]) -> dict[int, float]:
     return exposed
 
 
-def _worker(rank, world_size, port, args, out_path):
+class OptimizerStepClock:
+    """Calls of, and wall time inside, every ``torch.optim.Optimizer.step`` in this process, in total
+    and per optimizer (the overlapped update runs one per bucket)."""
+
+    def __init__(self):
+        self.calls, self.seconds, self.seconds_by_optimizer, self._started = 0, 0.0, {}, {}
+        register_optimizer_step_pre_hook(self._before)
+        register_optimizer_step_post_hook(self._after)
+
+    def _before(self, optimizer, args, kwargs):
+        self._started[id(optimizer)] = time.perf_counter()
+
+    def _after(self, optimizer, args, kwargs):
+        seconds = time.perf_counter() - self._started.pop(id(optimizer))
+        self.seconds += seconds
+        self.seconds_by_optimizer[id(optimizer)] = self.seconds_by_optimizer.get(id(optimizer), 0.0) + seconds
+        self.calls += 1
+
+    def reset(self):
+        self.calls, self.seconds = 0, 0.0
+        self.seconds_by_optimizer.clear()
+
+
+def _build(variant, args, device, rank, timings):
     from oomless.models import UNet3D
-    from oomless.parallel.overlap import OverlappedUpdate, STATE_ATTRIBUTE
+    from oomless.parallel.overlap import STATE_ATTRIBUTE, OverlappedUpdate
+
+    torch.manual_seed(0)
+    model = UNet3D(1, 2, base_channels=args.base_channels, depth=args.depth).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None,
+                                  bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
+    update = None
+    if variant == "no_communication":
+        ddp.register_comm_hook(None, _timed(noop_hook, timings))
+    elif variant == "plain_ddp":
+        ddp.register_comm_hook(None, _timed(allreduce_hook, timings))
+    else:
+        update = OverlappedUpdate(ddp, optimizer)       # apply_overlapped_update, with the hook timed
+        ddp.register_comm_hook(None, _timed(update.comm_hook, timings))
+        setattr(ddp, STATE_ATTRIBUTE, update)
+    return ddp, optimizer, update
+
+
+def _worker(rank, world_size, port, args, out_path):
     from oomless.train.losses import segmentation_loss
 
     torch.set_num_threads(args.threads)
@@ -83,69 +134,91 @@ def _worker(rank, world_size, port, args, out_path):
     generator = torch.Generator().manual_seed(rank)
     volumes = torch.randn(args.local_batch, 1, args.size, args.size, args.size, generator=generator).to(device)
     labels = (volumes[:, 0] > 1.0).long()
-    results = {}
-    for variant in VARIANTS:
-        torch.manual_seed(0)
-        model = UNet3D(1, 2, base_channels=args.base_channels, depth=args.depth).to(device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None,
-                                      bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
-        timings: list[dict] = []
-        update = None
-        if variant == "no_communication":
-            ddp.register_comm_hook(None, _timed(noop_hook, timings))
-        elif variant == "plain_ddp":
-            ddp.register_comm_hook(None, _timed(allreduce_hook, timings))
-        else:
-            update = OverlappedUpdate(ddp, optimizer)
-            ddp.register_comm_hook(None, _timed(update.comm_hook, timings))
-            setattr(ddp, STATE_ATTRIBUTE, update)
-        step_seconds, per_bucket = [], {}
-        for step in range(args.warmup + args.steps):
-            timings.clear()
-            if update is not None:
-                update.wait_seconds_by_bucket.clear()
+    clock = OptimizerStepClock()
+    timings = {variant: [] for variant in VARIANTS}
+    built = {variant: _build(variant, args, device, rank, timings[variant]) for variant in VARIANTS}
+    round_seconds = {variant: [] for variant in VARIANTS}       # per measured round: mean step seconds
+    per_bucket = {variant: {} for variant in VARIANTS}
+    optimizer_work = {variant: {"calls": 0, "seconds": 0.0} for variant in VARIANTS}
+    measured_steps = args.rounds * args.steps_per_round
+
+    def add(variant, bucket, field, value):
+        entry = per_bucket[variant].setdefault(bucket, {"communication_seconds": 0.0,
+                                                        "exposed_after_backward_seconds": 0.0})
+        entry[field] = entry.get(field, 0.0) + value / measured_steps
+
+    for round_index in range(args.warmup_rounds + args.rounds):
+        measured = round_index >= args.warmup_rounds
+        order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[:round_index % len(VARIANTS)]
+        for variant in order:
+            ddp, optimizer, update = built[variant]
+            dist.barrier()
+            clock.reset()
+            step_records = []
             if device.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            loss = segmentation_loss(ddp(volumes), labels)
-            loss.backward()
-            if update is None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            for step in range(args.steps_per_round):
+                timings[variant].clear()
+                loss = segmentation_loss(ddp(volumes), labels)
+                loss.backward()
+                if update is None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                step_records.append(list(timings[variant]))
+            if update is not None:
+                update.synchronize()        # a no-op while DDP waits for every update inside backward
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - started
-            if step < args.warmup:
+            if not measured:
                 continue
-            step_seconds.append(elapsed)
-            exposed = _exposed_after_backward(timings)
-            for record in timings:
-                entry = per_bucket.setdefault(record["bucket"], {"communication_seconds": 0.0,
-                                                                 "exposed_after_backward_seconds": 0.0,
-                                                                 "forward_wait_seconds": 0.0})
-                entry["communication_seconds"] += (record["done"] - record["launched"]) / args.steps
-                entry["exposed_after_backward_seconds"] += exposed[record["bucket"]] / args.steps
-            if update is not None:      # waits in this step's forward, for the previous step's updates
-                for bucket, waited in update.wait_seconds_by_bucket.items():
-                    per_bucket.setdefault(bucket, {"forward_wait_seconds": 0.0})
-                    per_bucket[bucket]["forward_wait_seconds"] += waited / args.steps
-        step_seconds.sort()
+            round_seconds[variant].append(elapsed / args.steps_per_round)
+            optimizer_work[variant]["calls"] += clock.calls
+            optimizer_work[variant]["seconds"] += clock.seconds
+            for records in step_records:
+                exposed = _exposed_after_backward(records)
+                for record in records:
+                    add(variant, record["bucket"], "communication_seconds", record["done"] - record["launched"])
+                    add(variant, record["bucket"], "exposed_after_backward_seconds", exposed[record["bucket"]])
+            if update is not None:
+                for bucket, bucket_update in update.bucket_updates.items():
+                    seconds = clock.seconds_by_optimizer.get(id(bucket_update.optimizer), 0.0)
+                    add(variant, bucket, "update_seconds", seconds)
+    results = {}
+    for variant in VARIANTS:
         results[variant] = {
-            "median_step_seconds": step_seconds[len(step_seconds) // 2],
-            "mean_step_seconds": sum(step_seconds) / len(step_seconds),
-            "buckets": {str(bucket): values for bucket, values in sorted(per_bucket.items())},
-            "bucket_count": len(per_bucket),
+            "round_step_seconds": round_seconds[variant],
+            "median_step_seconds": statistics.median(round_seconds[variant]),
+            "optimizer_step_calls_per_step": optimizer_work[variant]["calls"] / measured_steps,
+            "optimizer_step_seconds_per_step": optimizer_work[variant]["seconds"] / measured_steps,
+            "buckets": {str(bucket): values for bucket, values in sorted(per_bucket[variant].items())},
+            "bucket_count": len(per_bucket[variant]),
         }
-        if update is not None:
-            update.remove()
-        del ddp
-        dist.barrier()
+        if built[variant][2] is not None:
+            built[variant][2].remove()
+    dist.barrier()
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(results, gathered, dst=0)
     if rank == 0:
         Path(out_path).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    """Per round the slowest rank's step; medians over rounds and paired ratios (module docstring)."""
+    slowest = {variant: [max(rank[variant]["round_step_seconds"][index] for rank in per_rank)
+                         for index in range(len(per_rank[0][variant]["round_step_seconds"]))]
+               for variant in VARIANTS}
+    summary = {}
+    for variant in VARIANTS:
+        summary[variant] = {"median_step_seconds_slowest_rank": statistics.median(slowest[variant])}
+        for other in ("no_communication", "plain_ddp"):
+            summary[variant][f"paired_ratio_vs_{other}"] = statistics.median(
+                mine / theirs for mine, theirs in zip(slowest[variant], slowest[other]))
+        for field in ("optimizer_step_calls_per_step", "optimizer_step_seconds_per_step"):
+            summary[variant][field] = statistics.mean(rank[variant][field] for rank in per_rank)
+    return summary
 
 
 def main() -> None:
@@ -157,8 +230,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--local-batch", type=int, default=1)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40, help="measured rounds")
+    parser.add_argument("--steps-per-round", type=int, default=2, help="consecutive steps of a variant per round")
+    parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/dp-<device>-<backend>-<date>.json)")
     args = parser.parse_args()
@@ -166,26 +240,20 @@ def main() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    raw = BENCH_DIRECTORY / "results" / ".dp-raw.json"
+    record = provenance(args.device, world_size=args.world_size, backend=backend, threads=args.threads)
+    raw = BENCH_DIRECTORY / "results" / f".dp-raw-{os.getpid()}.json"
     mp.start_processes(_worker, args=(args.world_size, port, args, str(raw)), nprocs=args.world_size,
                        start_method="spawn")
     per_rank = json.loads(raw.read_text())
     raw.unlink()
-    summary = {}
-    for variant in VARIANTS:
-        # A synchronous step ends when the slowest rank's does: report the slowest rank's median.
-        summary[variant] = {"median_step_seconds_slowest_rank": max(rank[variant]["median_step_seconds"]
-                                                                    for rank in per_rank)}
-    base = summary["no_communication"]["median_step_seconds_slowest_rank"]
-    for variant in VARIANTS:
-        summary[variant]["vs_no_communication"] = summary[variant]["median_step_seconds_slowest_rank"] / base
-    result = {"provenance": provenance(args.device, world_size=args.world_size, backend=backend,
-                                          threads=args.threads), "settings": vars(args),
-              "summary": summary, "per_rank": per_rank}
+    record["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    summary = summarize(per_rank)
+    result = {"provenance": record, "settings": vars(args), "summary": summary, "per_rank": per_rank}
     date = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"dp-{args.device}-{backend}-{date}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+    print(f"load average at start {record['load_average_at_start']}, at end {record['load_average_at_end']}")
     print(f"wrote {out}")
 
 

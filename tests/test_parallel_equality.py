@@ -7,19 +7,26 @@ same single-tensor optimizer math). At 2 and 4 ranks the gradient is a sum of pe
 BatchNorm/Dice statistics are sums over ranks, so float addition order differs from one process:
 we accept 1e-5 absolute on every weight after 10 Adam steps (lr 1e-3; measured ~1e-7). The overlapped
 update and plain DDP at the same world size must agree bitwise: same all-reduce, same update.
+`test_per_bucket_update_equals_the_plain_step_bitwise` checks the per-bucket optimizers alone (param
+groups split across buckets, a changing learning rate, a parameter the optimizer does not hold).
 """
 
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import oomless
 from oomless.data import SyntheticVolumes
+from oomless.parallel import apply_overlapped_update
 from oomless.train import train
 from oomless.train.loop import build_segmentation_model, seed_everything
 from oomless.train.losses import segmentation_loss
-from tests.parallel_workers import run_jobs, tiny_config
+from tests.parallel_workers import free_port, run_jobs, tiny_config
 
 GLOBAL_BATCH = 4
 STEPS = 10
@@ -85,6 +92,63 @@ def test_synchronous_data_parallel_equals_one_process(world_size, references, tm
         assert all(difference <= TOLERANCE for difference in differences.values()), differences
     # The clip changed the trajectory (so the clipped comparison above tested something).
     assert _max_difference(references["clipped"], references["plain"]) > 100 * TOLERANCE
+
+
+def _two_group_run(overlap: bool, steps: int):
+    """A world-size-1 DDP MLP whose buckets mix two param groups (Adam, different lr and weight decay,
+    lr decayed after every backward as a scheduler would) and a parameter the optimizer does not hold."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    first, middle, last = model[0], model[2], model[4]
+    optimizer = torch.optim.Adam([
+        {"params": [*first.parameters(), *last.parameters()], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": [middle.weight], "lr": 1e-3},            # middle.bias: reduced by DDP, never stepped
+    ])
+    # A bucket closes once it reaches 1 kB (1048 bytes): the last layer, middle.bias and middle.weight
+    # (1360 bytes) share one, the first layer has another.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    update = apply_overlapped_update(ddp, optimizer) if overlap else None
+    inputs = torch.randn(steps, 5, 8, generator=torch.Generator().manual_seed(1))
+    calls = []
+    counter = register_optimizer_step_post_hook(lambda *_: calls.append(1))
+    try:
+        for step in range(steps):
+            ddp(inputs[step]).square().mean().backward()
+            if update is None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for group in optimizer.param_groups:
+                group["lr"] *= 0.5          # after backward: this step's update must still use the old lr
+    finally:
+        counter.remove()
+    return model, optimizer, update, len(calls)
+
+
+def test_per_bucket_update_equals_the_plain_step_bitwise():
+    steps = 6
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        plain_model, plain_optimizer, _, _ = _two_group_run(overlap=False, steps=steps)
+        model, optimizer, update, step_calls = _two_group_run(overlap=True, steps=steps)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    buckets = list(update.bucket_updates.values())
+    assert len(buckets) >= 2 and any(len(bucket.group_indices) == 2 for bucket in buckets)
+    # One optimizer step per bucket and step (DDP's first step may run one bucket before it rebuilds
+    # them), not one per parameter (5 per step here).
+    assert step_calls <= steps * len(buckets) < steps * 5
+    for (name, value), plain_value in zip(model.state_dict().items(), plain_model.state_dict().values()):
+        assert torch.equal(value, plain_value), name
+    assert torch.equal(model[2].bias.grad, plain_model[2].bias.grad)       # accumulated, as without a step
+    state, plain_state = optimizer.state_dict(), plain_optimizer.state_dict()
+    assert state["param_groups"] == plain_state["param_groups"]
+    assert state["state"].keys() == plain_state["state"].keys() == {0, 1, 2, 3, 4}
+    for index, entry in state["state"].items():
+        assert entry.keys() == plain_state["state"][index].keys()
+        assert all(torch.equal(entry[key], plain_state["state"][index][key]) for key in entry), index
 
 
 RELAXED_STEPS = 24
