@@ -1,6 +1,10 @@
 """Helpers for the pipeline tests: the models and batches both sides train on, the single-process
-reference, and the gloo worker that trains one pipeline stage per process and leaves its parameters
-(under the original model's names) in ``out_dir/<job>-stage<i>.pt``."""
+reference, and the gloo worker that trains a job's pipeline stages (on a pipeline x data mesh when the
+job has ``dp`` > 1) and leaves each rank's parameters (under the original model's names) in
+``out_dir/<job>-rank<i>.pt``.
+
+A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
+optionally dp (replicas; the world is P x dp)."""
 
 import os
 from pathlib import Path
@@ -12,7 +16,7 @@ import torch.nn.functional as F
 
 from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
-from oomless.parallel.pipeline import PipelineParallel
+from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
 from tests.parallel_workers import free_port
 
 STEPS = 5
@@ -24,7 +28,7 @@ def build(kind: str):
     torch.manual_seed(0)
     if kind == "transformer":
         # No dropout: micro-batching draws dropout masks in another order than one whole batch.
-        model = TinyTransformer(vocab_size=64, dim=32, depth=4, heads=2, max_len=16, dropout=0.0)
+        model = TinyTransformer(vocab_size=64, dim=32, depth=6, heads=2, max_len=16, dropout=0.0)
         return model, transformer_sequence(model), lambda logits, target: F.cross_entropy(logits.flatten(0, 1),
                                                                                           target.flatten())
     model = UNet3D(base_channels=2, depth=2)
@@ -48,8 +52,11 @@ def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return volumes, (volumes[:, 0] > 0).long()
 
 
-def reference(kind: str) -> dict[str, torch.Tensor]:
-    """Plain PyTorch on one process, the whole global batch per step."""
+def reference(kind: str, chunks: int = 1) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on one process, the whole global batch per step; with ``chunks`` > 1 the batch
+    is split into that many equal chunks whose mean-loss gradients are averaged (accumulation): the
+    same gradient for a per-sample loss, but BatchNorm normalises each chunk by its own statistics,
+    as a pipeline does each micro-batch of each replica."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # the workers run one thread; CPU kernels' sums depend on the split
     try:
@@ -58,7 +65,8 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
         for step in range(STEPS):
             inputs, target = batch(kind, step)
             optimizer.zero_grad()
-            loss_fn(model(inputs), target).backward()
+            for part, part_target in zip(inputs.chunk(chunks), target.chunk(chunks)):
+                (loss_fn(model(part), part_target) / chunks).backward()
             optimizer.step()
     finally:
         torch.set_num_threads(threads)
@@ -71,17 +79,23 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for job in jobs:
+            mesh = pipeline_mesh(world_size // job.get("dp", 1))
+            replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
             model, sequence, loss_fn = build(job["kind"])
-            pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"])
+            inputs, _ = batch(job["kind"], 0)
+            example = (inputs.chunk(replicas)[replica].chunk(job["microbatches"])[0],)
+            pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"],
+                                        group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
+                                        example=example)
             optimizer = make_optimizer(pipeline.parameters())
             for step in range(STEPS):
                 inputs, target = batch(job["kind"], step)
                 optimizer.zero_grad()
-                pipeline.step(inputs, target=target)
+                pipeline.step(inputs.chunk(replicas)[replica], target=target.chunk(replicas)[replica])
                 optimizer.step()
             held = {id(parameter) for parameter in pipeline.parameters()}
             torch.save({name: parameter.detach().clone() for name, parameter in model.named_parameters()
-                        if id(parameter) in held}, Path(out_dir) / f"{job['name']}-stage{rank}.pt")
+                        if id(parameter) in held}, Path(out_dir) / f"{job['name']}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -94,9 +108,10 @@ def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[
     for job in jobs:
         merged[job["name"]] = {}
         for rank in range(world_size):
-            stage = torch.load(Path(out_dir) / f"{job['name']}-stage{rank}.pt")
+            stage = torch.load(Path(out_dir) / f"{job['name']}-rank{rank}.pt", weights_only=True)
             for name, tensor in stage.items():
-                # A tied parameter lives on two stages: both copies must have taken the same update.
+                # A tied parameter lives on two stages, every parameter on each replica: all copies
+                # must have taken the same update.
                 if name in merged[job["name"]]:
                     assert torch.equal(merged[job["name"]][name], tensor), name
                 merged[job["name"]][name] = tensor

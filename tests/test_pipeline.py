@@ -1,11 +1,13 @@
-"""Pipeline parallel equals one process: gloo on CPU, 2 stages, 5 SGD-momentum steps (lr 0.1), same
-global batch (why not Adam: see `make_optimizer` in tests/pipeline_workers.py).
+"""Pipeline parallel equals one process: gloo on CPU, 2 and 4 pipeline ranks, every schedule, a 2 x 2
+pipeline x data hybrid; 5 SGD-momentum steps (lr 0.1), same global batch (why not Adam: see
+`make_optimizer` in tests/pipeline_workers.py).
 
 Stated tolerance: 1e-6 absolute on every parameter (measured ~6e-8). The math is the same but not the float
 summation order: gradients are sums of per-micro-batch gradients each divided by the number of
 micro-batches (torch's schedule) rather than one mean over the global batch, and a tied weight's
-gradient is the sum of its two stages' parts. The U-Net runs one micro-batch (BatchNorm statistics
-over a micro-batch would differ from the global batch's by design), cut where two skips cross.
+gradient is the sum of its two stages' parts. BatchNorm normalises each micro-batch of each replica by
+its own statistics (as GPipe does), so the U-Net's reference accumulates gradients over the same
+chunks of the global batch; with one micro-batch and one replica that is the plain global batch.
 """
 
 import pytest
@@ -25,21 +27,41 @@ def _max_difference(first: dict, second: dict) -> float:
     return max((first[name].double() - second[name].double()).abs().max().item() for name in first)
 
 
-def test_two_stage_pipelines_equal_one_process(tmp_path):
+def _check(results: dict, jobs: list[dict]) -> None:
+    for job in jobs:
+        chunks = job.get("dp", 1) * job["microbatches"] if job["kind"] == "unet" else 1
+        difference = _max_difference(results[job["name"]], reference(job["kind"], chunks))
+        assert difference <= TOLERANCE, (job["name"], difference)
+
+
+def test_two_rank_pipelines_equal_one_process(tmp_path):
     unet = unet_sequence(build("unet")[0])
     jobs = [
-        dict(name="gpipe", kind="transformer", cuts=[0, 3, 6], microbatches=4, schedule="gpipe"),
-        dict(name="1f1b", kind="transformer", cuts=[0, 2, 6], microbatches=4, schedule="1f1b"),
-        dict(name="unet", kind="unet", cuts=[0, unet.index("bottleneck"), len(unet.blocks)], microbatches=1, schedule="gpipe"),
+        dict(name="gpipe", kind="transformer", cuts=[0, 4, 8], microbatches=4, schedule="gpipe"),
+        dict(name="1f1b", kind="transformer", cuts=[0, 3, 8], microbatches=4, schedule="1f1b"),
+        dict(name="interleaved", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="interleaved-1f1b"),
+        dict(name="zero-bubble", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="zero-bubble"),
+        dict(name="zbv", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="zbv"),
+        # A cut where two skips cross; one micro-batch: BatchNorm sees the whole global batch.
+        dict(name="unet", kind="unet", cuts=[0, unet.index("bottleneck"), len(unet.blocks)], microbatches=1,
+             schedule="gpipe"),
+        dict(name="unet-1f1b", kind="unet", cuts=[0, 3, len(unet.blocks)], microbatches=2, schedule="1f1b"),
     ]
-    results = run_pipeline_jobs(2, jobs, tmp_path)
-    expected = {"transformer": reference("transformer"), "unet": reference("unet")}
-    for job in jobs:
-        difference = _max_difference(results[job["name"]], expected[job["kind"]])
-        assert difference <= TOLERANCE, (job["name"], difference)
+    _check(run_pipeline_jobs(2, jobs, tmp_path), jobs)
     # The reference moved: the comparison is not of untouched initial weights.
     initial = {name: parameter.detach() for name, parameter in build("transformer")[0].named_parameters()}
-    assert _max_difference(initial, expected["transformer"]) > 1e-4
+    assert _max_difference(initial, reference("transformer")) > 1e-4
+
+
+def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
+    jobs = [
+        dict(name="4-stage", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="1f1b"),
+        dict(name="4-stage-zbv", kind="transformer", cuts=list(range(9)), microbatches=4, schedule="zbv"),
+        dict(name="unet-4-stage", kind="unet", cuts=[0, 2, 4, 6, 8], microbatches=2, schedule="gpipe"),
+        dict(name="hybrid", kind="transformer", cuts=[0, 3, 8], microbatches=2, schedule="1f1b", dp=2),
+        dict(name="unet-hybrid", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2),
+    ]
+    _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
 
 
 def test_a_cut_across_skips_carries_every_live_tensor():

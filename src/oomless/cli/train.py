@@ -4,6 +4,7 @@ import argparse
 
 from oomless.errors import InputError
 from oomless.parallel.config import PARALLEL_MODES, ParallelConfig
+from oomless.plan.partition import SCHEDULES as PIPELINE_SCHEDULES
 from oomless.train.config import SEGMENTATION_MODELS, TrainConfig
 
 
@@ -49,13 +50,33 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
     parallel = ParallelConfig()
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
-                        help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed)")
+                        help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed), "
+                             "pipeline (one stage per process) or hybrid (pipeline x data parallel)")
     parser.add_argument("--no-overlap", action="store_true", help="dp: plain DDP, update after the whole backward")
     parser.add_argument("--average-every", type=int, default=parallel.average_every, metavar="STEPS", help="local-sgd: H")
     parser.add_argument("--bucket-cap-mb", type=float, default=parallel.bucket_cap_mb, help="DDP gradient bucket size")
     parser.add_argument("--timeout", type=float, default=parallel.timeout_seconds, metavar="SECONDS",
                         help="a collective slower than this fails, naming rank and collective")
+    parser.add_argument("--stages", type=int, default=parallel.stages,
+                        help="pipeline/hybrid: pipeline ranks per replica (default %(default)s)")
+    parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=parallel.schedule,
+                        help="pipeline/hybrid: torch's pipeline schedule (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="pipeline/hybrid: micro-batches per replica and step (default: the planner chooses)")
+    parser.add_argument("--stages-per-rank", type=int, default=None,
+                        help="pipeline/hybrid: stages per rank (default 2 for interleaved-1f1b, zero-bubble, zbv; else 1)")
+    parser.add_argument("--switch-at", action="append", default=[], metavar="STEP:LAYOUT", type=parse_switch,
+                        help="from STEP on, train under LAYOUT: dp, local-sgd, async, pipeline[:STAGES] or "
+                             "hybrid[:STAGES] (repeatable), e.g. --switch-at 10:dp")
     parser.set_defaults(run=run)
+
+
+def parse_switch(text: str) -> tuple[int, str]:
+    """"10:dp" -> (10, "dp"); "20:hybrid:2" -> (20, "hybrid:2")."""
+    step, _, layout = text.partition(":")
+    if not step.isdigit() or not layout:
+        raise argparse.ArgumentTypeError(f"{text!r} is not STEP:LAYOUT, e.g. 10:dp or 20:hybrid:2")
+    return int(step), layout
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -67,7 +88,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
         progress=not args.quiet, deterministic=args.deterministic, max_grad_norm=args.max_grad_norm,
         parallel=ParallelConfig(mode=args.parallel, overlap=not args.no_overlap, average_every=args.average_every,
-                                bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout),
+                                bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout, stages=args.stages,
+                                schedule=args.schedule, microbatches=args.microbatches,
+                                stages_per_rank=args.stages_per_rank, switch=sorted(args.switch_at)),
     )
 
 

@@ -21,23 +21,26 @@ from oomless.parallel.process_group import sum_across_ranks
 
 class GlobalBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics cover every rank's shard (CPU / gloo counterpart of
-    ``nn.SyncBatchNorm``); equal shards are assumed, as `local_batch_size` enforces."""
+    ``nn.SyncBatchNorm``); equal shards are assumed, as `local_batch_size` enforces. ``group``: the
+    ranks whose shards form the batch (default the world; a pipeline's replicas of one stage)."""
+
+    group: dist.ProcessGroup | None = None
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if not self.training or world_size == 1:
             return super().forward(input)
         self._check_input_dim(input)
         dims = [0, *range(2, input.dim())]
         count = input.numel() // input.size(1) * world_size
-        mean = sum_across_ranks(input.sum(dim=dims)) / count
+        mean = sum_across_ranks(input.sum(dim=dims), self.group) / count
         shape = [1, -1] + [1] * (input.dim() - 2)
         centred = input - mean.view(shape)
-        variance = sum_across_ranks((centred * centred).sum(dim=dims)) / count
+        variance = sum_across_ranks((centred * centred).sum(dim=dims), self.group) / count
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -51,9 +54,14 @@ class GlobalBatchNorm(_BatchNorm):
         return normalised
 
 
-def _replacement(module: _BatchNorm, device: torch.device) -> nn.Module:
-    kind = nn.SyncBatchNorm if device.type == "cuda" else GlobalBatchNorm
-    replacement = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+def _replacement(module: _BatchNorm, device: torch.device, group: dist.ProcessGroup | None) -> nn.Module:
+    if device.type == "cuda":
+        replacement = nn.SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                       module.track_running_stats, process_group=group)
+    else:
+        replacement = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                      module.track_running_stats)
+        replacement.group = group
     if module.affine:
         replacement.weight, replacement.bias = module.weight, module.bias       # the same Parameters
     if module.track_running_stats:
@@ -63,12 +71,14 @@ def _replacement(module: _BatchNorm, device: torch.device) -> nn.Module:
     return replacement
 
 
-def convert_batchnorm_for_data_parallel(model: nn.Module, device: torch.device) -> int:
-    """Replace every BatchNorm in ``model`` in place by one with global-batch statistics; return how many."""
+def convert_batchnorm_for_data_parallel(model: nn.Module, device: torch.device,
+                                        group: dist.ProcessGroup | None = None) -> int:
+    """Replace every BatchNorm in ``model`` in place by one whose statistics cover the shards of every
+    rank in ``group`` (default: the world); return how many."""
     converted = 0
     for parent in model.modules():
         for name, child in list(parent.named_children()):
             if isinstance(child, _BatchNorm) and not isinstance(child, (GlobalBatchNorm, nn.SyncBatchNorm)):
-                setattr(parent, name, _replacement(child, device))
+                setattr(parent, name, _replacement(child, device, group))
                 converted += 1
     return converted

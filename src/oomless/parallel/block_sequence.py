@@ -11,6 +11,7 @@ A name written again (``x`` after every transformer block) is a new value; what 
 value live there.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -89,10 +90,18 @@ class SequenceStage(nn.Module):
     def forward(self, *tensors: torch.Tensor):
         tensors = tuple(_ContiguousGradient.apply(tensor) if tensor.requires_grad else tensor for tensor in tensors)
         values = _run(self.blocks, dict(zip(self.inputs, tensors)), self.steps)
-        # Point-to-point sends and receives need contiguous buffers; the receiver allocates the
-        # gradient buffer with the sent tensor's strides (a no-op for tensors already contiguous).
-        produced = tuple(values[name].contiguous() for name in self.outputs)
+        produced = tuple(_sendable(values[name]) for name in self.outputs)
         return produced[0] if len(produced) == 1 else produced
+
+
+def _sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """A stage output as a pipeline can send it: contiguous (point-to-point sends need contiguous
+    buffers; the receiver allocates the gradient buffer with the sent tensor's strides), and not a
+    view (a split backward detaches stage outputs in place, which views refuse). The copy is made
+    only where needed: a linear layer's 3-D output is a view of its 2-D product; a skip passing
+    through a stage is a view of its input."""
+    tensor = tensor.contiguous()
+    return tensor.clone() if tensor._base is not None else tensor
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -132,14 +141,43 @@ def transformer_sequence(model) -> BlockSequence:
 
 def unet_sequence(model) -> BlockSequence:
     """`oomless.models.UNet3D` as encoder/pool pairs, the bottleneck, decoders and the head; each
-    encoder's output is a named skip that the matching decoder reads, so a cut between them carries it."""
+    encoder's output is a named skip that the matching decoder reads, so a cut between them carries it.
+    The model's one pooling module (no parameters, no state) is copied per level, so every block is
+    its own module and a profile of the sequence sees each pool once per position."""
     blocks, previous = [], "input"
     for level, encoder in enumerate(model.encoders[:-1]):
         blocks.append(Block(f"encoder{level}", encoder, (previous,), (f"skip{level}",)))
-        blocks.append(Block(f"pool{level}", model.pool, (f"skip{level}",), ("x",)))
+        blocks.append(Block(f"pool{level}", copy.deepcopy(model.pool), (f"skip{level}",), ("x",)))
         previous = "x"
     blocks.append(Block("bottleneck", model.encoders[-1], ("x",), ("x",)))
     for index, decoder in enumerate(model.decoders):
         blocks.append(Block(f"decoder{index}", decoder, ("x", f"skip{model.depth - 1 - index}"), ("x",)))
     blocks.append(Block("head", model.head, ("x",), ("output",)))
     return BlockSequence(blocks)
+
+
+def sequential_sequence(model: nn.Sequential) -> BlockSequence:
+    """An ``nn.Sequential`` as one block per child, each reading and writing ``x``."""
+    blocks = [Block(f"layer{name}", child, ("x",), ("x",)) for name, child in model.named_children()]
+    first, last = blocks[0], blocks[-1]
+    blocks[0] = Block(first.name, first.module, ("input",), first.outputs)
+    blocks[-1] = Block(last.name, last.module, last.inputs, ("output",))
+    return BlockSequence(blocks)
+
+
+def sequence_for(model: nn.Module) -> BlockSequence:
+    """The `BlockSequence` of a model oomless knows how to cut: `UNet3D`, `TinyTransformer`, any
+    ``nn.Sequential`` of two or more children, or a `BlockSequence` itself."""
+    from oomless.models import TinyTransformer, UNet3D
+
+    if isinstance(model, BlockSequence):
+        return model
+    if isinstance(model, UNet3D):
+        return unet_sequence(model)
+    if isinstance(model, TinyTransformer):
+        return transformer_sequence(model)
+    if isinstance(model, nn.Sequential) and len(model) >= 2:
+        return sequential_sequence(model)
+    raise InputError(f"oomless cannot cut a {type(model).__name__} into pipeline stages; write it as a "
+                     "BlockSequence (oomless.parallel.block_sequence.Block: name, module, tensors read, tensors "
+                     "written), or use UNet3D, TinyTransformer or an nn.Sequential")

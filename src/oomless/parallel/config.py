@@ -8,14 +8,22 @@ Modes (see `oomless.parallel` for the trade-offs):
 - ``local-sgd``: every rank steps on its own shard; parameters are averaged every ``average_every`` steps.
 - ``async``: every rank steps on its own shard; the parameter average of step k runs while step k+1
   computes and is applied one step late (staleness bounded by one step).
+- ``pipeline``: the model cut into ``stages`` pipeline stages, one rank each (world = stages).
+- ``hybrid``: world / ``stages`` replicas of such a pipeline, data parallel across replicas.
+
+``switch`` changes layout during the run: ``[(10, "dp"), (20, "hybrid:2")]`` trains steps 0-9 in
+the configured layout, 10-19 under dp, 20 on as a 2-stage hybrid (see `layout_at`).
 """
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from oomless.errors import InputError
+from oomless.plan.partition import check_schedule
 
-PARALLEL_MODES = ("none", "dp", "local-sgd", "async")
-SYNCHRONOUS_MODES = ("none", "dp")
+PARALLEL_MODES = ("none", "dp", "local-sgd", "async", "pipeline", "hybrid")
+SYNCHRONOUS_MODES = ("none", "dp", "pipeline", "hybrid")
+PIPELINE_MODES = ("pipeline", "hybrid")
 
 
 @dataclass
@@ -28,6 +36,11 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0          # DDP gradient bucket size; smaller buckets overlap earlier
     timeout_seconds: float = 600.0       # a collective slower than this fails, naming rank and collective
     backend: str = "auto"                # auto: nccl on CUDA, gloo on CPU
+    stages: int = 2                      # pipeline / hybrid: pipeline ranks per replica
+    schedule: str = "1f1b"               # pipeline / hybrid: one of PIPELINE_SCHEDULES
+    microbatches: int | None = None      # pipeline / hybrid: per replica and step; None: the planner chooses
+    stages_per_rank: int | None = None   # None: 2 for interleaved-1f1b, zero-bubble, zbv; 1 otherwise
+    switch: list[tuple[int, str]] = field(default_factory=list)   # (step, layout) in step order
 
     @property
     def distributed(self) -> bool:
@@ -36,6 +49,31 @@ class ParallelConfig:
     @property
     def synchronous(self) -> bool:
         return self.mode in SYNCHRONOUS_MODES
+
+    @property
+    def pipelined(self) -> bool:
+        return self.mode in PIPELINE_MODES
+
+    @property
+    def resolved_stages_per_rank(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if self.schedule in ("gpipe", "1f1b") else 2
+
+    def layout_at(self, step: int) -> "ParallelConfig":
+        """The configuration in force at 0-based ``step``: this one with the last switch at or before
+        it applied. A layout is ``dp``, ``local-sgd``, ``async``, ``pipeline[:S]`` or ``hybrid[:S]``."""
+        current = self
+        for at, layout in self.switch:
+            if at <= step:
+                mode, _, stages = layout.partition(":")
+                current = dataclasses.replace(current, mode=mode, stages=int(stages) if stages else current.stages)
+        return dataclasses.replace(current, switch=[])
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, "ParallelConfig"]]:
+        """(first step, end step, layout) of each stretch of steps [start, stop) under one layout."""
+        bounds = sorted({start, stop, *(at for at, _ in self.switch if start < at < stop)})
+        return [(first, end, self.layout_at(first)) for first, end in zip(bounds, bounds[1:])]
 
     def validate(self) -> "ParallelConfig":
         if self.mode not in PARALLEL_MODES:
@@ -48,4 +86,21 @@ class ParallelConfig:
             raise InputError(f"timeout must be positive, got {self.timeout_seconds}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        self._validate_pipeline()
+        steps = [at for at, _ in self.switch]
+        if steps != sorted(set(steps)) or any(at < 1 for at in steps):
+            raise InputError(f"switch steps must be distinct, at least 1 and in order, got {steps}")
+        for at, layout in self.switch:
+            mode, _, stages = layout.partition(":")
+            if mode not in PARALLEL_MODES[1:] or (stages and (not stages.isdigit() or mode not in PIPELINE_MODES)):
+                raise InputError(f"switch layout {layout!r} at step {at} is not one of dp, local-sgd, async, "
+                                 "pipeline[:STAGES], hybrid[:STAGES]")
+            self.layout_at(at)._validate_pipeline()
         return self
+
+    def _validate_pipeline(self) -> None:
+        if self.stages < 1:
+            raise InputError(f"stages must be at least 1, got {self.stages}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise InputError(f"microbatches must be at least 1, got {self.microbatches}")
+        check_schedule(self.schedule, self.stages, self.resolved_stages_per_rank)

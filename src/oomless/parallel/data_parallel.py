@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.overlap import OverlappedUpdate, apply_overlapped_update, needs_global_view
-from oomless.parallel.process_group import Ranks, named_collective, sum_across_ranks
+from oomless.parallel.process_group import Ranks, local_batch_size, named_collective, shard_start, sum_across_ranks
 
 
 class SingleProcess:
@@ -31,10 +31,25 @@ class SingleProcess:
         self.config, self.ranks, self.device = config, ranks, device
         self.max_grad_norm: float | None = None
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> nn.Module:
-        """Return the module the loop calls; ``model`` keeps its parameter names (checkpoints use it)."""
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+                example=None) -> nn.Module:
+        """Return the module the loop calls; ``model`` keeps its parameter names (checkpoints use it).
+        ``example``: this rank's first (volumes, labels), for strategies that profile the model."""
         self.max_grad_norm = max_grad_norm
         return model
+
+    def shard(self, step: int, global_batch: int) -> tuple[int, int]:
+        """(first item, count) of this rank's part of step ``step``'s global batch."""
+        return shard_start(step, global_batch, self.ranks), local_batch_size(global_batch, self.ranks.world_size)
+
+    def train_step(self, train_model: nn.Module, volumes: torch.Tensor, labels: torch.Tensor):
+        """Forward, loss and backward of this rank's batch: (loss, hard Dice), both 0-d tensors."""
+        from oomless.train.losses import hard_dice, segmentation_loss     # oomless.train imports this package
+
+        logits = train_model(volumes)
+        loss = segmentation_loss(logits, labels, sum_across=self.sum_across_ranks())
+        self.backward(loss)
+        return loss, hard_dice(logits.detach(), labels)
 
     def sum_across_ranks(self):
         """A differentiable cross-rank sum for loss terms that are not per-sample means, or None."""
@@ -91,7 +106,8 @@ class SynchronousDataParallel(Collectives):
         self.ddp: DistributedDataParallel | None = None
         self.update: OverlappedUpdate | None = None
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> nn.Module:
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+                example=None) -> nn.Module:
         self.max_grad_norm = max_grad_norm
         if self.ranks.world_size > 1:
             convert_batchnorm_for_data_parallel(model, self.device)

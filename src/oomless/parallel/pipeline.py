@@ -1,7 +1,8 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: one stage per process, built by hand from a
-cut of a `BlockSequence` (no whole-graph export), run by torch's GPipe or 1F1B schedule (issue 5).
+"""Pipeline parallel on ``torch.distributed.pipelining``: stages built by hand from a cut of a
+`BlockSequence` (no whole-graph export), run by one of torch's schedules, optionally replicated for
+data parallel on a 2-D (pipeline x data) mesh (issue 5).
 
-Every process builds the same whole model (same seed), keeps the blocks of its own stage and trains
+Every process builds the same whole model (same seed), keeps the blocks of its own stages and trains
 only their parameters; the tensors live at a cut (several for a U-Net's skips) cross it as a tuple.
 A parameter used by two stages (a tied embedding and output head) lives on both; its gradients are
 summed across them after backward, so both copies take the same update (Megatron-LM does this for
@@ -9,22 +10,37 @@ its word embeddings).
 
     sequence = transformer_sequence(model)
     pipeline = PipelineParallel(sequence, cuts=[0, 3, 6], loss_fn=cross_entropy, microbatches=4)
-    losses = pipeline.step(tokens, target=next_tokens)   # stage 0 gives inputs, the last stage targets
-    optimizer.step()                                       # over pipeline.parameters()
+    losses = pipeline.step(tokens, target=next_tokens)   # the first stage's rank gives inputs, the last's targets
+    optimizer.step()                                       # over pipeline.parameters() (or the whole model:
+                                                           # parameters without gradients are skipped)
 
-The micro-batch loss is averaged by ``loss_fn`` and torch's schedule divides gradients by the number
-of micro-batches, so with equal micro-batches the gradient is the global batch's mean loss's.
+Schedules (`SCHEDULES`; ``cuts`` gives P x V stages for P pipeline ranks, V stages per rank):
+
+- ``gpipe``, ``1f1b``: one stage per rank (V = 1).
+- ``interleaved-1f1b``: V >= 2 stages per rank, stage s on rank s mod P (Narayanan et al. 2021).
+- ``zero-bubble``: the same placement, backward split into input and weight gradients, the weight
+  part scheduled into the bubbles (Qi et al. 2023, torch's ScheduleInterleavedZeroBubble).
+- ``zbv``: exactly 2 stages per rank in a V: rank r holds stages r and 2P - 1 - r (ZB-V, Qi et al.).
+
+The micro-batch loss is averaged by ``loss_fn`` and gradients are divided by the number of
+micro-batches, so with equal micro-batches the gradient is that of the mean loss over them. With a
+data-parallel group, gradients are then averaged across replicas (each replica runs its own shard).
 """
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import BlockSequence
+from oomless.plan.partition import SCHEDULES, microbatch_problem, stage_ranks
 
-PIPELINE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                    "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 def cuts_from_stage_blocks(sequence: BlockSequence, stage_blocks: list[list[str]]) -> list[int]:
@@ -41,66 +57,203 @@ def cuts_from_stage_blocks(sequence: BlockSequence, stage_blocks: list[list[str]
     return cuts
 
 
+def even_cuts(blocks: int, stages: int) -> list[int]:
+    """Cut positions splitting ``blocks`` into ``stages`` runs whose lengths differ by at most one
+    (the hand split that `oomless.plan.partition` improves on; used where no profile is at hand)."""
+    if not 1 <= stages <= blocks:
+        raise InputError(f"cannot cut {blocks} blocks into {stages} stages; use between 1 and {blocks} stages")
+    return [round(index * blocks / stages) for index in range(stages + 1)]
+
+
+def _check_cuts(cuts: list[int], blocks: int) -> None:
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != blocks or any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise InputError(f"cuts must rise strictly from 0 to {blocks} (the blocks), got {cuts}")
+
+
 class PipelineParallel:
-    """This process's stage of ``sequence`` cut at ``cuts`` (stage i holds blocks cuts[i]..cuts[i+1]),
-    its `PipelineStage` and schedule. ``group`` is the pipeline's process group (default: the world);
-    the stage index is this process's rank in it."""
+    """This process's stages of ``sequence`` cut at ``cuts`` (stage i holds blocks cuts[i]..cuts[i+1]),
+    their `PipelineStage`s and the schedule. ``group`` is the pipeline's process group (default: the
+    world), this process's rank in it places its stages; ``dp_group``, if given, holds the replicas
+    of this process's stages, across which gradients are averaged after every step."""
 
     def __init__(self, sequence: BlockSequence, cuts: list[int], loss_fn, microbatches: int,
-                 schedule: str = "1f1b", device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None):
-        stages = len(cuts) - 1
-        if stages < 1 or cuts[0] != 0 or cuts[-1] != len(sequence.blocks) or any(a >= b for a, b in zip(cuts, cuts[1:])):
-            raise InputError(f"cuts must rise strictly from 0 to {len(sequence.blocks)} (the blocks), got {cuts}")
-        if schedule not in PIPELINE_SCHEDULES:
-            raise InputError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
-        if dist.get_world_size(group) != stages:
-            raise InputError(f"{stages} stages need a process group of {stages}, got {dist.get_world_size(group)}")
-        self.group, self.stage_index, self.stages = group, dist.get_rank(group), stages
-        self.module = sequence.stage(cuts[self.stage_index], cuts[self.stage_index + 1]).to(device)
-        self.tied = _parameters_in_several_stages(sequence, cuts)
-        self.stage = PipelineStage(self.module, self.stage_index, stages, torch.device(device), group=group)
-        self.schedule = PIPELINE_SCHEDULES[schedule](self.stage, microbatches, loss_fn=loss_fn)
+                 schedule: str = "1f1b", device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
+                 dp_group: dist.ProcessGroup | None = None, *, example: tuple[torch.Tensor, ...]):
+        _check_cuts(cuts, len(sequence.blocks))
+        if schedule not in SCHEDULE_CLASSES:
+            raise InputError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}")
+        ranks, stages = dist.get_world_size(group), len(cuts) - 1
+        problem = microbatch_problem(schedule, ranks, microbatches)
+        if problem:
+            raise InputError(f"{problem}; choose another micro-batch count or schedule (gpipe takes any)")
+        if stages % ranks:
+            raise InputError(f"{stages} stages do not divide evenly over {ranks} pipeline ranks; "
+                             f"give a multiple of {ranks} stages")
+        placement = stage_ranks(schedule, ranks, stages // ranks)
+        self.group, self.dp_group, self.rank, self.num_stages = group, dp_group, dist.get_rank(group), stages
+        self.stage_indices = [stage for stage in range(stages) if placement[stage] == self.rank]
+        device = torch.device(device)
+        self.modules = [sequence.stage(cuts[stage], cuts[stage + 1]).to(device) for stage in self.stage_indices]
+        shapes = stage_shapes(sequence, cuts, example)
+        self.stages = [PipelineStage(module, stage, stages, device, input_args=shapes[stage][0],
+                                     output_args=shapes[stage][1], group=group)
+                       for module, stage in zip(self.modules, self.stage_indices)]
+        runs = self.stages[0] if schedule in SINGLE_STAGE_SCHEDULES else self.stages
+        # Gradients are divided by the micro-batch count here, once per parameter: torch's schedule
+        # divides per stage, twice for a parameter that two stages of one rank share (ZB-V's tied
+        # embedding and head on rank 0).
+        self.schedule = SCHEDULE_CLASSES[schedule](runs, microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.microbatches = microbatches
+        self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
+        self.owners = tensor_owners(sequence, cuts, placement)
+        self.output = None
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank holds stage 0 (it feeds the inputs)."""
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.stages - 1
+        """Whether this rank holds the last stage (it takes the targets and computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
 
-    def parameters(self):
-        return self.module.parameters()
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (a tied one held by two local stages too)."""
+        unique = {}
+        for module in self.modules:
+            for parameter in module.parameters():
+                unique.setdefault(id(parameter), parameter)
+        return list(unique.values())
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> list[torch.Tensor] | None:
-        """Forward and backward of one global batch (split into micro-batches along dim 0): the first
-        stage passes ``inputs``, the last ``target``, the others nothing. Gradients accumulate on this
-        stage's parameters (zero them before); returns the micro-batch losses on the last stage."""
+        """Forward and backward of one batch (split into micro-batches along dim 0): the first
+        stage's rank passes ``inputs``, the last's ``target``, the others nothing (extra ones are
+        ignored). Gradients accumulate on this rank's parameters (zero them before), are summed
+        over tied copies and averaged over the data-parallel group; returns the micro-batch losses
+        on the last stage's rank, None elsewhere."""
         losses = [] if self.is_last else None
         arguments = inputs if self.is_first else ()
-        self.schedule.step(*arguments, target=target if self.is_last else None, losses=losses)
+        # The last stage's outputs, merged over micro-batches (None elsewhere): for metrics.
+        self.output = self.schedule.step(*arguments, target=target if self.is_last else None, losses=losses)
+        self._mean_over_microbatches()
         self._sum_tied_gradients()
+        self._average_over_replicas()
         return losses
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale this rank's gradients so the whole model's gradient has L2 norm at most ``max_norm``,
+        as ``torch.nn.utils.clip_grad_norm_`` on one process would: squares summed per rank (a tied
+        parameter on its lowest rank only), then over the pipeline; replicas hold equal gradients."""
+        first_holder = {id(parameter): min(holders) for _, parameter, holders in self.tied}
+        gradients = [parameter.grad for parameter in self.parameters() if parameter.grad is not None
+                     and first_holder.get(id(parameter), self.rank) == self.rank]
+        squares = torch.zeros((), dtype=torch.float32, device=self._device)
+        for gradient in gradients:
+            squares += gradient.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for parameter in self.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale.to(parameter.grad.dtype))
+        return norm
+
+    def _mean_over_microbatches(self) -> None:
+        if self.microbatches > 1:
+            for parameter in self.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(self.microbatches)
+
     def _sum_tied_gradients(self) -> None:
-        # Every stage joins every all-reduce, in the same order (collectives must match across
-        # ranks); a stage without the parameter contributes zeros.
-        own = {id(parameter) for parameter in self.module.parameters()}
-        for _, parameter in self.tied:
+        # Every rank joins every all-reduce, in the same order (collectives must match across
+        # ranks); a rank without the parameter contributes zeros.
+        own = {id(parameter) for parameter in self.parameters()}
+        for _, parameter, _ in self.tied:
             if id(parameter) not in own:
-                dist.all_reduce(torch.zeros_like(parameter), group=self.group)
+                dist.all_reduce(torch.zeros_like(parameter, device=self._device), group=self.group)
                 continue
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, group=self.group)
 
+    def _average_over_replicas(self) -> None:
+        """One all-reduce of every local gradient, flattened, averaged over the replicas."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        parameters = self.parameters()
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        flat = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        offset = 0
+        for parameter in parameters:
+            parameter.grad.copy_(flat[offset:offset + parameter.numel()].view_as(parameter.grad))
+            offset += parameter.numel()
 
-def _parameters_in_several_stages(sequence: BlockSequence, cuts: list[int]) -> list[tuple[str, nn.Parameter]]:
-    """(name in the whole sequence, parameter) of every parameter that two stages share, by name.
-    Every process builds the whole sequence, so each knows these even where it holds none."""
+    @property
+    def _device(self) -> torch.device:
+        return self.stages[0].device
+
+
+@torch.enable_grad()
+def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.Tensor, ...]) -> list[tuple]:
+    """(inputs, outputs) of every stage for one micro-batch shaped like ``example``, as meta tensors:
+    the static shapes `PipelineStage` takes instead of inferring them. Its own inference runs each
+    stage on uninitialised tensors of the right shape, which BatchNorm would count and fold into its
+    running statistics; here each stage runs on meta copies of its parameters and buffers
+    (``functional_call``), so the model is untouched and nothing is allocated. Gradients are on:
+    whether a stage's input requires a gradient decides whether the next stage sends one back."""
+    from torch.func import functional_call
+
+    values = tuple(tensor.to("meta") for tensor in example)
+    shapes = []
+    for start, stop in zip(cuts, cuts[1:]):
+        module = sequence.stage(start, stop)
+        state = {name: tensor.to("meta") for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
+        produced = functional_call(module, state, values)
+        produced = produced if isinstance(produced, tuple) else (produced,)
+        shapes.append((values, produced))
+        values = produced
+    return shapes
+
+
+def _parameters_in_several_ranks(sequence: BlockSequence, cuts: list[int],
+                                 placement: list[int]) -> list[tuple[str, nn.Parameter, list[int]]]:
+    """(name in the whole sequence, parameter, its ranks) of every parameter that two ranks share.
+    Every process builds the whole sequence, so each knows these even where it holds none. One
+    rank holding a parameter in two of its stages accumulates both parts itself."""
     holders: dict[int, set[int]] = {}
     for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
         for parameter in sequence.stage(start, stop).parameters():
-            holders.setdefault(id(parameter), set()).add(stage)
-    return [(name, parameter) for name, parameter in sequence.named_parameters()
+            holders.setdefault(id(parameter), set()).add(placement[stage])
+    return [(name, parameter, sorted(holders[id(parameter)])) for name, parameter in sequence.named_parameters()
             if len(holders.get(id(parameter), ())) > 1]
+
+
+def tensor_owners(sequence: BlockSequence, cuts: list[int], placement: list[int]) -> dict[int, int]:
+    """{id(parameter or buffer): pipeline rank of the first stage that holds it}: the rank whose copy
+    is current (a tied parameter's copies are equal)."""
+    owners: dict[int, int] = {}
+    for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        module = sequence.stage(start, stop)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            owners.setdefault(id(tensor), placement[stage])
+    return owners
+
+
+def pipeline_mesh(pipeline_ranks: int, device_type: str = "cpu"):
+    """The 2-D ``DeviceMesh`` ("pp", "dp") of the world: ``pipeline_ranks`` stages per replica,
+    world / pipeline_ranks replicas. Replicas of one stage are neighbouring ranks (rank = stage x
+    replicas + replica), so the heavier gradient all-reduce stays within a machine when a machine
+    holds a multiple of the replica count, and the lighter stage-to-stage sends cross machines
+    (Megatron-LM orders its groups the same way)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if pipeline_ranks < 1 or world % pipeline_ranks:
+        raise InputError(f"{pipeline_ranks} pipeline stages do not divide the {world} processes; "
+                         f"choose a divisor of {world}")
+    return init_device_mesh(device_type, (pipeline_ranks, world // pipeline_ranks), mesh_dim_names=("pp", "dp"))

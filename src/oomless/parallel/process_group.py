@@ -122,10 +122,11 @@ def shard_start(step: int, global_batch: int, ranks: Ranks) -> int:
     return step * global_batch + ranks.rank * local_batch_size(global_batch, ranks.world_size)
 
 
-def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """Differentiable all-reduce (sum) over the default group: its backward all-reduces the gradient, so
-    a loss term computed from the global sum sends each rank the gradient for its own contribution.
-    (torch's functional collective; ``torch.distributed.nn.functional.all_reduce`` is deprecated.)"""
+def sum_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Differentiable all-reduce (sum) over ``group`` (default: the world): its backward all-reduces the
+    gradient, so a loss term computed from the global sum sends each rank the gradient for its own
+    contribution. (torch's functional collective; ``torch.distributed.nn.functional.all_reduce`` is
+    deprecated.)"""
     from torch.distributed._functional_collectives import all_reduce
 
-    return all_reduce(tensor, "sum", dist.group.WORLD)
+    return all_reduce(tensor, "sum", group if group is not None else dist.group.WORLD)

@@ -24,14 +24,13 @@ from torch import nn
 from oomless.data import SyntheticVolumes
 from oomless.errors import InputError
 from oomless.models import build_model
-from oomless.parallel import join_process_group, leave_process_group, make_strategy, shard_start
-from oomless.parallel.process_group import local_batch_size
+from oomless.parallel import join_process_group, leave_process_group, make_strategy
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.sizes import format_bytes
-from oomless.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from oomless.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_weights
 from oomless.train.config import TrainConfig
-from oomless.train.losses import hard_dice, segmentation_loss
+from oomless.train.losses import segmentation_loss
 
 
 @dataclass
@@ -67,30 +66,27 @@ def build_segmentation_model(config: TrainConfig) -> nn.Module:
                        base_channels=config.base_channels, depth=config.depth)
 
 
-def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: SyntheticVolumes,
-                   config: TrainConfig, device: torch.device, console: Console, strategy=None):
-    """Plan for the budget on the first batch and install the plan; profiling leaves the model's
-    weights, buffers and RNG as they were, so the run continues exactly as a plain one would.
+def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: tuple[torch.Tensor, torch.Tensor],
+                   config: TrainConfig, console: Console, strategy):
+    """Plan for the budget on this rank's first batch ``example`` (volumes, labels) and install the
+    plan; profiling leaves the model's weights, buffers and RNG as they were, so the run continues
+    exactly as a plain one would.
 
     Under data parallel every rank plans on its own shard, then all take rank 0's plan: recomputed
     blocks run collectives (global BatchNorm) in backward, so the ranks' plans must agree."""
     import oomless
 
-    ranks = strategy.ranks if strategy is not None else None
-    world_size = ranks.world_size if ranks else 1
-    local_batch = local_batch_size(config.global_batch, world_size)
-    volumes, labels = dataset.batch(shard_start(0, config.global_batch, ranks) if ranks else 0, local_batch)
-    volumes, labels = volumes.to(device), labels.to(device)
+    volumes, labels = example
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
                         loss_fn=lambda logits: segmentation_loss(logits, labels))
-    if world_size > 1:
+    if strategy.ranks.world_size > 1:
         import torch.distributed as dist
 
         shared = [plan.to_json()]
         with strategy.collective("plan broadcast from rank 0"):
             dist.broadcast_object_list(shared, src=0)
         plan = oomless.Plan.from_json(shared[0])
-    if config.progress and (ranks is None or ranks.is_first):
+    if config.progress and strategy.ranks.is_first:
         console.print(str(plan), soft_wrap=True)
     oomless.apply(model, plan)
     return plan
@@ -141,8 +137,6 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
 
 
 def _train(config: TrainConfig, console: Console | None, device: torch.device, ranks) -> TrainResult:
-    strategy = make_strategy(config.parallel, ranks, device)
-    local_batch = local_batch_size(config.global_batch, ranks.world_size)
     # Only rank 0 talks; the others would print the same lines N times.
     console = console or Console(stderr=True, quiet=not ranks.is_first)
     seed_everything(config.seed, config.deterministic)
@@ -156,73 +150,134 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
     oomless_applied = config.memory is not None
-    plan = _apply_oomless(model, optimizer, dataset, config, device, console, strategy) if oomless_applied else None
-    # Resume after fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
-    start_step = _resume(config, model, optimizer, console, ranks.rank) if config.resume else 0
-    model.train()
-    # `model` keeps its parameter names for checkpoints and --save; the loop calls `train_model`
-    # (DDP under dp, the model itself otherwise).
-    train_model = strategy.prepare(model, optimizer, config.max_grad_norm)
-    sum_across = strategy.sum_across_ranks()
+    start_step = _checkpoint_step(config) if config.resume else 0
+    segments = config.parallel.segments(start_step, config.steps) or [
+        (start_step, start_step, config.parallel.layout_at(start_step))]
+    run = _Run(config, console, device, dataset, start_step, memory)
+    plan = strategy = None
+    with run.progress:
+        for first, end, layout in segments:
+            if first != start_step:
+                model, optimizer = _rebuilt(config, model, optimizer, device)
+                console.print(f"step {first}: switching layout to {_describe(layout)}")
+            strategy = make_strategy(layout, ranks, device)
+            example = dataset.batch(*strategy.shard(first, config.global_batch))
+            example = tuple(tensor.to(device) for tensor in example)
+            if oomless_applied and not layout.pipelined:
+                plan = _apply_oomless(model, optimizer, example, config, console, strategy)
+            if first == start_step and config.resume:
+                # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
+                _resume(config, model, optimizer, console, ranks.rank)
+            model.train()
+            # `model` keeps its parameter names for checkpoints and --save; the strategy calls
+            # `train_model` (DDP under dp, the model itself otherwise).
+            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example)
+            if layout.pipelined and config.progress and ranks.is_first:
+                console.print(str(strategy.partition), soft_wrap=True)
+            run.steps(strategy, model, train_model, optimizer, first, end)
+            strategy.finish(model)                  # every rank now holds the same final weights
+    return _result(config, console, device, ranks, run, strategy, model, plan, memory, oomless_applied)
 
-    voxels_per_volume = int(np.prod(config.shape))
-    history: list[dict] = []
-    loss = dice = None
-    started = time.perf_counter()
-    columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[metrics]}"))
-    # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
-    show_bar = config.progress and console.is_terminal and ranks.is_first
-    with Progress(*columns, console=console, disable=not show_bar) as progress:
-        task = progress.add_task("train", total=config.steps, completed=start_step, metrics="")
-        for step in range(start_step, config.steps):
-            volumes, labels = dataset.batch(shard_start(step, config.global_batch, ranks), local_batch)
-            volumes = volumes.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            logits = train_model(volumes)
-            loss = segmentation_loss(logits, labels, sum_across=sum_across)
-            strategy.backward(loss)
+
+def _describe(layout) -> str:
+    if layout.pipelined:
+        return f"{layout.mode} with {layout.stages} stages ({layout.schedule})"
+    return layout.mode
+
+
+def _checkpoint_step(config: TrainConfig) -> int:
+    """The step of the checkpoint a resumed run starts from (0 if none), read from its name."""
+    found = list_checkpoints(config.checkpoint_dir)
+    return found[-1][0] if found else 0
+
+
+def _rebuilt(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    """A fresh model and optimizer holding ``model``'s and ``optimizer``'s state, for the next layout
+    (which wraps, converts and hooks the model its own way). The RNG is left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        fresh = build_segmentation_model(config).to(device)
+    fresh.load_state_dict(model.state_dict())
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=config.lr)
+    fresh_optimizer.load_state_dict(optimizer.state_dict())
+    return fresh, fresh_optimizer
+
+
+class _Run:
+    """The steps of a run across layouts: progress bar, history, checkpoints, the last loss and Dice."""
+
+    def __init__(self, config: TrainConfig, console: Console, device: torch.device, dataset, start_step: int,
+                 memory: MemoryProbe):
+        self.config, self.console, self.device, self.dataset = config, console, device, dataset
+        self.memory = memory
+        self.start_step = start_step
+        self.history: list[dict] = []
+        self.loss = self.dice = None
+        self.voxels_per_volume = int(np.prod(config.shape))
+        self.started = time.perf_counter()
+        columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[metrics]}"))
+        # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
+        self.show_bar = config.progress and console.is_terminal and not console.quiet
+        self.progress = Progress(*columns, console=console, disable=not self.show_bar)
+        self.task = self.progress.add_task("train", total=config.steps, completed=start_step, metrics="")
+
+    def steps(self, strategy, model: nn.Module, train_model: nn.Module, optimizer, first: int, end: int) -> None:
+        config = self.config
+        for step in range(first, end):
+            volumes, labels = self.dataset.batch(*strategy.shard(step, config.global_batch))
+            volumes = volumes.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            self.loss, self.dice = strategy.train_step(train_model, volumes, labels)
             strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
-            dice = hard_dice(logits.detach(), labels)
-            del logits                  # the biggest activation; free it before the next forward
-
             steps_done = step + 1
             if steps_done % config.log_every == 0 or steps_done == config.steps:
-                # .item() waits for the device: done only when logging, never on every step.
-                # Under data parallel: the mean over ranks (for dp, the global-batch loss).
-                record = {"step": steps_done, "loss": strategy.mean_across_ranks(loss.detach()).item(),
-                          "dice": strategy.mean_across_ranks(dice).item()}
-                history.append(record)
-                elapsed = time.perf_counter() - started
-                rate = (steps_done - start_step) * config.global_batch / max(elapsed, 1e-9)
-                metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
-                           f"{rate * voxels_per_volume / 1e6:.2f} Mvox/s  "
-                           f"peak {format_bytes(memory.peak_since_mark())}")
-                progress.update(task, metrics=metrics)
-                if config.progress and not show_bar:
-                    console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
+                self._log(strategy, steps_done)
             if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0
-                                                      or steps_done == config.steps):
-                strategy.synchronize(model)            # no update or average may be in flight
-                other_ranks = gather_other_ranks(strategy, model, optimizer)
-                if ranks.is_first:
-                    save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
-                                    data_position=steps_done * config.global_batch,
-                                    trajectory=config.trajectory(), keep=config.keep_checkpoints,
-                                    other_ranks=other_ranks)
-            progress.update(task, completed=steps_done)
+                                                      or steps_done in (end, config.steps)):
+                self._checkpoint(strategy, model, optimizer, steps_done)
+            self.progress.update(self.task, completed=steps_done)
 
-    strategy.finish(model)                      # every rank now holds the same final weights
+    def _log(self, strategy, steps_done: int) -> None:
+        # .item() waits for the device: done only when logging, never on every step.
+        # Under data parallel: the mean over ranks (for dp, the global-batch loss).
+        config = self.config
+        record = {"step": steps_done, "loss": strategy.mean_across_ranks(self.loss.detach()).item(),
+                  "dice": strategy.mean_across_ranks(self.dice).item()}
+        self.history.append(record)
+        elapsed = time.perf_counter() - self.started
+        rate = (steps_done - self.start_step) * config.global_batch / max(elapsed, 1e-9)
+        metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
+                   f"{rate * self.voxels_per_volume / 1e6:.2f} Mvox/s  "
+                   f"peak {format_bytes(self.memory.peak_since_mark())}")
+        self.progress.update(self.task, metrics=metrics)
+        if config.progress and not self.show_bar:
+            self.console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
+
+    def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
+        config = self.config
+        strategy.synchronize(model)            # no update or average in flight; every rank holds all state
+        other_ranks = gather_other_ranks(strategy, model, optimizer)
+        if strategy.ranks.is_first:
+            save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
+                            data_position=steps_done * config.global_batch,
+                            trajectory=config.trajectory(), keep=config.keep_checkpoints,
+                            other_ranks=other_ranks)
+
+
+def _result(config: TrainConfig, console: Console, device: torch.device, ranks, run: _Run, strategy, model,
+            plan, memory: MemoryProbe, oomless_applied: bool) -> TrainResult:
+    loss, dice = run.loss, run.dice
     final_loss = strategy.mean_across_ranks(loss.detach()).item() if loss is not None else float("nan")
     final_dice = strategy.mean_across_ranks(dice).item() if dice is not None else float("nan")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - started
-    trained = config.steps - start_step if config.steps > start_step else 0
+    elapsed = time.perf_counter() - run.started
+    trained = config.steps - run.start_step if config.steps > run.start_step else 0
     volumes_per_second = trained * config.global_batch / elapsed if trained and elapsed > 0 else 0.0
+    voxels_per_volume = int(np.prod(config.shape))
     stats = None
     peak = memory.peak_since_mark()
-    if oomless_applied:
+    if plan is not None:
         stats, line = _stats_line(model)
         console.print(line, soft_wrap=True)
         seconds_per_step = elapsed / trained if trained else float("nan")
@@ -233,11 +288,11 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
         console.print(f"saved weights to {save_weights(config.save, model)}")
     strategy.barrier()                          # the file exists before any rank returns
     return TrainResult(
-        steps_done=max(config.steps, start_step),
+        steps_done=max(config.steps, run.start_step),
         final_loss=final_loss, final_dice=final_dice,
         peak_memory_bytes=peak,
         volumes_per_second=volumes_per_second,
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
-        history=history, stats=stats, model=model,
+        history=run.history, stats=stats, model=model,
     )

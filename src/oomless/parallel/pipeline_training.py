@@ -1,0 +1,199 @@
+"""The training loop's strategy for the pipeline and hybrid layouts (issue 5).
+
+    torchrun --nproc-per-node 4 -m oomless train --parallel hybrid --stages 2 --global-batch 8
+
+The world is a ("pp", "dp") mesh: ``stages`` pipeline ranks per replica, world / stages replicas.
+Rank 0 profiles the model as its `BlockSequence` on one replica's batch and cuts it with the
+partitioner (`oomless.plan.partition`), choosing the number of micro-batches too unless the config
+fixes it; every rank takes that cut. Each replica runs its shard of the global batch through the
+pipeline; gradients are averaged over replicas.
+
+What equals the one-process run: across replicas, BatchNorm statistics and the soft Dice's sums are
+taken over every replica's micro-batch (as under ``dp``); across micro-batches they are not: each
+micro-batch is normalised by its own statistics (GPipe's choice). So with one micro-batch the
+layout trains the same model as one process with the global batch; with M micro-batches, the same as
+one process accumulating gradients over M chunks.
+
+Every process holds the whole model (built from the same seed) and one optimizer over all of it;
+parameters outside this rank's stages get no gradient, so the optimizer skips them. Before a
+checkpoint, ``--save`` or a layout switch, `synchronize` broadcasts every parameter, buffer and
+optimizer state from the rank that trains it, so every rank then holds the whole current state and
+the ordinary checkpoint code applies.
+"""
+
+import json
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oomless.errors import InputError
+from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
+from oomless.parallel.block_sequence import BlockSequence, sequence_for
+from oomless.parallel.config import ParallelConfig
+from oomless.parallel.data_parallel import Collectives
+from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
+from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
+from oomless.plan.partition import Partition, choose_microbatches, partition_stages, scale_profile
+from oomless.train.losses import hard_dice, segmentation_loss
+
+UNLIMITED = 1 << 62      # bytes: the partition's limit where the device's memory is not known (CPU)
+
+
+class PipelineTraining(Collectives):
+    """``--parallel pipeline|hybrid``: one replica's pipeline stages on this rank."""
+
+    def __init__(self, config: ParallelConfig, ranks: Ranks, device: torch.device):
+        super().__init__(config, ranks, device)
+        with self.collective("device mesh (pipeline x data) creation"):
+            self.mesh = pipeline_mesh(config.stages, device.type)
+        self.replica, self.replicas = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+        self.pipeline: PipelineParallel | None = None
+        self.partition: Partition | None = None
+        self.optimizer = None
+        self.memory = None
+
+    def shard(self, step: int, global_batch: int) -> tuple[int, int]:
+        """(first item, count) of this rank's replica's part of step ``step``'s global batch."""
+        count = local_batch_size(global_batch, self.replicas)
+        return step * global_batch + self.replica * count, count
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+                example=None) -> nn.Module:
+        self.max_grad_norm, self.optimizer = max_grad_norm, optimizer
+        dp_group = self.mesh["dp"].get_group()
+        # Cut before BatchNorm turns collective: only rank 0 profiles, its replicas would not join.
+        self.partition = self._cut(sequence_for(model), example)
+        if self.replicas > 1:
+            convert_batchnorm_for_data_parallel(model, self.device, dp_group)
+        sequence = sequence_for(model)          # after the swap: a block may be a BatchNorm itself
+        sum_across = partial(sum_across_ranks, group=dp_group) if self.replicas > 1 else None
+        cuts = cuts_from_stage_blocks(sequence, self.partition.stage_blocks)
+        self.pipeline = PipelineParallel(
+            sequence, cuts, lambda logits, labels: segmentation_loss(logits, labels, sum_across),
+            self.partition.microbatches, self.partition.schedule, self.device,
+            group=self.mesh["pp"].get_group(), dp_group=dp_group,
+            example=(example[0].chunk(self.partition.microbatches)[0],))
+        return model
+
+    def _cut(self, sequence: BlockSequence, example) -> Partition:
+        """Rank 0 profiles and partitions; every rank takes its answer (timings differ per rank)."""
+        shared = [None]
+        if self.ranks.is_first:
+            shared[0] = self._partition(sequence, example).to_json()
+        with self.collective("pipeline partition broadcast from rank 0"):
+            dist.broadcast_object_list(shared, src=0)
+        return Partition.from_json(shared[0])
+
+    def _partition(self, sequence: BlockSequence, example) -> Partition:
+        import oomless
+
+        if example is None:
+            raise InputError("the pipeline layout needs an example batch to profile the model for its cut")
+        volumes, labels = example
+        profile = oomless.profile(sequence, volumes, blocks=[f"steps.{block.name}" for block in sequence.blocks],
+                                  loss_fn=lambda logits: segmentation_loss(logits, labels),
+                                  optimizer=self.optimizer)
+        for block in profile.blocks:
+            block.name = block.name.removeprefix("steps.")
+        memory = self._memory_per_rank()
+        config = self.config
+        if config.microbatches is None:
+            return choose_microbatches(profile, config.stages, volumes.shape[0], memory, config.schedule,
+                                       config.resolved_stages_per_rank)
+        if volumes.shape[0] % config.microbatches:
+            raise InputError(f"{volumes.shape[0]} volumes per replica do not split into {config.microbatches} "
+                             "equal micro-batches; choose a divisor")
+        # With fewer micro-batches than stages 1F1B never reaches its steady state: it is GPipe,
+        # which torch's Schedule1F1B refuses to run for it.
+        schedule = "gpipe" if config.schedule == "1f1b" and config.microbatches < config.stages else config.schedule
+        partition = partition_stages(scale_profile(profile, 1 / config.microbatches), config.stages, memory,
+                                     config.microbatches, schedule, stages_per_rank=config.resolved_stages_per_rank)
+        if schedule != config.schedule:
+            partition.notes.append(f"1f1b with {config.microbatches} micro-batch(es) on {config.stages} stages "
+                                   "runs as gpipe (the same order of work)")
+        return partition
+
+    def _memory_per_rank(self) -> int:
+        if self.memory is not None:
+            return self.memory
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        return UNLIMITED
+
+    def train_step(self, train_model: nn.Module, volumes: torch.Tensor, labels: torch.Tensor):
+        """(loss, dice) of this replica's batch on the last stage's rank; zeros elsewhere."""
+        with self.collective("pipeline step (stage sends, receives, replica all-reduces)"):
+            losses = self.pipeline.step(volumes, target=labels)
+        if not self.pipeline.is_last:
+            zero = torch.zeros((), device=self.device)
+            return zero, zero
+        return torch.stack(losses).mean().detach(), hard_dice(self.pipeline.output.detach(), labels)
+
+    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over replicas of a value that only last-stage ranks hold (zeros elsewhere)."""
+        total = value.detach().clone()
+        with self.collective("metric all-reduce"):
+            dist.all_reduce(total)
+        return total / self.replicas
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step_index: int) -> None:
+        if self.max_grad_norm is not None:
+            with self.collective("gradient norm all-reduce over the pipeline"):
+                self.pipeline.clip_grad_norm_(self.max_grad_norm)
+        optimizer.step()            # parameters of other ranks' stages have no gradient: skipped
+        optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self, model: nn.Module) -> None:
+        """Every rank receives every parameter, buffer and optimizer state from the rank that trains it."""
+        with self.collective("pipeline state broadcast from each stage's owner"):
+            _broadcast_from_owners(model, self.optimizer, self._owner_ranks(), self.device)
+
+    def _owner_ranks(self) -> dict[int, int]:
+        """{id(tensor): global rank of replica 0 of the pipeline rank that owns it}."""
+        by_stage_rank = self.mesh.mesh[:, 0].tolist()
+        return {key: by_stage_rank[rank] for key, rank in self.pipeline.owners.items()}
+
+
+@torch.no_grad()
+def _broadcast_from_owners(model: nn.Module, optimizer, owners: dict[int, int], device: torch.device) -> None:
+    tensors = [*model.parameters(), *model.buffers()]
+    for tensor in tensors:
+        _broadcast(tensor, owners.get(id(tensor), 0), device)
+    if optimizer is None:
+        return
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    for owner in sorted(set(owners.values())):
+        # The owner says which states it has (names, shapes, dtypes) before sending the tensors.
+        described = [_describe_states(optimizer, parameters, owners, owner) if dist.get_rank() == owner else None]
+        dist.broadcast_object_list(described, src=owner)
+        for index, entries in json.loads(described[0]).items():
+            parameter = parameters[int(index)]
+            state = optimizer.state[parameter]
+            for key, (shape, dtype, where) in entries.items():
+                received = state[key] if dist.get_rank() == owner else torch.empty(
+                    shape, dtype=getattr(torch, dtype), device=where)
+                _broadcast(received, owner, device)
+                state[key] = received
+
+
+def _describe_states(optimizer, parameters: list, owners: dict[int, int], owner: int) -> str:
+    described = {}
+    for index, parameter in enumerate(parameters):
+        if owners.get(id(parameter), 0) != owner or parameter not in optimizer.state:
+            continue
+        described[index] = {key: (list(value.shape), str(value.dtype).removeprefix("torch."), str(value.device))
+                            for key, value in optimizer.state[parameter].items() if torch.is_tensor(value)}
+    return json.dumps(described)
+
+
+def _broadcast(tensor: torch.Tensor, source: int, device: torch.device) -> None:
+    """Broadcast in place; a tensor off the communication device (Adam's CPU step count under NCCL)
+    travels through a copy on it."""
+    if tensor.device == device or device.type == "cpu":
+        dist.broadcast(tensor, src=source)
+        return
+    carried = tensor.to(device)
+    dist.broadcast(carried, src=source)
+    tensor.copy_(carried)

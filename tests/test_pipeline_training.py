@@ -1,0 +1,81 @@
+"""`oomless train --parallel pipeline|hybrid` and layout switches equal the data-parallel run: gloo on
+CPU, the embedded 3D U-Net task (global batch 4, 6 Adam steps), rank 0's ``--save`` files compared.
+
+With one micro-batch per replica the pipeline and hybrid layouts train exactly the model dp trains
+(BatchNorm statistics and the soft Dice's sums over every replica's shard, see
+`oomless.parallel.pipeline_training`); only float summation order differs. Stated tolerance: 1e-5
+absolute on every weight, as for data parallel (tests/test_parallel_equality.py).
+"""
+
+import pytest
+from safetensors.torch import load_file
+
+from oomless.errors import InputError
+from oomless.parallel import ParallelConfig, make_strategy
+from oomless.parallel.process_group import Ranks
+from tests.parallel_workers import run_jobs
+
+STEPS = 6
+TOLERANCE = 1e-5
+COMMON = dict(steps=STEPS, global_batch=4)
+
+
+def _weights(tmp_path, name: str) -> dict:
+    return load_file(str(tmp_path / f"{name}.safetensors"))
+
+
+def _max_difference(first: dict, second: dict) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name].double() - second[name].double()).abs().max().item() for name in first)
+
+
+def _check_equal_to(reference: str, names: list[str], tmp_path) -> None:
+    expected = _weights(tmp_path, reference)
+    for name in names:
+        difference = _max_difference(_weights(tmp_path, name), expected)
+        assert difference <= TOLERANCE, (name, difference)
+
+
+def test_pipeline_and_switches_at_two_processes_equal_data_parallel(tmp_path):
+    pipeline = dict(mode="pipeline", stages=2, microbatches=1)
+    jobs = [
+        ("dp", dict(parallel=dict(mode="dp"), **COMMON)),
+        ("pipeline", dict(parallel=pipeline, **COMMON)),
+        ("dp-to-pipeline", dict(parallel=dict(mode="dp", microbatches=1, switch=[(3, "pipeline:2")]), **COMMON)),
+        # A pipeline run stopped after 3 steps, then resumed from its checkpoint for the rest.
+        ("first-half", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), steps=3, global_batch=4)),
+        ("resumed", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), resume=True, **COMMON)),
+    ]
+    results = run_jobs(2, jobs, tmp_path)
+    _check_equal_to("dp", ["pipeline", "dp-to-pipeline", "resumed"], tmp_path)
+    assert results["resumed"]["steps_done"] == STEPS and len(results["resumed"]["losses"]) == STEPS - 3
+    # The run moved: the comparison is not of untouched weights.
+    assert _max_difference(_weights(tmp_path, "first-half"), _weights(tmp_path, "dp")) > 1e-4
+
+
+def test_hybrid_and_two_switches_at_four_processes_equal_data_parallel(tmp_path):
+    jobs = [
+        ("dp", dict(parallel=dict(mode="dp"), **COMMON)),
+        ("hybrid", dict(parallel=dict(mode="hybrid", stages=2, microbatches=1), **COMMON)),
+        ("hybrid-dp-pipeline", dict(parallel=dict(mode="hybrid", stages=2, microbatches=1,
+                                                  switch=[(2, "dp"), (4, "pipeline:4")]), **COMMON)),
+    ]
+    run_jobs(4, jobs, tmp_path)
+    _check_equal_to("dp", ["hybrid", "hybrid-dp-pipeline"], tmp_path)
+
+
+def test_pipeline_layouts_refuse_a_world_that_does_not_fit():
+    with pytest.raises(InputError, match="needs 4 processes, torchrun started 2"):
+        make_strategy(ParallelConfig(mode="pipeline", stages=4), Ranks(0, 2), "cpu")
+    with pytest.raises(InputError, match="at least two replicas"):
+        make_strategy(ParallelConfig(mode="hybrid", stages=2), Ranks(0, 2), "cpu")
+
+
+def test_switch_layouts_are_validated():
+    config = ParallelConfig(mode="dp", switch=[(3, "hybrid:2"), (5, "dp")]).validate()
+    assert [(first, end, layout.mode) for first, end, layout in config.segments(0, 8)] == [
+        (0, 3, "dp"), (3, 5, "hybrid"), (5, 8, "dp")]
+    assert [(first, layout.mode) for first, _, layout in config.segments(4, 8)] == [(4, "hybrid"), (5, "dp")]
+    for switch in ([(3, "pipe")], [(3, "dp:2")], [(5, "dp"), (3, "dp")], [(0, "dp")]):
+        with pytest.raises(InputError):
+            ParallelConfig(mode="dp", switch=switch).validate()
