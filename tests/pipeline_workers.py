@@ -4,7 +4,8 @@ job has ``dp`` > 1) and leaves each rank's parameters (under the original model'
 ``out_dir/<job>-rank<i>.pt``.
 
 A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
-optionally dp (replicas; the world is P x dp)."""
+optionally dp (replicas; the world is P x dp) and policy (every stage planned by the fit engine with
+that decision on every block)."""
 
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
+from oomless.parallel.stage_fit import fit_stages
 from tests.parallel_workers import free_port
 
 STEPS = 5
@@ -87,6 +89,10 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"],
                                         group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
                                         example=example)
+            if "policy" in job:
+                _, target = batch(job["kind"], 0)
+                target = target.chunk(replicas)[replica].chunk(job["microbatches"])[0]
+                fit_stages(pipeline, "64GiB", target=target, policy=job["policy"])
             optimizer = make_optimizer(pipeline.parameters())
             for step in range(STEPS):
                 inputs, target = batch(job["kind"], step)

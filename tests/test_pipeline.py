@@ -46,6 +46,11 @@ def test_two_rank_pipelines_equal_one_process(tmp_path):
         dict(name="unet", kind="unet", cuts=[0, unet.index("bottleneck"), len(unet.blocks)], microbatches=1,
              schedule="gpipe"),
         dict(name="unet-1f1b", kind="unet", cuts=[0, 3, len(unet.blocks)], microbatches=2, schedule="1f1b"),
+        # Each stage with its own fit-engine plan, several micro-batches in flight.
+        dict(name="recompute", kind="transformer", cuts=[0, 3, 8], microbatches=4, schedule="1f1b", policy="recompute"),
+        dict(name="swap", kind="unet", cuts=[0, 3, len(unet.blocks)], microbatches=2, schedule="gpipe", policy="swap"),
+        dict(name="zero-bubble-recompute", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4,
+             schedule="zero-bubble", policy="recompute"),
     ]
     _check(run_pipeline_jobs(2, jobs, tmp_path), jobs)
     # The reference moved: the comparison is not of untouched initial weights.
@@ -60,6 +65,8 @@ def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
         dict(name="unet-4-stage", kind="unet", cuts=[0, 2, 4, 6, 8], microbatches=2, schedule="gpipe"),
         dict(name="hybrid", kind="transformer", cuts=[0, 3, 8], microbatches=2, schedule="1f1b", dp=2),
         dict(name="unet-hybrid", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2),
+        dict(name="unet-hybrid-recompute", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2,
+             policy="recompute"),
     ]
     _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
 

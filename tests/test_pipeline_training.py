@@ -46,8 +46,13 @@ def test_pipeline_and_switches_at_two_processes_equal_data_parallel(tmp_path):
         ("first-half", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), steps=3, global_batch=4)),
         ("resumed", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), resume=True, **COMMON)),
     ]
+    # Two micro-batches (BatchNorm per micro-batch: its own reference), with and without per-stage plans.
+    microbatched = dict(mode="pipeline", stages=2, microbatches=2, schedule="1f1b")
+    jobs += [("1f1b", dict(parallel=microbatched, **COMMON)),
+             ("1f1b-planned", dict(parallel=microbatched, memory="4MiB", **COMMON))]
     results = run_jobs(2, jobs, tmp_path)
     _check_equal_to("dp", ["pipeline", "dp-to-pipeline", "resumed"], tmp_path)
+    _check_equal_to("1f1b", ["1f1b-planned"], tmp_path)
     assert results["resumed"]["steps_done"] == STEPS and len(results["resumed"]["losses"]) == STEPS - 3
     # The run moved: the comparison is not of untouched weights.
     assert _max_difference(_weights(tmp_path, "first-half"), _weights(tmp_path, "dp")) > 1e-4

@@ -32,9 +32,10 @@ class SingleProcess:
         self.max_grad_norm: float | None = None
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-                example=None) -> nn.Module:
+                example=None, memory=None) -> nn.Module:
         """Return the module the loop calls; ``model`` keeps its parameter names (checkpoints use it).
-        ``example``: this rank's first (volumes, labels), for strategies that profile the model."""
+        ``example``: this rank's first (volumes, labels), and ``memory``: the device budget per
+        rank, for strategies that plan the model themselves (the pipeline's per-stage plans)."""
         self.max_grad_norm = max_grad_norm
         return model
 
@@ -107,7 +108,7 @@ class SynchronousDataParallel(Collectives):
         self.update: OverlappedUpdate | None = None
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-                example=None) -> nn.Module:
+                example=None, memory=None) -> nn.Module:
         self.max_grad_norm = max_grad_norm
         if self.ranks.world_size > 1:
             convert_batchnorm_for_data_parallel(model, self.device)

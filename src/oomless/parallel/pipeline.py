@@ -103,7 +103,10 @@ class PipelineParallel:
         # divides per stage, twice for a parameter that two stages of one rank share (ZB-V's tied
         # embedding and head on rank 0).
         self.schedule = SCHEDULE_CLASSES[schedule](runs, microbatches, loss_fn=loss_fn, scale_grads=False)
-        self.microbatches = microbatches
+        # What `oomless.parallel.stage_fit` needs to plan this rank's stages.
+        self.sequence, self.cuts, self.example, self.loss_fn, self.device = sequence, cuts, example, loss_fn, device
+        self.schedule_name, self.microbatches = schedule, microbatches
+        self.pipeline_ranks, self.stages_per_rank = ranks, stages // ranks
         self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
         self.owners = tensor_owners(sequence, cuts, placement)
         self.output = None
@@ -148,7 +151,7 @@ class PipelineParallel:
         first_holder = {id(parameter): min(holders) for _, parameter, holders in self.tied}
         gradients = [parameter.grad for parameter in self.parameters() if parameter.grad is not None
                      and first_holder.get(id(parameter), self.rank) == self.rank]
-        squares = torch.zeros((), dtype=torch.float32, device=self._device)
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for gradient in gradients:
             squares += gradient.detach().float().pow(2).sum()
         dist.all_reduce(squares, group=self.group)
@@ -171,7 +174,7 @@ class PipelineParallel:
         own = {id(parameter) for parameter in self.parameters()}
         for _, parameter, _ in self.tied:
             if id(parameter) not in own:
-                dist.all_reduce(torch.zeros_like(parameter, device=self._device), group=self.group)
+                dist.all_reduce(torch.zeros_like(parameter, device=self.device), group=self.group)
                 continue
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
@@ -192,10 +195,6 @@ class PipelineParallel:
         for parameter in parameters:
             parameter.grad.copy_(flat[offset:offset + parameter.numel()].view_as(parameter.grad))
             offset += parameter.numel()
-
-    @property
-    def _device(self) -> torch.device:
-        return self.stages[0].device
 
 
 @torch.enable_grad()

@@ -28,17 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oomless.errors import InputError
+from oomless.errors import InputError, PlanError
+from oomless.sizes import format_bytes
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.block_sequence import BlockSequence, sequence_for
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
 from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
+from oomless.parallel.stage_fit import UNLIMITED, fit_stages
 from oomless.plan.partition import Partition, choose_microbatches, partition_stages, scale_profile
 from oomless.train.losses import hard_dice, segmentation_loss
-
-UNLIMITED = 1 << 62      # bytes: the partition's limit where the device's memory is not known (CPU)
 
 
 class PipelineTraining(Collectives):
@@ -53,6 +53,7 @@ class PipelineTraining(Collectives):
         self.partition: Partition | None = None
         self.optimizer = None
         self.memory = None
+        self.plans: list = []
 
     def shard(self, step: int, global_batch: int) -> tuple[int, int]:
         """(first item, count) of this rank's replica's part of step ``step``'s global batch."""
@@ -60,8 +61,10 @@ class PipelineTraining(Collectives):
         return step * global_batch + self.replica * count, count
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-                example=None) -> nn.Module:
-        self.max_grad_norm, self.optimizer = max_grad_norm, optimizer
+                example=None, memory=None) -> nn.Module:
+        """Cut the model, build this rank's stages; with ``memory`` (bytes per rank) each stage
+        also gets its own plan from the fit engine (`oomless.parallel.stage_fit`)."""
+        self.max_grad_norm, self.optimizer, self.memory = max_grad_norm, optimizer, memory
         dp_group = self.mesh["dp"].get_group()
         # Cut before BatchNorm turns collective: only rank 0 profiles, its replicas would not join.
         self.partition = self._cut(sequence_for(model), example)
@@ -75,6 +78,10 @@ class PipelineTraining(Collectives):
             self.partition.microbatches, self.partition.schedule, self.device,
             group=self.mesh["pp"].get_group(), dp_group=dp_group,
             example=(example[0].chunk(self.partition.microbatches)[0],))
+        if memory is not None:
+            labels = example[1].chunk(self.partition.microbatches)[0]
+            with self.collective("per-stage plans (profiling with replica BatchNorm, plan broadcast)"):
+                self.plans = fit_stages(self.pipeline, memory, target=labels, optimizer_class=type(optimizer))
         return model
 
     def _cut(self, sequence: BlockSequence, example) -> Partition:
@@ -97,13 +104,26 @@ class PipelineTraining(Collectives):
                                   optimizer=self.optimizer)
         for block in profile.blocks:
             block.name = block.name.removeprefix("steps.")
-        memory = self._memory_per_rank()
+        try:
+            return self._partition_profile(profile, volumes.shape[0], self._memory_per_rank())
+        except PlanError as error:
+            if self.memory is None:
+                raise
+            # The partitioner counts every activation kept; the stages' own plans can swap and
+            # recompute, so cut for speed alone and let each stage's plan meet the budget.
+            partition = self._partition_profile(profile, volumes.shape[0], UNLIMITED)
+            partition.notes.append(f"no cut fits {format_bytes(self.memory)} per rank with every activation kept "
+                                   f"({error.minimum_bytes} bytes needed): cut for speed, each stage's fit plan "
+                                   "swaps or recomputes to meet the budget")
+            return partition
+
+    def _partition_profile(self, profile, batch: int, memory: int) -> Partition:
         config = self.config
         if config.microbatches is None:
-            return choose_microbatches(profile, config.stages, volumes.shape[0], memory, config.schedule,
+            return choose_microbatches(profile, config.stages, batch, memory, config.schedule,
                                        config.resolved_stages_per_rank)
-        if volumes.shape[0] % config.microbatches:
-            raise InputError(f"{volumes.shape[0]} volumes per replica do not split into {config.microbatches} "
+        if batch % config.microbatches:
+            raise InputError(f"{batch} volumes per replica do not split into {config.microbatches} "
                              "equal micro-batches; choose a divisor")
         # With fewer micro-batches than stages 1F1B never reaches its steady state: it is GPipe,
         # which torch's Schedule1F1B refuses to run for it.

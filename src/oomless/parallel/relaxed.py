@@ -79,7 +79,7 @@ class AsynchronousAveraging(Collectives):
 
     relaxed = True
 
-    def prepare(self, model, optimizer, max_grad_norm, example=None):
+    def prepare(self, model, optimizer, max_grad_norm, example=None, memory=None):
         self.max_grad_norm = max_grad_norm
         self._pending = None            # (work, snapshot, averaged buffer, tensors)
         return model

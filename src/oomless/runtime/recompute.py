@@ -8,7 +8,7 @@ before its recompute and put them back once the backward pass ends, so they chan
 """
 
 import inspect
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -28,29 +28,8 @@ class RecomputeBlock:
         self.input_handles: list = []
         self.recomputing = False
 
-    @contextmanager
-    def _recompute_context(self):
-        self.recomputing = True
-        snapshots = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
-        if snapshots:
-            # Restoring at the end of backward, not here: the recomputed graph of this block may
-            # still read the buffers, and writing them now would trip autograd's version check.
-            def restore():
-                with torch.no_grad():
-                    for buffer, saved in snapshots:
-                        buffer.copy_(saved)
-            torch.autograd.Variable._execution_engine.queue_callback(restore)
-        self.engine.ledger.recomputed_blocks += 1
-        self.engine.recompute_started(self.block_index)
-        try:
-            yield
-        finally:
-            self.recomputing = False
-            # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
-            self.input_handles = []
-
     def _context_fns(self):
-        return nullcontext(), self._recompute_context()
+        return nullcontext(), _RecomputeContext(self)
 
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
@@ -79,3 +58,33 @@ class RecomputeBlock:
             next(generator)
         except StopIteration:
             pass
+
+
+class _RecomputeContext:
+    """Entered each time torch's checkpoint recomputes the block: once per backward pass through
+    it, twice where a zero-bubble pipeline schedule splits backward into input and weight passes
+    (a generator-based context manager could be entered only once)."""
+
+    def __init__(self, block: RecomputeBlock):
+        self.block = block
+
+    def __enter__(self):
+        block = self.block
+        block.recomputing = True
+        snapshots = [(buffer, buffer.detach().clone()) for buffer in block.module.buffers()]
+        if snapshots:
+            # Restoring at the end of backward, not here: the recomputed graph of this block may
+            # still read the buffers, and writing them now would trip autograd's version check.
+            def restore():
+                with torch.no_grad():
+                    for buffer, saved in snapshots:
+                        buffer.copy_(saved)
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
+        block.engine.ledger.recomputed_blocks += 1
+        block.engine.recompute_started(block.block_index)
+
+    def __exit__(self, *exception):
+        self.block.recomputing = False
+        # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
+        self.block.input_handles = []
+        return False

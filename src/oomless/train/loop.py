@@ -171,9 +171,12 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
-            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example)
+            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example,
+                                           memory=config.memory_bytes if layout.pipelined else None)
             if layout.pipelined and config.progress and ranks.is_first:
                 console.print(str(strategy.partition), soft_wrap=True)
+                for stage, stage_plan in zip(strategy.pipeline.stage_indices, strategy.plans):
+                    console.print(f"stage {stage} (rank 0):\n{stage_plan}", soft_wrap=True)
             run.steps(strategy, model, train_model, optimizer, first, end)
             strategy.finish(model)                  # every rank now holds the same final weights
     return _result(config, console, device, ranks, run, strategy, model, plan, memory, oomless_applied)

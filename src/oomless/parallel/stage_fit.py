@@ -1,0 +1,115 @@
+"""Each pipeline stage with its own memory plan from the fit engine (issue 5: "each stage may carry
+its own memory plan").
+
+    pipeline = PipelineParallel(sequence, cuts, loss_fn, microbatches=8, schedule="1f1b", example=(tokens[:1],))
+    plans = fit_stages(pipeline, memory="20GiB", target=next_tokens[:1])   # this rank's stages, planned and applied
+
+A stage holds several micro-batches' saved activations at once (``in_flight_microbatches`` of its
+schedule), while the fit engine plans one forward and backward. So each stage is planned for one
+micro-batch with the activation share of the rank's memory divided by its in-flight count:
+
+    plan memory = static + reserve + (memory / stages on this rank - static - reserve) / in flight
+
+and its runtime budget (what the ledger enforces) is then that plan's activation budget times the
+in-flight count: the in-flight micro-batches together stay within the stage's share.
+
+Each stage is profiled on the real inputs it receives for the example micro-batch (earlier stages
+run once without gradients, BatchNorm in eval mode so no statistic moves). The last stage is profiled
+with the real loss on ``target``, the others with the sum of their outputs (the gradient's shape is
+what matters). Replicas of a stage take replica 0's plan: a recomputed block re-runs BatchNorm's
+all-reduce over the replicas in backward, so their plans must agree.
+"""
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import oomless
+from oomless.plan.partition import in_flight_microbatches
+from oomless.sizes import parse_bytes
+
+UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known (CPU)
+
+
+def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str | None = None,
+               optimizer_class=torch.optim.Adam) -> list:
+    """Plan and apply the fit engine on every stage of ``pipeline`` on this rank, for ``memory``
+    bytes per rank (split evenly among its stages); ``policy`` ("keep", "swap" or "recompute")
+    forces that decision on every block instead of searching. Returns the plans, in the order of
+    ``pipeline.stage_indices``. ``optimizer_class`` sizes the optimizer state."""
+    inputs_by_stage = _stage_inputs(pipeline)
+    share = parse_bytes(memory) // len(pipeline.modules)
+    plans = []
+    for module, stage in zip(pipeline.modules, pipeline.stage_indices):
+        inputs = inputs_by_stage[stage]
+        loss_fn = oomless.sum_of_outputs
+        if stage == pipeline.num_stages - 1:
+            if target is None:
+                raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
+            loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
+        in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
+                                           pipeline.microbatches, pipeline.stages_per_rank)
+        plan = _replica_zero_plan(pipeline, lambda: _plan_stage(module, inputs, loss_fn, share, in_flight,
+                                                                policy, optimizer_class))
+        oomless.apply(module, plan)
+        plans.append(plan)
+    return plans
+
+
+def _loss_on(loss_fn, target: torch.Tensor):
+    return lambda output: loss_fn(output, target)
+
+
+def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class):
+    optimizer = optimizer_class(module.parameters())
+    profile = oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    decisions = {block.name: policy for block in profile.blocks} if policy else None
+    roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile)
+    fixed = roomy.static_bytes + roomy.reserve_bytes
+    memory = fixed + max(share - fixed, 0) // in_flight
+    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions)
+    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
+
+
+def _replica_zero_plan(pipeline, make_plan):
+    """Every replica plans (profiling runs BatchNorm's all-reduce over the replicas, so all must),
+    then all take replica 0's plan."""
+    plan = make_plan()
+    group = pipeline.dp_group
+    if group is None or dist.get_world_size(group) == 1:
+        return plan
+    shared = [plan.to_json()]
+    dist.broadcast_object_list(shared, group=group, group_src=0)
+    return oomless.Plan.from_json(shared[0])
+
+
+@torch.no_grad()
+def _stage_inputs(pipeline) -> dict[int, tuple[torch.Tensor, ...]]:
+    """{stage: the real inputs it receives for the example micro-batch}, for this rank's stages.
+    Earlier stages run here, without gradients, every module in eval mode (restored after)."""
+    sequence, cuts = pipeline.sequence, pipeline.cuts
+    modes = [(module, module.training) for module in sequence.modules()]
+    sequence.eval()
+    try:
+        values, found = pipeline.example, {}
+        for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+            if stage in pipeline.stage_indices:
+                found[stage] = tuple(_as_received(tensor, stage, pipeline.device) for tensor in values)
+            if stage == max(pipeline.stage_indices):
+                break
+            module = sequence.stage(start, stop)
+            device = next((p.device for p in module.parameters()), values[0].device)
+            produced = module(*(tensor.to(device) for tensor in values))
+            values = produced if isinstance(produced, tuple) else (produced,)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    return found
+
+
+def _as_received(tensor: torch.Tensor, stage: int, device: torch.device) -> torch.Tensor:
+    """What a stage gets: on its device, and, past the first stage, a floating-point activation
+    that wants a gradient (the stage sends it back)."""
+    tensor = tensor.detach().to(device)
+    return tensor.requires_grad_(stage > 0 and tensor.is_floating_point())
