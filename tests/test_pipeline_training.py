@@ -7,10 +7,16 @@ With one micro-batch per replica the pipeline and hybrid layouts train exactly t
 absolute on every weight, as for data parallel (tests/test_parallel_equality.py).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from safetensors.torch import load_file
 
 from oomless.errors import InputError
+from oomless.models import UNet3D
 from oomless.parallel import ParallelConfig, make_strategy
 from oomless.parallel.process_group import Ranks
 from tests.parallel_workers import run_jobs
@@ -84,3 +90,23 @@ def test_switch_layouts_are_validated():
     for switch in ([(3, "pipe")], [(3, "dp:2")], [(5, "dp"), (3, "dp")], [(0, "dp")]):
         with pytest.raises(InputError):
             ParallelConfig(mode="dp", switch=switch).validate()
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed beside this Python")
+def test_the_readme_pipeline_command_runs_under_torchrun(tmp_path):
+    """The CLI end to end: torchrun, the planner's cut and micro-batch count, a switch to dp, --save."""
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "oomless", "train",
+               "--parallel", "pipeline", "--stages", "2", "--switch-at", "2:dp", "--size", "16", "--depth", "1",
+               "--base-channels", "2", "--global-batch", "4", "--steps", "3", "--device", "cpu",
+               "--save", str(tmp_path / "switched.safetensors")]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "oomless pipeline cut: 2 stages on 2 ranks" in finished.stderr
+    assert "step 2: switching layout to dp" in finished.stderr
+    assert "done: 3 steps" in finished.stdout
+    saved = load_file(str(tmp_path / "switched.safetensors"))
+    assert saved.keys() == UNet3D(base_channels=2, depth=1).state_dict().keys()
