@@ -44,7 +44,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
         for name, overrides in jobs:
             result = train(tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides))
             results[name] = {"losses": [record["loss"] for record in result.history],
-                             "steps_done": result.steps_done}
+                             "steps_done": result.steps_done, "layouts": result.layouts}
     finally:
         dist.destroy_process_group()
     if rank == 0:

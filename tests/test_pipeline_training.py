@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from oomless.errors import InputError
 from oomless.models import UNet3D
 from oomless.parallel import ParallelConfig, make_strategy
+from oomless.parallel.config import condition_holds
 from oomless.parallel.process_group import Ranks
 from tests.parallel_workers import run_jobs
 
@@ -48,6 +49,9 @@ def test_pipeline_and_switches_at_two_processes_equal_data_parallel(tmp_path):
         ("dp", dict(parallel=dict(mode="dp"), **COMMON)),
         ("pipeline", dict(parallel=pipeline, **COMMON)),
         ("dp-to-pipeline", dict(parallel=dict(mode="dp", microbatches=1, switch=[(3, "pipeline:2")]), **COMMON)),
+        # Switch when the loss (1.6417, 1.6361, 1.6187, ... in this run) first drops below 1.63.
+        ("dp-until-loss", dict(parallel=dict(mode="dp", microbatches=1, switch_when=[("loss<1.63", "pipeline")]),
+                               **COMMON)),
         # A pipeline run stopped after 3 steps, then resumed from its checkpoint for the rest.
         ("first-half", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), steps=3, global_batch=4)),
         ("resumed", dict(parallel=pipeline, checkpoint_dir=str(tmp_path / "run"), resume=True, **COMMON)),
@@ -57,7 +61,9 @@ def test_pipeline_and_switches_at_two_processes_equal_data_parallel(tmp_path):
     jobs += [("1f1b", dict(parallel=microbatched, **COMMON)),
              ("1f1b-planned", dict(parallel=microbatched, memory="4MiB", **COMMON))]
     results = run_jobs(2, jobs, tmp_path)
-    _check_equal_to("dp", ["pipeline", "dp-to-pipeline", "resumed"], tmp_path)
+    _check_equal_to("dp", ["pipeline", "dp-to-pipeline", "dp-until-loss", "resumed"], tmp_path)
+    assert results["dp-to-pipeline"]["layouts"] == [[0, "dp"], [3, "pipeline with 2 stages (1f1b)"]]
+    assert results["dp-until-loss"]["layouts"] == [[0, "dp"], [3, "pipeline with 2 stages (1f1b)"]]
     _check_equal_to("1f1b", ["1f1b-planned"], tmp_path)
     assert results["resumed"]["steps_done"] == STEPS and len(results["resumed"]["losses"]) == STEPS - 3
     # The run moved: the comparison is not of untouched weights.
@@ -84,12 +90,17 @@ def test_pipeline_layouts_refuse_a_world_that_does_not_fit():
 
 def test_switch_layouts_are_validated():
     config = ParallelConfig(mode="dp", switch=[(3, "hybrid:2"), (5, "dp")]).validate()
-    assert [(first, end, layout.mode) for first, end, layout in config.segments(0, 8)] == [
-        (0, 3, "dp"), (3, 5, "hybrid"), (5, 8, "dp")]
-    assert [(first, layout.mode) for first, _, layout in config.segments(4, 8)] == [(4, "hybrid"), (5, "dp")]
+    assert [config.layout_at(step).mode for step in (0, 2, 3, 4, 5, 9)] == ["dp"] * 2 + ["hybrid"] * 2 + ["dp"] * 2
+    assert [config.next_switch(step, 8) for step in (0, 3, 4, 5)] == [3, 5, 5, 8]
     for switch in ([(3, "pipe")], [(3, "dp:2")], [(5, "dp"), (3, "dp")], [(0, "dp")]):
         with pytest.raises(InputError):
             ParallelConfig(mode="dp", switch=switch).validate()
+    for condition in ("loss < 1e-1", "dice>=0.5"):
+        ParallelConfig(mode="dp", switch_when=[(condition, "dp")]).validate()
+    assert condition_holds("loss<0.5", {"loss": 0.4}) and not condition_holds("dice>0.5", {"dice": 0.5})
+    for condition in ("loss<<1", "accuracy>0.5", "loss<x"):
+        with pytest.raises(InputError, match="METRIC<VALUE"):
+            ParallelConfig(mode="dp", switch_when=[(condition, "dp")]).validate()
 
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")

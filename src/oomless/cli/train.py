@@ -68,7 +68,18 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--switch-at", action="append", default=[], metavar="STEP:LAYOUT", type=parse_switch,
                         help="from STEP on, train under LAYOUT: dp, local-sgd, async, pipeline[:STAGES] or "
                              "hybrid[:STAGES] (repeatable), e.g. --switch-at 10:dp")
+    parser.add_argument("--switch-when", action="append", default=[], metavar="CONDITION:LAYOUT", type=parse_switch_when,
+                        help="once a logged metric meets CONDITION (loss<VALUE, dice>VALUE, <=, >=), train under "
+                             "LAYOUT from the next step (repeatable), e.g. --switch-when loss<0.5:dp")
     parser.set_defaults(run=run)
+
+
+def parse_switch_when(text: str) -> tuple[str, str]:
+    """"loss<0.5:dp" -> ("loss<0.5", "dp"); "dice>0.8:hybrid:2" -> ("dice>0.8", "hybrid:2")."""
+    condition, _, layout = text.partition(":")
+    if not condition or not layout:
+        raise argparse.ArgumentTypeError(f"{text!r} is not CONDITION:LAYOUT, e.g. loss<0.5:dp")
+    return condition, layout
 
 
 def parse_switch(text: str) -> tuple[int, str]:
@@ -90,7 +101,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=ParallelConfig(mode=args.parallel, overlap=not args.no_overlap, average_every=args.average_every,
                                 bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout, stages=args.stages,
                                 schedule=args.schedule, microbatches=args.microbatches,
-                                stages_per_rank=args.stages_per_rank, switch=sorted(args.switch_at)),
+                                stages_per_rank=args.stages_per_rank, switch=sorted(args.switch_at),
+                                switch_when=args.switch_when),
     )
 
 

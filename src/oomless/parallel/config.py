@@ -12,10 +12,16 @@ Modes (see `oomless.parallel` for the trade-offs):
 - ``hybrid``: world / ``stages`` replicas of such a pipeline, data parallel across replicas.
 
 ``switch`` changes layout during the run: ``[(10, "dp"), (20, "hybrid:2")]`` trains steps 0-9 in
-the configured layout, 10-19 under dp, 20 on as a 2-stage hybrid (see `layout_at`).
+the configured layout, 10-19 under dp, 20 on as a 2-stage hybrid (see `layout_at`). ``switch_when``
+changes it when a logged metric crosses a threshold: ``[("loss<0.5", "dp")]`` switches to dp after
+the first logged step whose loss (the mean over ranks, the same on every rank) is below 0.5; each
+condition fires once, and its layout holds until the next step switch. A resumed run evaluates the
+conditions afresh from its first logged step.
 """
 
 import dataclasses
+import operator
+import re
 from dataclasses import dataclass, field
 
 from oomless.errors import InputError
@@ -41,6 +47,7 @@ class ParallelConfig:
     microbatches: int | None = None      # pipeline / hybrid: per replica and step; None: the planner chooses
     stages_per_rank: int | None = None   # None: 2 for interleaved-1f1b, zero-bubble, zbv; 1 otherwise
     switch: list[tuple[int, str]] = field(default_factory=list)   # (step, layout) in step order
+    switch_when: list[tuple[str, str]] = field(default_factory=list)  # (condition, layout), e.g. ("loss<0.5", "dp")
 
     @property
     def distributed(self) -> bool:
@@ -60,20 +67,30 @@ class ParallelConfig:
             return self.stages_per_rank
         return 1 if self.schedule in ("gpipe", "1f1b") else 2
 
+    def with_layout(self, layout: str) -> "ParallelConfig":
+        """This configuration under ``layout``: ``dp``, ``local-sgd``, ``async``, ``pipeline[:S]`` or
+        ``hybrid[:S]`` (S stages; without it, this configuration's), with no switches of its own."""
+        mode, _, stages = layout.partition(":")
+        if mode not in PARALLEL_MODES[1:] or (stages and (not stages.isdigit() or mode not in PIPELINE_MODES)):
+            raise InputError(f"layout {layout!r} is not one of dp, local-sgd, async, pipeline[:STAGES], "
+                             "hybrid[:STAGES]")
+        changed = dataclasses.replace(self, mode=mode, stages=int(stages) if stages else self.stages, switch=[],
+                                      switch_when=[])
+        changed._validate_pipeline()
+        return changed
+
     def layout_at(self, step: int) -> "ParallelConfig":
-        """The configuration in force at 0-based ``step``: this one with the last switch at or before
-        it applied. A layout is ``dp``, ``local-sgd``, ``async``, ``pipeline[:S]`` or ``hybrid[:S]``."""
-        current = self
+        """The configuration in force at 0-based ``step`` by the step switches: this one with the
+        last switch at or before ``step`` applied."""
+        current = dataclasses.replace(self, switch=[], switch_when=[])
         for at, layout in self.switch:
             if at <= step:
-                mode, _, stages = layout.partition(":")
-                current = dataclasses.replace(current, mode=mode, stages=int(stages) if stages else current.stages)
-        return dataclasses.replace(current, switch=[])
+                current = current.with_layout(layout)
+        return current
 
-    def segments(self, start: int, stop: int) -> list[tuple[int, int, "ParallelConfig"]]:
-        """(first step, end step, layout) of each stretch of steps [start, stop) under one layout."""
-        bounds = sorted({start, stop, *(at for at, _ in self.switch if start < at < stop)})
-        return [(first, end, self.layout_at(first)) for first, end in zip(bounds, bounds[1:])]
+    def next_switch(self, step: int, stop: int) -> int:
+        """The first step switch after ``step``, or ``stop``."""
+        return min([at for at, _ in self.switch if step < at < stop] + [stop])
 
     def validate(self) -> "ParallelConfig":
         if self.mode not in PARALLEL_MODES:
@@ -90,12 +107,10 @@ class ParallelConfig:
         steps = [at for at, _ in self.switch]
         if steps != sorted(set(steps)) or any(at < 1 for at in steps):
             raise InputError(f"switch steps must be distinct, at least 1 and in order, got {steps}")
-        for at, layout in self.switch:
-            mode, _, stages = layout.partition(":")
-            if mode not in PARALLEL_MODES[1:] or (stages and (not stages.isdigit() or mode not in PIPELINE_MODES)):
-                raise InputError(f"switch layout {layout!r} at step {at} is not one of dp, local-sgd, async, "
-                                 "pipeline[:STAGES], hybrid[:STAGES]")
-            self.layout_at(at)._validate_pipeline()
+        for _, layout in self.switch + self.switch_when:
+            self.with_layout(layout)
+        for condition, _ in self.switch_when:
+            parse_condition(condition)
         return self
 
     def _validate_pipeline(self) -> None:
@@ -104,3 +119,26 @@ class ParallelConfig:
         if self.microbatches is not None and self.microbatches < 1:
             raise InputError(f"microbatches must be at least 1, got {self.microbatches}")
         check_schedule(self.schedule, self.stages, self.resolved_stages_per_rank)
+
+
+_COMPARISONS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+_CONDITION = re.compile(r"^\s*(loss|dice)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")
+
+
+def parse_condition(condition: str) -> tuple[str, object, float]:
+    """"loss<0.5" -> ("loss", operator.lt, 0.5): a logged metric (loss or dice), a comparison, a number."""
+    match = _CONDITION.match(condition)
+    try:
+        value = float(match.group(3)) if match else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise InputError(f"switch condition {condition!r} is not METRIC<VALUE (METRIC: loss or dice; "
+                         "comparisons <, <=, >, >=), e.g. loss<0.5")
+    return match.group(1), _COMPARISONS[match.group(2)], value
+
+
+def condition_holds(condition: str, record: dict) -> bool:
+    """Whether ``condition`` holds for a logged ``record`` (step, loss, dice)."""
+    metric, compare, value = parse_condition(condition)
+    return bool(compare(record[metric], value))

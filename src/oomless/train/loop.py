@@ -25,6 +25,7 @@ from oomless.data import SyntheticVolumes
 from oomless.errors import InputError
 from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
+from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.sizes import format_bytes
@@ -45,6 +46,7 @@ class TrainResult:
     voxels_per_second: float
     oomless_applied: bool
     history: list[dict] = field(default_factory=list)
+    layouts: list[tuple[int, str]] = field(default_factory=list)   # (first step, layout) of each stretch
     stats: object | None = None
     model: nn.Module | None = field(default=None, repr=False)
 
@@ -151,21 +153,23 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
     oomless_applied = config.memory is not None
     start_step = _checkpoint_step(config) if config.resume else 0
-    segments = config.parallel.segments(start_step, config.steps) or [
-        (start_step, start_step, config.parallel.layout_at(start_step))]
     run = _Run(config, console, device, dataset, start_step, memory)
-    plan = strategy = None
+    conditions = list(config.parallel.switch_when)         # each fires once; removed when it does
+    step, layout = start_step, config.parallel.layout_at(start_step)
+    plan = None
     with run.progress:
-        for first, end, layout in segments:
-            if first != start_step:
+        while True:
+            if step != start_step:
                 model, optimizer = _rebuilt(config, model, optimizer, device)
-                console.print(f"step {first}: switching layout to {_describe(layout)}")
+                console.print(f"step {step}: switching layout to {_describe(layout)}")
             strategy = make_strategy(layout, ranks, device)
-            example = dataset.batch(*strategy.shard(first, config.global_batch))
+            run.layouts.append((step, _describe(layout)))
+            example = dataset.batch(*strategy.shard(step, config.global_batch))
             example = tuple(tensor.to(device) for tensor in example)
+            plan = None
             if oomless_applied and not layout.pipelined:
                 plan = _apply_oomless(model, optimizer, example, config, console, strategy)
-            if first == start_step and config.resume:
+            if step == start_step and config.resume:
                 # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
                 _resume(config, model, optimizer, console, ranks.rank)
             model.train()
@@ -177,9 +181,21 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                 console.print(str(strategy.partition), soft_wrap=True)
                 for stage, stage_plan in zip(strategy.pipeline.stage_indices, strategy.plans):
                     console.print(f"stage {stage} (rank 0):\n{stage_plan}", soft_wrap=True)
-            run.steps(strategy, model, train_model, optimizer, first, end)
+            end = config.parallel.next_switch(step, config.steps)
+            step, fired = run.steps(strategy, model, train_model, optimizer, step, end, conditions)
             strategy.finish(model)                  # every rank now holds the same final weights
+            if step >= config.steps:
+                break
+            layout = config.parallel.with_layout(fired) if fired else config.parallel.layout_at(step)
     return _result(config, console, device, ranks, run, strategy, model, plan, memory, oomless_applied)
+
+
+def _fire(conditions: list[tuple[str, str]], record: dict) -> tuple[str, str] | None:
+    """The first (condition, layout) that holds for ``record``, removed from ``conditions``."""
+    for index, (condition, layout) in enumerate(conditions):
+        if condition_holds(condition, record):
+            return conditions.pop(index)
+    return None
 
 
 def _describe(layout) -> str:
@@ -214,6 +230,7 @@ class _Run:
         self.memory = memory
         self.start_step = start_step
         self.history: list[dict] = []
+        self.layouts: list[tuple[int, str]] = []
         self.loss = self.dice = None
         self.voxels_per_volume = int(np.prod(config.shape))
         self.started = time.perf_counter()
@@ -224,8 +241,12 @@ class _Run:
         self.progress = Progress(*columns, console=console, disable=not self.show_bar)
         self.task = self.progress.add_task("train", total=config.steps, completed=start_step, metrics="")
 
-    def steps(self, strategy, model: nn.Module, train_model: nn.Module, optimizer, first: int, end: int) -> None:
+    def steps(self, strategy, model: nn.Module, train_model: nn.Module, optimizer, first: int, end: int,
+              conditions: list[tuple[str, str]]) -> tuple[int, str | None]:
+        """Train steps ``first`` .. ``end`` - 1; stop early after a logged step where one of
+        ``conditions`` holds (removing it). Returns (steps done, the fired condition's layout or None)."""
         config = self.config
+        steps_done, fired = first, None
         for step in range(first, end):
             volumes, labels = self.dataset.batch(*strategy.shard(step, config.global_batch))
             volumes = volumes.to(self.device, non_blocking=True)
@@ -235,10 +256,15 @@ class _Run:
             steps_done = step + 1
             if steps_done % config.log_every == 0 or steps_done == config.steps:
                 self._log(strategy, steps_done)
-            if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0
+                fired = _fire(conditions, self.history[-1])
+            if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0 or fired
                                                       or steps_done in (end, config.steps)):
                 self._checkpoint(strategy, model, optimizer, steps_done)
             self.progress.update(self.task, completed=steps_done)
+            if fired:
+                self.console.print(f"step {steps_done}: {fired[0]} holds", soft_wrap=True)
+                return steps_done, fired[1]
+        return steps_done, None
 
     def _log(self, strategy, steps_done: int) -> None:
         # .item() waits for the device: done only when logging, never on every step.
@@ -297,5 +323,5 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         volumes_per_second=volumes_per_second,
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
-        history=run.history, stats=stats, model=model,
+        history=run.history, layouts=run.layouts, stats=stats, model=model,
     )
