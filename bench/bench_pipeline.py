@@ -184,8 +184,8 @@ def partition_predicted_bubble(schedule: str, ranks: int, microbatches: int, ran
     ``rank_seconds`` per micro-batch, ``forward_fraction`` of it in forward. None where the
     partitioner has no such function."""
     # `oomless.plan` the function shadows the package's name: import the module by its full name.
-    partition = importlib.import_module("oomless.plan.partition")
-    predict = getattr(partition, "predicted_step_seconds", None)
+    schedules = importlib.import_module("oomless.plan.schedules")
+    predict = getattr(schedules, "predicted_step_seconds", None)
     if predict is None:
         return None
     step = predict(schedule, ranks, stages_per_rank(schedule), microbatches, rank_seconds, forward_fraction)

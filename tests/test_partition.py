@@ -463,15 +463,25 @@ def test_predicted_step_per_schedule():
     assert predicted_step_seconds("interleaved-1f1b", 4, 2, 8, T) == pytest.approx(8 + 3 / 2)
     # Fewer micro-batches than ranks: the loop of P V stages of T / V comes round first.
     assert predicted_step_seconds("interleaved-1f1b", 4, 2, 2, T) == pytest.approx((2 + 8 - 1) / 2)
-    # ZB-H1: (P - 1) (T_F + T_B - T_W) / V with T_B = T_W: (P - 1) T_F / V.
-    assert predicted_step_seconds("zero-bubble", 4, 2, 8, T, forward_fraction=0.25) == pytest.approx(8 + 3 * 0.25 / 2)
-    # ZB-V with T_F = T_B = T_W and M >= 2P - 1: no bubble; below, the loop estimate.
-    assert predicted_step_seconds("zbv", 4, 2, 7, T, forward_fraction=1 / 3) == pytest.approx(7.0)
-    # Fewer: torch's 2P - 1 slots with some left empty, or the loop for very few, whichever is less.
-    assert predicted_step_seconds("zbv", 4, 2, 6, T) == pytest.approx(7.0)
-    assert predicted_step_seconds("zbv", 4, 2, 1, T) == pytest.approx((1 + 8 - 1) / 2)
-    # A slow forward leaves ZB-V a bubble: (P - 1) (T_F - T_W) / 2 per half-rank, here (0.5 - 0.25) / 2.
-    assert predicted_step_seconds("zbv", 4, 2, 8, T, forward_fraction=0.5) == pytest.approx(8 + 3 * 0.25 / 2)
+    # The zero-bubble schedules follow torch's order (plan/schedules.py simulates it; tests/test_schedules.py
+    # checks every case against torch's own order). These replace the earlier ZB-H1 / ZB-V formulas,
+    # which bench_pipeline.py's simulation of torch's order showed wrong for zbv and below the warm-up.
+    # Zero bubble, M >= P: (P - 1) max(T_F, T_B) / V: with T_F = 0.25 < T_B = 0.375 the input-gradient
+    # passes set it, not ZB-H1's (P - 1) (T_F + T_B - T_W) / V = (P - 1) T_F / V.
+    assert predicted_step_seconds("zero-bubble", 4, 2, 8, T, forward_fraction=0.25) == pytest.approx(8 + 3 * 0.375 / 2)
+    assert predicted_step_seconds("zero-bubble", 4, 2, 8, T, forward_fraction=0.5) == pytest.approx(8 + 3 * 0.5 / 2)
+    # One micro-batch crosses 8 stage forwards, 7 input-gradient passes and stage 0's whole backward
+    # (2 passes), T / 6 each: 17 / 6 (the loop estimate said (1 + 8 - 1) / 2 = 4; simulated bubble 0.65).
+    assert predicted_step_seconds("zero-bubble", 4, 2, 1, T) == pytest.approx(17 / 6)
+    # ZB-V with T_F = T_B = T_W and M >= 2P - 1: (P - 1) stage forwards idle, not zero (rank P - 1
+    # cannot start before micro-batch 0 has crossed P - 1 stages): 7 + 3 / 6.
+    assert predicted_step_seconds("zbv", 4, 2, 7, T, forward_fraction=1 / 3) == pytest.approx(7.5)
+    assert predicted_step_seconds("zbv", 4, 2, 8, T) == pytest.approx(8.5)
+    # Below 2P - 1, as one micro-batch: 8 forwards, 7 input-gradient passes, stage 0's 2, and rank 3's
+    # weight pass of stage 4, which torch's order runs before stage 3's input gradient: 18 / 6.
+    assert predicted_step_seconds("zbv", 4, 2, 1, T) == pytest.approx(3.0)
+    # A slow forward leaves ZB-V more than (P - 1) T_F / 2 (no closed form: the simulation's 1.0).
+    assert predicted_step_seconds("zbv", 4, 2, 8, T, forward_fraction=0.5) == pytest.approx(8 + 1.0)
 
 
 def test_old_partition_json_loads_and_new_round_trips():
@@ -512,12 +522,12 @@ def _uniform_profile(blocks: int = 8) -> Profile:
 
 
 def test_choose_microbatches_takes_the_most_when_free_and_roomy():
-    for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
+    # ZB-V too: its bubble, (P - 1) stage forwards for M >= 2P - 1 in torch's order, shrinks with M (this
+    # test once expected M = 4, the fewest of those the earlier formula predicted no bubble for).
+    for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 2)):
         chosen = choose_microbatches(_uniform_profile(), 2, 16, "100GiB", schedule, per_rank, overhead_seconds=0.0)
         assert chosen.microbatches == 16, schedule   # the bubble shrinks with M and nothing else costs
         assert all(f"M={m}:" in chosen.notes[-2] for m in (1, 2, 4, 8, 16) if schedule != "1f1b" or m >= 2)
-    # Under ZB-V with T_F = T_B = T_W every M >= 2P - 1 = 3 predicts the same step: the fewest wins.
-    assert choose_microbatches(_uniform_profile(), 2, 16, "100GiB", "zbv", 2, overhead_seconds=0.0).microbatches == 4
 
 
 def test_choose_microbatches_pays_the_overhead():

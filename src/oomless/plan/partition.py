@@ -13,10 +13,10 @@ micro-batches (DESIGN.md sections 5 and 6, issue 5).
 `partition_stages` takes a profile of **one micro-batch**: its times and saved bytes are per
 micro-batch. `choose_microbatches` scales a whole-batch profile down (`scale_profile`).
 
-Schedules (`SCHEDULES`, torch.distributed.pipelining's; `stage_ranks` gives the placement):
-``gpipe`` and ``1f1b`` run one stage per rank; ``interleaved-1f1b`` (ScheduleInterleaved1F1B) and
-``zero-bubble`` (ScheduleInterleavedZeroBubble) V >= 2 stages per rank, stage s on rank s mod P;
-``zbv`` (ScheduleZBVZeroBubble) exactly 2, rank r holding stages r and 2P - 1 - r.
+The schedules (`SCHEDULES`: gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv) are described in
+`oomless.plan.schedules`, with formulas and sources: where each places the stages (`stage_ranks`),
+how many micro-batches a stage holds at once (`rank_in_flight`) and how long a step takes
+(`predicted_step_seconds`). This module plans with them and re-exports those names.
 
 Cost model of stage s holding blocks [i, j):
 
@@ -35,42 +35,6 @@ Cost model of stage s holding blocks [i, j):
 - bytes crossing the cut in front of block i: what the forward holds when block i starts (every
   earlier block output still referenced: the skips of a U-Net), at least block i's own input. For
   stage 0 it is the step's input.
-
-In-flight micro-batches (M micro-batches, P ranks, V stages per rank, stage s on rank r):
-
-- gpipe: every forward before any backward (Huang et al. 2019), so M.
-- 1f1b (PipeDream-flush, Narayanan et al. 2021 section 2.2.1): stage s's first backward comes after
-  P - s forwards, so min(P - s, M).
-- interleaved-1f1b (Narayanan et al. 2021 section 2.2.2): a warm-up of (V - 1) m + 2 (P - 1 - r)
-  forwards over the rank's stages in turns of m micro-batches (Megatron-LM's count; torch's
-  ``_get_warmup_ops`` with m = M / max(1, M // P), which is why torch needs M to be a multiple of
-  max(1, M // P)), then one forward and one backward alternate. Counted exactly by walking that
-  order (`_looped_order`); tests compare every count with torch's own schedule order.
-- zero-bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1 as torch builds it): the
-  same walk with a warm-up of (V - 1) m + (P - 1 - r), and a micro-batch's activations freed only by
-  its weight-gradient pass, r steps after its input-gradient pass. Approximation: all its saved
-  bytes are held until then (the input-gradient pass frees part of them).
-- zbv (Qi et al. 2023 section 6, ZB-V as torch builds it, walked by `_zbv_order`): rank r's first
-  stage peaks at min(2P - r, M) micro-batches, its second at min(r + 1, M); each stage holds half
-  a rank's layers, so about 1F1B's P micro-batches of a whole rank.
-
-The predicted step, T the slowest rank's seconds per micro-batch and T_F / T_B / T_W its forward,
-input-gradient and weight-gradient shares (the profile does not split the backward: we take
-T_B = T_W = backward / 2, Qi et al.'s working assumption T_F = T_B = T_W being the case backward =
-2 forward):
-
-- gpipe, 1f1b: (M + P - 1) T; bubble (P - 1) / (M + P - 1) (Huang et al. 2019; Narayanan et al.).
-- interleaved-1f1b: M T + (P - 1) T / V for M >= P (Narayanan et al. 2021 section 2.2.2: the bubble
-  shrinks V-fold; bubble fraction (P - 1) / (V M + P - 1)). For M < P the loop of P V stages of
-  T / V each comes round before a rank has other work: (M + V P - 1) T / V, our estimate.
-- zero-bubble: M T + (P - 1) (T_F + T_B - T_W) / V for M >= P (ZB-H1's bubble, Qi et al. 2023
-  section 2.1, a third of 1F1B's when T_F = T_B = T_W; torch's schedule is their ZB1P; the division
-  by V for several stages per rank is our approximation). For M < P as interleaved-1f1b.
-- zbv: M T + (P - 1) max(0, T_F + T_B - 2 T_W) / 2 for M >= 2P - 1. Qi et al. 2023 section 6 give
-  ZB-V zero bubble when T_F = T_B = T_W; the general term is our approximation, ZB-H2's bubble
-  (their section 2.2) over stages of half a rank. Torch plans 2P - 1 micro-batch slots at least and
-  leaves the missing ones empty, so for fewer we take the lesser of that step and the
-  interleaved-1f1b estimate (the loop's, for M << P): our estimate.
 
 Choosing M (`choose_microbatches`): each divisor M of the per-replica batch that torch's schedule
 accepts is planned on the whole-batch profile scaled to 1 / M (`scale_profile`), every stage paying
@@ -96,153 +60,19 @@ from itertools import accumulate
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.planner import _transient_bytes
+from oomless.plan.schedules import (DEFAULT_FORWARD_FRACTION, check_schedule, microbatch_problem,
+                                    predicted_step_seconds, rank_in_flight, stage_ranks)
+# Not used here: re-exported for the callers that import them from this module (parallel/, cli/, tests).
+from oomless.plan.schedules import SCHEDULES, in_flight_microbatches  # noqa: F401
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes, parse_bytes
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 # Branch-and-bound steps (candidate stages tried) before the search settles for the best cut found.
 SEARCH_STEPS = 100_000
 # Assumed fixed cost per micro-batch and stage (kernel launches, a p2p send/recv pair, the schedule's
 # Python dispatch): 1 ms, of the order of a gloo send/recv on loopback plus torch's per-action work
 # on CPU; not measured here. Give `overhead_seconds` for your device (GPU/NCCL: likely less).
 DEFAULT_OVERHEAD_SECONDS = 1e-3
-# Share of a step's compute in forward when the profile says nothing (T_F = T_B = T_W).
-DEFAULT_FORWARD_FRACTION = 1 / 3
-
-
-def check_schedule(schedule: str, ranks: int, stages_per_rank: int) -> None:
-    """Raise `InputError` unless ``schedule`` runs ``stages_per_rank`` stages on each of ``ranks``."""
-    if schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if ranks < 1 or stages_per_rank < 1:
-        raise InputError(f"stages (ranks) and stages_per_rank must be at least 1, got {ranks} and {stages_per_rank}")
-    if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
-        raise InputError(f"schedule {schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}; "
-                         "use interleaved-1f1b, zero-bubble or zbv for several")
-    if schedule in ("interleaved-1f1b", "zero-bubble") and stages_per_rank < 2:
-        raise InputError(f"schedule {schedule} needs at least 2 stages per rank, got {stages_per_rank}")
-    if schedule == "zbv" and stages_per_rank != 2:
-        raise InputError(f"schedule zbv runs exactly 2 stages per rank (a V), got {stages_per_rank}")
-
-
-def microbatch_problem(schedule: str, ranks: int, microbatches: int) -> str | None:
-    """Why torch's ``schedule`` on ``ranks`` would refuse ``microbatches``, or None."""
-    if microbatches < 1:
-        return f"microbatches must be at least 1, got {microbatches}"
-    if schedule == "1f1b" and microbatches < ranks:
-        return f"torch's Schedule1F1B needs at least as many micro-batches as stages ({ranks})"
-    rounds = max(1, microbatches // ranks)
-    if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % rounds:
-        return (f"torch's interleaved schedules need a multiple of max(1, microbatches // ranks) = {rounds} "
-                f"micro-batches, got {microbatches}")
-    return None
-
-
-def stage_ranks(schedule: str, pipeline_ranks: int, stages_per_rank: int) -> list[int]:
-    """The rank of each of the pipeline_ranks x stages_per_rank stages under ``schedule``."""
-    check_schedule(schedule, pipeline_ranks, stages_per_rank)
-    stages = pipeline_ranks * stages_per_rank
-    if schedule == "zbv":
-        return [stage if stage < pipeline_ranks else stages - 1 - stage for stage in range(stages)]
-    return [stage % pipeline_ranks for stage in range(stages)]
-
-
-def in_flight_microbatches(schedule: str, stage: int, ranks: int, microbatches: int, stages_per_rank: int = 1) -> int:
-    """Micro-batches whose saved activations stage ``stage`` holds at once, at its peak, under
-    ``schedule`` (the module docstring gives the sources)."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(ranks - stage, microbatches)
-    placement = stage_ranks(schedule, ranks, stages_per_rank)
-    rank = placement[stage]
-    return rank_in_flight(schedule, rank, ranks, stages_per_rank, microbatches)[0][placement[:stage].count(rank)]
-
-
-def rank_in_flight(schedule: str, rank: int, ranks: int, stages_per_rank: int,
-                   microbatches: int) -> tuple[list[int], list[tuple[int, ...]]]:
-    """For ``rank``'s stages (in stage order): each one's peak in-flight count, and the counts of all
-    of them at once at each moment the rank's total may peak (after a forward; those another
-    moment's counts dominate left out). A rank's activation bytes are the most, over those moments,
-    of counts x each stage's bytes per micro-batch: its stages do not peak together."""
-    if schedule in ("gpipe", "1f1b"):
-        count = in_flight_microbatches(schedule, rank, ranks, microbatches)
-        return [count], [(count,)]
-    if schedule == "zbv":
-        order = _zbv_order(rank, ranks, microbatches)
-    else:
-        order = _looped_order(rank, ranks, stages_per_rank, microbatches, zero_bubble=schedule == "zero-bubble")
-    live, moments = [0] * stages_per_rank, set()
-    for forward, local in order:
-        live[local] += 1 if forward else -1
-        if forward:
-            moments.add(tuple(live))
-    peaks = [max(moment[local] for moment in moments) for local in range(stages_per_rank)]
-    kept = [moment for moment in moments
-            if not any(other != moment and all(map(int.__ge__, other, moment)) for other in moments)]
-    return peaks, sorted(kept)
-
-
-def _looped_order(rank: int, ranks: int, local_stages: int, microbatches: int, zero_bubble: bool):
-    """(is a forward, local stage) of the forwards and the passes that free a micro-batch on ``rank``
-    under torch's interleaved schedules, up to the last forward: op k runs a forward of local stage
-    (k // m) mod V and, past the warm-up, frees micro-batch k - lag of local stage
-    V - 1 - ((k - lag) // m) mod V (a backward; zero bubble: a weight-gradient pass, r ops later)."""
-    rounds = max(1, microbatches // ranks)
-    per_round = microbatches // rounds
-    warmup = (local_stages - 1) * per_round + (1 if zero_bubble else 2) * (ranks - 1 - rank)
-    lag = min(warmup, microbatches * local_stages) + (rank if zero_bubble else 0)
-    for op in range(microbatches * local_stages):
-        yield True, (op // per_round) % local_stages
-        if op >= lag:
-            yield False, local_stages - 1 - ((op - lag) // per_round) % local_stages
-
-
-def _zbv_order(rank: int, ranks: int, microbatches: int):
-    """(is a forward, local stage: 0 for stage r, 1 for stage 2P - 1 - r) of the forwards and the
-    weight-gradient passes (which free a micro-batch) on ``rank`` in torch's ZB-V order, up to the
-    last forward. Torch plans max(2P - 1, M) micro-batches and drops the passes of those past M."""
-    planned, done, order = max(2 * ranks - 1, microbatches), {}, []
-
-    def run(forward: bool, local: int):
-        index = done.get((forward, local), 0)
-        done[forward, local] = index + 1
-        if index < microbatches:
-            order.append((forward, local))
-
-    for _ in range(2 * (ranks - rank) - 1):
-        run(True, 0)
-    for _ in range(rank):
-        run(True, 1)
-        run(True, 0)
-    for _ in range(ranks - rank):
-        run(True, 1)
-        run(False, 1)
-    while done[True, 1] < done[True, 0] or done[True, 0] < planned:
-        if done[True, 0] < planned:
-            run(True, 0)
-        for forward, local in ((False, 0), (True, 1), (False, 1)):
-            run(forward, local)
-    return order
-
-
-def predicted_step_seconds(schedule: str, ranks: int, stages_per_rank: int, microbatches: int,
-                           rank_seconds: float, forward_fraction: float = DEFAULT_FORWARD_FRACTION) -> float:
-    """One step's seconds under ``schedule`` when the slowest rank takes ``rank_seconds`` per
-    micro-batch, ``forward_fraction`` of it in forward (formulas and sources: module docstring)."""
-    P, V, M, T = ranks, stages_per_rank, microbatches, rank_seconds
-    forward, input_grad = forward_fraction * T, (1 - forward_fraction) * T / 2   # T_B = T_W: an assumption
-    loop = max(M * T + (P - 1) * T / V, (M + V * P - 1) * T / V)
-    v_shape = lambda m: m * T + (P - 1) * max(0.0, forward - input_grad) / 2   # T_F + T_B - 2 T_W, half-rank stages
-    if schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule in ("gpipe", "1f1b"):
-        return (M + P - 1) * T
-    if schedule == "zero-bubble" and M >= P:
-        return M * T + (P - 1) * forward / V                       # T_F + T_B - T_W = T_F
-    if schedule == "zbv":
-        return v_shape(M) if M >= 2 * P - 1 else min(loop, v_shape(2 * P - 1))
-    return loop
 
 
 @dataclass
