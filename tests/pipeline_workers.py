@@ -4,8 +4,8 @@ job has ``dp`` > 1) and leaves each rank's parameters (under the original model'
 ``out_dir/<job>-rank<i>.pt``.
 
 A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
-optionally dp (replicas; the world is P x dp) and policy (every stage planned by the fit engine with
-that decision on every block)."""
+optionally dp (replicas; the world is P x dp), policy (every stage planned by the fit engine with
+that decision on every block) and clip (gradients clipped to that global norm)."""
 
 import os
 from pathlib import Path
@@ -54,7 +54,7 @@ def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return volumes, (volumes[:, 0] > 0).long()
 
 
-def reference(kind: str, chunks: int = 1) -> dict[str, torch.Tensor]:
+def reference(kind: str, chunks: int = 1, clip: float | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch on one process, the whole global batch per step; with ``chunks`` > 1 the batch
     is split into that many equal chunks whose mean-loss gradients are averaged (accumulation): the
     same gradient for a per-sample loss, but BatchNorm normalises each chunk by its own statistics,
@@ -69,6 +69,8 @@ def reference(kind: str, chunks: int = 1) -> dict[str, torch.Tensor]:
             optimizer.zero_grad()
             for part, part_target in zip(inputs.chunk(chunks), target.chunk(chunks)):
                 (loss_fn(model(part), part_target) / chunks).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
     finally:
         torch.set_num_threads(threads)
@@ -98,6 +100,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
                 inputs, target = batch(job["kind"], step)
                 optimizer.zero_grad()
                 pipeline.step(inputs.chunk(replicas)[replica], target=target.chunk(replicas)[replica])
+                if "clip" in job:
+                    pipeline.clip_grad_norm_(job["clip"])
                 optimizer.step()
             held = {id(parameter) for parameter in pipeline.parameters()}
             torch.save({name: parameter.detach().clone() for name, parameter in model.named_parameters()

@@ -30,7 +30,7 @@ def _max_difference(first: dict, second: dict) -> float:
 def _check(results: dict, jobs: list[dict]) -> None:
     for job in jobs:
         chunks = job.get("dp", 1) * job["microbatches"] if job["kind"] == "unet" else 1
-        difference = _max_difference(results[job["name"]], reference(job["kind"], chunks))
+        difference = _max_difference(results[job["name"]], reference(job["kind"], chunks, job.get("clip")))
         assert difference <= TOLERANCE, (job["name"], difference)
 
 
@@ -62,6 +62,9 @@ def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
     jobs = [
         dict(name="4-stage", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="1f1b"),
         dict(name="4-stage-zbv", kind="transformer", cuts=list(range(9)), microbatches=4, schedule="zbv"),
+        # Clipping by the global norm with the tied embedding on stages 0 and 3 (counted once).
+        dict(name="4-stage-clipped", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4, schedule="1f1b",
+             clip=0.5),
         dict(name="unet-4-stage", kind="unet", cuts=[0, 2, 4, 6, 8], microbatches=2, schedule="gpipe"),
         dict(name="hybrid", kind="transformer", cuts=[0, 3, 8], microbatches=2, schedule="1f1b", dp=2),
         dict(name="unet-hybrid", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2),
@@ -69,6 +72,7 @@ def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
              policy="recompute"),
     ]
     _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
+    assert _max_difference(reference("transformer", clip=0.5), reference("transformer")) > 1e-4   # it clipped
 
 
 def test_a_cut_across_skips_carries_every_live_tensor():

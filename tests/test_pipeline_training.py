@@ -60,8 +60,13 @@ def test_pipeline_and_switches_at_two_processes_equal_data_parallel(tmp_path):
     microbatched = dict(mode="pipeline", stages=2, microbatches=2, schedule="1f1b")
     jobs += [("1f1b", dict(parallel=microbatched, **COMMON)),
              ("1f1b-planned", dict(parallel=microbatched, memory="4MiB", **COMMON))]
+    # Clipping by the global norm: squares summed over the stages (the tied-free U-Net), as one process.
+    jobs += [("dp-clipped", dict(parallel=dict(mode="dp"), max_grad_norm=0.05, **COMMON)),
+             ("pipeline-clipped", dict(parallel=pipeline, max_grad_norm=0.05, **COMMON))]
     results = run_jobs(2, jobs, tmp_path)
     _check_equal_to("dp", ["pipeline", "dp-to-pipeline", "dp-until-loss", "resumed"], tmp_path)
+    _check_equal_to("dp-clipped", ["pipeline-clipped"], tmp_path)
+    assert _max_difference(_weights(tmp_path, "dp-clipped"), _weights(tmp_path, "dp")) > 1e-4   # clipping bit
     assert results["dp-to-pipeline"]["layouts"] == [[0, "dp"], [3, "pipeline with 2 stages (1f1b)"]]
     assert results["dp-until-loss"]["layouts"] == [[0, "dp"], [3, "pipeline with 2 stages (1f1b)"]]
     _check_equal_to("1f1b", ["1f1b-planned"], tmp_path)
