@@ -15,9 +15,9 @@ import torch
 
 import oomless
 from oomless.models import TinyTransformer, UNet3D
-from oomless.plan.partition import (SCHEDULES, Partition, StageCosts, choose_microbatches, in_flight_microbatches,
-                                    microbatch_problem, partition_stages, predicted_step_seconds, rank_in_flight,
-                                    scale_profile, stage_ranks)
+from oomless.plan.microbatches import choose_microbatches, scale_profile
+from oomless.plan.partition import (SCHEDULES, Partition, StageCosts, in_flight_microbatches, microbatch_problem,
+                                    partition_stages, predicted_step_seconds, rank_in_flight, stage_ranks)
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 MiB = 2**20

@@ -37,7 +37,8 @@ from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
 from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
 from oomless.parallel.stage_fit import UNLIMITED, fit_stages
-from oomless.plan.partition import Partition, choose_microbatches, partition_stages, scale_profile
+from oomless.plan.microbatches import choose_microbatches, scale_profile
+from oomless.plan.partition import Partition, partition_stages
 from oomless.train.losses import hard_dice, segmentation_loss
 
 

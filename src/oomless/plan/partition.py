@@ -6,12 +6,10 @@ micro-batches (DESIGN.md sections 5 and 6, issue 5).
     partition = partition_stages(profile, stages=4, memory="20GiB", microbatches=8)
     print(partition)                  # stage -> blocks, rank, predicted seconds and bytes, the bottleneck
     partition.stage_blocks            # [["blocks.0", "blocks.1"], ["blocks.2"], ...]
-    # or let the planner pick M from a profile of the whole per-replica batch of 32 samples:
-    partition = choose_microbatches(whole_batch_profile, 4, 32, "20GiB", schedule="interleaved-1f1b",
-                                    stages_per_rank=2)
+    # or let the planner pick M: oomless.plan.microbatches.choose_microbatches
 
 `partition_stages` takes a profile of **one micro-batch**: its times and saved bytes are per
-micro-batch. `choose_microbatches` scales a whole-batch profile down (`scale_profile`).
+micro-batch. `oomless.plan.microbatches.choose_microbatches` scales a whole-batch profile down.
 
 The schedules (`SCHEDULES`: gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv) are described in
 `oomless.plan.schedules`, with formulas and sources: where each places the stages (`stage_ranks`),
@@ -36,7 +34,7 @@ Cost model of stage s holding blocks [i, j):
   earlier block output still referenced: the skips of a U-Net), at least block i's own input. For
   stage 0 it is the step's input.
 
-Choosing M (`choose_microbatches`): each divisor M of the per-replica batch that torch's schedule
+Choosing M (`oomless.plan.microbatches`): each divisor M of the per-replica batch that torch's schedule
 accepts is planned on the whole-batch profile scaled to 1 / M (`scale_profile`), every stage paying
 ``overhead_seconds`` per micro-batch; the fastest predicted step that fits wins, fewer micro-batches
 on ties. More micro-batches shrink the bubble and cost overhead; they never cost bytes here (GPipe
@@ -55,7 +53,7 @@ about 2 % on generated models of 48 to 96 blocks on 4 to 8 ranks).
 import io
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 
 from oomless.errors import InputError, PlanError
@@ -473,82 +471,3 @@ def _raise_no_cut_fits(profile: Profile, costs: StageCosts, limits: list[int], s
         f"for block {heaviest.name}; {format_bytes(uniform)} ({uniform} bytes) {fits}. Give more memory, more "
         "stages, fewer micro-batches in flight (schedule='1f1b'), or plan each stage's activations with the fit "
         "engine", minimum_bytes=uniform, limiting_block=heaviest.name)
-
-
-def scale_profile(profile: Profile, fraction: float) -> Profile:
-    """The profile of a batch ``fraction`` the size of the profiled one: times and activation bytes
-    scaled linearly (rounded up), parameters, buffers and optimizer state kept. Linear is an
-    approximation: small batches run less efficiently (on GPUs most), which the per-micro-batch
-    overhead of `choose_microbatches` only partly covers; parameter-sized transients do not shrink."""
-    if fraction <= 0:
-        raise InputError(f"fraction must be positive, got {fraction}")
-    bytes_ = lambda value: None if value is None else math.ceil(value * fraction)
-    blocks = [replace(block, forward_seconds=block.forward_seconds * fraction,
-                      backward_seconds=block.backward_seconds * fraction,
-                      saved_bytes=bytes_(block.saved_bytes), largest_saved_bytes=bytes_(block.largest_saved_bytes),
-                      input_bytes=bytes_(block.input_bytes), output_bytes=bytes_(block.output_bytes),
-                      held_forward_bytes=bytes_(block.held_forward_bytes),
-                      held_backward_bytes=bytes_(block.held_backward_bytes),
-                      forward_transient_bytes=bytes_(block.forward_transient_bytes),
-                      backward_transient_bytes=bytes_(block.backward_transient_bytes))
-              for block in profile.blocks]
-    return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
-                   unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
-                   loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None,
-                   notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
-
-
-def choose_microbatches(profile: Profile, stages: int, batch: int, memory, schedule: str = "1f1b",
-                        stages_per_rank: int = 1, link_bytes_per_second: float | None = None,
-                        overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None) -> Partition:
-    """The partition, and number of micro-batches M, with the fastest predicted step that fits
-    ``memory``. ``profile`` is of the whole per-replica batch of ``batch`` samples; each candidate M
-    (default: every divisor of ``batch``, so micro-batches are equal; those torch's schedule refuses
-    are skipped) is planned on the profile scaled to 1 / M, each stage paying ``overhead_seconds``
-    per micro-batch (`DEFAULT_OVERHEAD_SECONDS` is an assumption: give your device's). Ties go to
-    fewer micro-batches; the notes say what each M predicted. Raises `PlanError` when none fits."""
-    check_schedule(schedule, stages, stages_per_rank)
-    if batch < 1:
-        raise InputError(f"batch must be at least 1, got {batch}")
-    if candidates is None:
-        candidates = [m for m in range(1, batch + 1) if batch % m == 0]
-    candidates = sorted(set(candidates))
-    if not candidates or any(m < 1 or batch % m for m in candidates):
-        raise InputError(f"candidate micro-batch counts must divide the batch of {batch}, got {candidates}")
-    tried, fitted, refusals = [], [], []
-    for m in candidates:
-        problem = microbatch_problem(schedule, stages, m)
-        if problem:
-            tried.append(f"M={m}: skipped, {problem}")
-            continue
-        try:
-            partition = partition_stages(scale_profile(profile, 1 / m), stages, memory, m, schedule,
-                                         link_bytes_per_second, stages_per_rank)
-        except PlanError as error:
-            refusals.append((m, error))
-            tried.append(f"M={m}: does not fit ({format_bytes(error.minimum_bytes)} per rank would)")
-            continue
-        partition = replace(partition, overhead_seconds=overhead_seconds)
-        fitted.append(partition)
-        tried.append(f"M={m}: step {partition.predicted_step_seconds * 1e3:.1f} ms, "
-                     f"bubble {partition.bubble_fraction:.0%}")
-    if not fitted:
-        if not refusals:
-            raise InputError(f"no candidate micro-batch count suits schedule {schedule}: {'; '.join(tried)}")
-        least = min((error for _, error in refusals), key=lambda error: error.minimum_bytes)
-        raise PlanError(f"no micro-batch count of the batch of {batch} fits the memory limits: {'; '.join(tried)}",
-                        minimum_bytes=least.minimum_bytes, limiting_block=least.limiting_block)
-    chosen = fitted[0]
-    for partition in fitted[1:]:   # ascending M: a later one must be faster, not equal, to win
-        if partition.predicted_step_seconds < chosen.predicted_step_seconds * (1 - 1e-9):
-            chosen = partition
-    more = [m for m, _ in refusals if m > chosen.microbatches]
-    why = [f"M={', '.join(map(str, more))} would not fit"] if more else []
-    if any(partition.microbatches > chosen.microbatches for partition in fitted):
-        why.append("more micro-batches predict no faster step" + (
-            f" (what they take off the bubble, their {overhead_seconds * 1e3:g} ms overhead per micro-batch and "
-            "stage adds back: an assumption, see overhead_seconds)" if overhead_seconds else ""))
-    chosen.notes += [f"micro-batches tried: {'; '.join(tried)}",
-                     f"M={chosen.microbatches} chosen: the fastest predicted step of those that fit (fewer on ties)"
-                     + "".join(f"; {reason}" for reason in why)]
-    return chosen

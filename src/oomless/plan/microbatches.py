@@ -1,0 +1,97 @@
+"""Choosing the number of micro-batches for a pipeline (issue 5: "micro-batch count chosen by the
+planner"): each candidate M is partitioned on the whole-batch profile scaled to 1 / M, and the
+fastest predicted step that fits memory wins (`oomless.plan.partition`'s docstring gives the cost
+model, `oomless.plan.schedules` the step time of each schedule).
+
+    partition = choose_microbatches(whole_batch_profile, 4, 32, "20GiB", schedule="interleaved-1f1b",
+                                    stages_per_rank=2)
+    partition.microbatches, partition.notes      # the M chosen, and what every M predicted
+"""
+
+import math
+from dataclasses import replace
+
+from oomless.errors import InputError, PlanError
+from oomless.plan.partition import DEFAULT_OVERHEAD_SECONDS, Partition, partition_stages
+from oomless.plan.schedules import check_schedule, microbatch_problem
+from oomless.profile.profile import Profile
+from oomless.sizes import format_bytes
+
+
+def scale_profile(profile: Profile, fraction: float) -> Profile:
+    """The profile of a batch ``fraction`` the size of the profiled one: times and activation bytes
+    scaled linearly (rounded up), parameters, buffers and optimizer state kept. Linear is an
+    approximation: small batches run less efficiently (on GPUs most), which the per-micro-batch
+    overhead of `choose_microbatches` only partly covers; parameter-sized transients do not shrink."""
+    if fraction <= 0:
+        raise InputError(f"fraction must be positive, got {fraction}")
+    bytes_ = lambda value: None if value is None else math.ceil(value * fraction)
+    blocks = [replace(block, forward_seconds=block.forward_seconds * fraction,
+                      backward_seconds=block.backward_seconds * fraction,
+                      saved_bytes=bytes_(block.saved_bytes), largest_saved_bytes=bytes_(block.largest_saved_bytes),
+                      input_bytes=bytes_(block.input_bytes), output_bytes=bytes_(block.output_bytes),
+                      held_forward_bytes=bytes_(block.held_forward_bytes),
+                      held_backward_bytes=bytes_(block.held_backward_bytes),
+                      forward_transient_bytes=bytes_(block.forward_transient_bytes),
+                      backward_transient_bytes=bytes_(block.backward_transient_bytes))
+              for block in profile.blocks]
+    return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
+                   unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
+                   loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None,
+                   notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
+
+
+def choose_microbatches(profile: Profile, stages: int, batch: int, memory, schedule: str = "1f1b",
+                        stages_per_rank: int = 1, link_bytes_per_second: float | None = None,
+                        overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None) -> Partition:
+    """The partition, and number of micro-batches M, with the fastest predicted step that fits
+    ``memory``. ``profile`` is of the whole per-replica batch of ``batch`` samples; each candidate M
+    (default: every divisor of ``batch``, so micro-batches are equal; those torch's schedule refuses
+    are skipped) is planned on the profile scaled to 1 / M, each stage paying ``overhead_seconds``
+    per micro-batch (`DEFAULT_OVERHEAD_SECONDS` is an assumption: give your device's). Ties go to
+    fewer micro-batches; the notes say what each M predicted. Raises `PlanError` when none fits."""
+    check_schedule(schedule, stages, stages_per_rank)
+    if batch < 1:
+        raise InputError(f"batch must be at least 1, got {batch}")
+    if candidates is None:
+        candidates = [m for m in range(1, batch + 1) if batch % m == 0]
+    candidates = sorted(set(candidates))
+    if not candidates or any(m < 1 or batch % m for m in candidates):
+        raise InputError(f"candidate micro-batch counts must divide the batch of {batch}, got {candidates}")
+    tried, fitted, refusals = [], [], []
+    for m in candidates:
+        problem = microbatch_problem(schedule, stages, m)
+        if problem:
+            tried.append(f"M={m}: skipped, {problem}")
+            continue
+        try:
+            partition = partition_stages(scale_profile(profile, 1 / m), stages, memory, m, schedule,
+                                         link_bytes_per_second, stages_per_rank)
+        except PlanError as error:
+            refusals.append((m, error))
+            tried.append(f"M={m}: does not fit ({format_bytes(error.minimum_bytes)} per rank would)")
+            continue
+        partition = replace(partition, overhead_seconds=overhead_seconds)
+        fitted.append(partition)
+        tried.append(f"M={m}: step {partition.predicted_step_seconds * 1e3:.1f} ms, "
+                     f"bubble {partition.bubble_fraction:.0%}")
+    if not fitted:
+        if not refusals:
+            raise InputError(f"no candidate micro-batch count suits schedule {schedule}: {'; '.join(tried)}")
+        least = min((error for _, error in refusals), key=lambda error: error.minimum_bytes)
+        raise PlanError(f"no micro-batch count of the batch of {batch} fits the memory limits: {'; '.join(tried)}",
+                        minimum_bytes=least.minimum_bytes, limiting_block=least.limiting_block)
+    chosen = fitted[0]
+    for partition in fitted[1:]:   # ascending M: a later one must be faster, not equal, to win
+        if partition.predicted_step_seconds < chosen.predicted_step_seconds * (1 - 1e-9):
+            chosen = partition
+    more = [m for m, _ in refusals if m > chosen.microbatches]
+    why = [f"M={', '.join(map(str, more))} would not fit"] if more else []
+    if any(partition.microbatches > chosen.microbatches for partition in fitted):
+        why.append("more micro-batches predict no faster step" + (
+            f" (what they take off the bubble, their {overhead_seconds * 1e3:g} ms overhead per micro-batch and "
+            "stage adds back: an assumption, see overhead_seconds)" if overhead_seconds else ""))
+    chosen.notes += [f"micro-batches tried: {'; '.join(tried)}",
+                     f"M={chosen.microbatches} chosen: the fastest predicted step of those that fit (fewer on ties)"
+                     + "".join(f"; {reason}" for reason in why)]
+    return chosen
