@@ -4,7 +4,8 @@ Modes (see `oomless.parallel` for the trade-offs):
 
 - ``none``: one process, no torch.distributed.
 - ``dp``: synchronous data parallel on torch DDP; with ``overlap`` each bucket's optimizer update runs
-  as soon as its all-reduce lands and each layer's next forward waits only for its own parameters.
+  as soon as its all-reduce lands, while backward computes the other buckets; all are done when
+  backward returns.
 - ``local-sgd``: every rank steps on its own shard; parameters are averaged every ``average_every`` steps.
 - ``async``: every rank steps on its own shard; the parameter average of step k runs while step k+1
   computes and is applied one step late (staleness bounded by one step).

@@ -147,4 +147,4 @@ class SynchronousDataParallel(Collectives):
     def finish(self, model: nn.Module) -> None:
         self.synchronize(model)
         if self.update is not None:
-            self.update.remove()                # the returned model runs plain forwards again
+            self.update.remove()                # from now on DDP's comm hook only averages, as plain DDP
