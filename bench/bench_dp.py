@@ -1,17 +1,20 @@
 """Data parallel benchmark: step time, optimizer work and per-bucket exposed communication of the
-overlapped update vs plain DDP vs no communication, on N processes of one machine.
+overlapped update (into the next forward, and in-backward) vs plain DDP vs no communication, on N
+processes of one machine.
 
     /tmp/v/bin/python bench/bench_dp.py --world-size 2              # gloo on CPU
     python bench/bench_dp.py --world-size 2 --device cuda           # NCCL, one GPU per process
 
-Variants (same model, data, buckets and optimizer; torch DDP in all three):
+Variants (same model, data, buckets and optimizer; torch DDP in all four):
 - ``no_communication``: torch's ``noop_hook`` (``ddp_comm_hooks.debugging_hooks``), the headroom bound
   its docstring recommends: what a step costs if all-reduce were free;
 - ``plain_ddp``: DDP's default averaging all-reduce, optimizer step after backward;
-- ``overlapped``: `oomless.parallel.overlap` (each bucket's optimizer step chained on its all-reduce;
-  DDP's backward returns when the last bucket's update is done).
+- ``overlapped_backward``: `oomless.parallel.overlap` with ``wait_in="backward"`` (each bucket's
+  optimizer step chained on its all-reduce; DDP's backward returns when the last bucket's update is done);
+- ``overlapped``: the default, ``wait_in="forward"`` (backward returns when the last all-reduce lands;
+  the updates run on behind the next forward, each module waiting for its own parameters' update).
 
-Side by side: the three variants live in every process at once and run round-robin, ``--steps-per-round``
+Side by side: the four variants live in every process at once and run round-robin, ``--steps-per-round``
 consecutive steps each per round, the starting variant rotated each round, after a barrier; the first
 ``--warmup-rounds`` rounds are dropped. A round's time of a variant is its block of steps divided by the
 number of steps. A synchronous step ends when
@@ -20,8 +23,10 @@ over rounds of (this variant / the other in the same round), which cancels round
 other processes on a shared machine; read it first.
 
 Per bucket (field definitions in bench/README.md): ``communication_seconds``,
-``exposed_after_backward_seconds`` and, for the overlapped variant, ``update_seconds``. Per variant, from
-torch.optim's global step hooks: ``optimizer_step_calls_per_step`` and ``optimizer_step_seconds_per_step``.
+``exposed_after_backward_seconds`` and, for the overlapped variants, ``update_seconds``. Per variant, from
+torch.optim's global step hooks: ``optimizer_step_calls_per_step`` and ``optimizer_step_seconds_per_step``;
+for the overlapped variants, from `OverlappedUpdate`'s counters: ``module_waits_per_step`` (updates a
+module's forward pre-hook waited for) and ``waited_while_running_per_step`` (of those, still running).
 Means over the measured steps. Timing is measured here, never asserted in tests.
 """
 
@@ -48,7 +53,7 @@ if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than
     sys.path.insert(0, str(BENCH_DIRECTORY))
 from common import provenance  # noqa: E402  (bench/common.py)
 
-VARIANTS = ("no_communication", "plain_ddp", "overlapped")
+VARIANTS = ("no_communication", "plain_ddp", "overlapped_backward", "overlapped")
 
 
 def _timed(hook, timings: list):
@@ -116,7 +121,8 @@ def _build(variant, args, device, rank, timings):
     elif variant == "plain_ddp":
         ddp.register_comm_hook(None, _timed(allreduce_hook, timings))
     else:
-        update = OverlappedUpdate(ddp, optimizer)       # apply_overlapped_update, with the hook timed
+        # apply_overlapped_update, with the hook timed
+        update = OverlappedUpdate(ddp, optimizer, wait_in="backward" if variant == "overlapped_backward" else "forward")
         ddp.register_comm_hook(None, _timed(update.comm_hook, timings))
         setattr(ddp, STATE_ATTRIBUTE, update)
     return ddp, optimizer, update
@@ -139,7 +145,8 @@ def _worker(rank, world_size, port, args, out_path):
     built = {variant: _build(variant, args, device, rank, timings[variant]) for variant in VARIANTS}
     round_seconds = {variant: [] for variant in VARIANTS}       # per measured round: mean step seconds
     per_bucket = {variant: {} for variant in VARIANTS}
-    optimizer_work = {variant: {"calls": 0, "seconds": 0.0} for variant in VARIANTS}
+    optimizer_work = {variant: {"calls": 0, "seconds": 0.0, "module_waits": 0, "waited_while_running": 0}
+                      for variant in VARIANTS}
     measured_steps = args.rounds * args.steps_per_round
 
     def add(variant, bucket, field, value):
@@ -154,6 +161,7 @@ def _worker(rank, world_size, port, args, out_path):
             ddp, optimizer, update = built[variant]
             dist.barrier()
             clock.reset()
+            waits = (update.module_waits, update.waited_while_running) if update is not None else (0, 0)
             step_records = []
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -167,7 +175,7 @@ def _worker(rank, world_size, port, args, out_path):
                     optimizer.zero_grad(set_to_none=True)
                 step_records.append(list(timings[variant]))
             if update is not None:
-                update.synchronize()        # a no-op while DDP waits for every update inside backward
+                update.synchronize()        # the last step's updates (wait_in="forward")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - started
@@ -176,6 +184,9 @@ def _worker(rank, world_size, port, args, out_path):
             round_seconds[variant].append(elapsed / args.steps_per_round)
             optimizer_work[variant]["calls"] += clock.calls
             optimizer_work[variant]["seconds"] += clock.seconds
+            if update is not None:
+                optimizer_work[variant]["module_waits"] += update.module_waits - waits[0]
+                optimizer_work[variant]["waited_while_running"] += update.waited_while_running - waits[1]
             for records in step_records:
                 exposed = _exposed_after_backward(records)
                 for record in records:
@@ -192,6 +203,8 @@ def _worker(rank, world_size, port, args, out_path):
             "median_step_seconds": statistics.median(round_seconds[variant]),
             "optimizer_step_calls_per_step": optimizer_work[variant]["calls"] / measured_steps,
             "optimizer_step_seconds_per_step": optimizer_work[variant]["seconds"] / measured_steps,
+            "module_waits_per_step": optimizer_work[variant]["module_waits"] / measured_steps,
+            "waited_while_running_per_step": optimizer_work[variant]["waited_while_running"] / measured_steps,
             "buckets": {str(bucket): values for bucket, values in sorted(per_bucket[variant].items())},
             "bucket_count": len(per_bucket[variant]),
         }
@@ -213,10 +226,11 @@ def summarize(per_rank: list[dict]) -> dict:
     summary = {}
     for variant in VARIANTS:
         summary[variant] = {"median_step_seconds_slowest_rank": statistics.median(slowest[variant])}
-        for other in ("no_communication", "plain_ddp"):
+        for other in ("no_communication", "plain_ddp", "overlapped_backward"):
             summary[variant][f"paired_ratio_vs_{other}"] = statistics.median(
                 mine / theirs for mine, theirs in zip(slowest[variant], slowest[other]))
-        for field in ("optimizer_step_calls_per_step", "optimizer_step_seconds_per_step"):
+        for field in ("optimizer_step_calls_per_step", "optimizer_step_seconds_per_step", "module_waits_per_step",
+                      "waited_while_running_per_step"):
             summary[variant][field] = statistics.mean(rank[variant][field] for rank in per_rank)
     return summary
 

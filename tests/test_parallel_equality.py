@@ -8,9 +8,13 @@ BatchNorm/Dice statistics are sums over ranks, so float addition order differs f
 we accept 1e-5 absolute on every weight after 10 Adam steps (lr 1e-3; measured ~1e-7). The overlapped
 update and plain DDP at the same world size must agree bitwise: same all-reduce, same update.
 `test_per_bucket_update_equals_the_plain_step_bitwise` checks the per-bucket optimizers alone (param
-groups split across buckets, a changing learning rate, a parameter the optimizer does not hold).
+groups split across buckets, a changing learning rate, a parameter the optimizer does not hold); the
+next two tests check the waits in the next forward: a held update waited for by its module, a weight
+read outside its module waited for at the model's forward, a tied weight.
 """
 
+
+import threading
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import oomless
 from oomless.data import SyntheticVolumes
@@ -119,6 +123,8 @@ def _two_group_run(overlap: bool, steps: int):
                 optimizer.zero_grad(set_to_none=True)
             for group in optimizer.param_groups:
                 group["lr"] *= 0.5          # after backward: this step's update must still use the old lr
+        if update is not None:
+            update.remove()                 # waits for the last step's updates: no forward follows them
     finally:
         counter.remove()
     return model, optimizer, update, len(calls)
@@ -149,6 +155,122 @@ def test_per_bucket_update_equals_the_plain_step_bitwise():
     for index, entry in state["state"].items():
         assert entry.keys() == plain_state["state"][index].keys()
         assert all(torch.equal(entry[key], plain_state["state"][index][key]) for key in entry), index
+
+
+def _held_back_run(wait_in: str | None, steps: int):
+    """A world-size-1 DDP MLP with several buckets whose first layer's update (the last bucket reduced)
+    is held on the update thread until the next forward has started, so that forward must wait for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    update = apply_overlapped_update(ddp, optimizer, wait_in) if wait_in else None
+    inputs = torch.randn(steps + 1, 5, 8, generator=torch.Generator().manual_seed(1))
+    forward_started, held = threading.Event(), []
+
+    def hold_first_layer_update(step_optimizer, args, kwargs):
+        holds_first_layer = any(param is model[0].weight for group in step_optimizer.param_groups
+                                for param in group["params"])
+        if wait_in == "forward" and step_optimizer is not optimizer and holds_first_layer \
+                and ddp._has_rebuilt_buckets:
+            held.append(forward_started.wait(timeout=30))   # False: the forward never started (it waited)
+
+    def mark_forward_started(module, args):
+        forward_started.set()
+
+    step_hook = register_optimizer_step_pre_hook(hold_first_layer_update)
+    forward_hook = ddp.register_forward_pre_hook(mark_forward_started)
+    try:
+        for step in range(steps):
+            loss = ddp(inputs[step]).square().mean()
+            forward_started.clear()             # set again by the next forward
+            loss.backward()
+            if update is None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        ddp(inputs[steps])                   # the next forward, after the last backward
+        if update is not None:
+            update.remove()
+    finally:
+        step_hook.remove()
+        forward_hook.remove()
+    return model, update, held
+
+
+def test_next_forward_waits_only_for_the_pending_update_it_needs():
+    """The first layer's update is still running when the next forward starts; only Linear 0's
+    pre-hook waits for it (the model-level wait runs before DDP's rebuild only) and the weights equal
+    plain DDP's and the in-backward variant's bitwise."""
+    steps = 5
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        plain_model, _, _ = _held_back_run(None, steps)
+        backward_model, backward_update, _ = _held_back_run("backward", steps)
+        model, update, held = _held_back_run("forward", steps)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    assert len(update.bucket_updates) >= 2
+    # Held in every step after DDP's rebuild (steps 2..5), each time released by the next forward.
+    assert len(held) == steps - 1 and all(held), held
+    # Each held update was waited for by a module's pre-hook (Linear 0's: no other reads its bucket).
+    assert update.module_waits >= len(held)
+    assert update.global_waits <= 1                       # the forward in which DDP rebuilt its buckets
+    assert backward_update.waited_while_running == 0
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, plain_model.state_dict()[name]), name
+        assert torch.equal(value, backward_model.state_dict()[name]), name
+
+
+def test_a_parameter_read_outside_its_module_is_waited_for_at_the_model_forward():
+    """A forward that reads ``head.weight`` functionally (not by calling ``head``): recorded in the first
+    forward and waited for at the start of every model forward. A weight tied between two called
+    modules is waited for by both. Results equal plain DDP bitwise."""
+
+    class FunctionalHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.tied = nn.Linear(16, 16)
+            self.tied_again = nn.Linear(16, 16, bias=False)
+            self.tied_again.weight = self.tied.weight
+            self.head = nn.Linear(16, 4)          # never called: its weight is read by F.linear below
+
+        def forward(self, inputs):
+            hidden = self.tied_again(self.tied(self.body(inputs).relu()).relu())
+            return nn.functional.linear(hidden, self.head.weight)
+
+    def run(overlapped: bool):
+        torch.manual_seed(0)
+        model = FunctionalHead()
+        model.head.bias.requires_grad_(False)     # read by nothing: DDP would wait for its gradient
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
+        update = apply_overlapped_update(ddp, optimizer) if overlapped else None
+        inputs = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
+        for batch in inputs:
+            ddp(batch).square().mean().backward()
+            if update is None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        if update is not None:
+            update.remove()
+        return model, update
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        plain_model, _ = run(False)
+        model, update = run(True)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    assert update._read_outside == {id(model.head.weight)}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, plain_model.state_dict()[name]), name
 
 
 RELAXED_STEPS = 24

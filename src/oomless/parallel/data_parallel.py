@@ -100,7 +100,9 @@ class Collectives(SingleProcess):
 
 
 class SynchronousDataParallel(Collectives):
-    """torch DDP with global-batch BatchNorm and loss sums; with ``config.overlap`` the per-bucket update."""
+    """torch DDP with global-batch BatchNorm and loss sums; with ``config.overlap`` the per-bucket update
+    (``"forward"``: updates run on behind the next forward, each module waiting for its own parameters;
+    ``"backward"``: every update done when backward returns)."""
 
     def __init__(self, config: ParallelConfig, ranks: Ranks, device: torch.device):
         super().__init__(config, ranks, device)
@@ -119,8 +121,10 @@ class SynchronousDataParallel(Collectives):
             # update needs to read a bucket's averaged gradients without racing DDP's own copy.
             self.ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                                                gradient_as_bucket_view=True)
-        if self.config.overlap and not needs_global_view(max_grad_norm):
-            self.update = apply_overlapped_update(self.ddp, optimizer)
+        # overlap: "forward" (also True), "backward", or False / "none" for plain DDP.
+        wait_in = {True: "forward", False: None, "none": None}.get(self.config.overlap, self.config.overlap)
+        if wait_in is not None and not needs_global_view(max_grad_norm):
+            self.update = apply_overlapped_update(self.ddp, optimizer, wait_in)
         return self.ddp
 
     def sum_across_ranks(self):
@@ -141,6 +145,8 @@ class SynchronousDataParallel(Collectives):
 
     def synchronize(self, model: nn.Module) -> None:
         if self.update is not None:
+            # Updates may still run after backward (behind the next forward): the model and the
+            # optimizer are read (checkpoint, --save, layout switch) only after every one is done.
             with self.collective("overlapped update (bucket all-reduce)"):
                 self.update.synchronize()
 
