@@ -77,7 +77,8 @@ def test_synchronous_data_parallel_equals_one_process(world_size, references, tm
     sync = dict(steps=STEPS, global_batch=GLOBAL_BATCH)
     jobs = [
         ("overlapped", dict(sync, parallel=dict(mode="dp", bucket_cap_mb=SMALL_BUCKETS))),
-        ("plain_ddp", dict(sync, parallel=dict(mode="dp", overlap=False, bucket_cap_mb=SMALL_BUCKETS))),
+        ("plain_ddp", dict(sync, parallel=dict(mode="dp", overlap="none", bucket_cap_mb=SMALL_BUCKETS))),
+        ("in_backward", dict(sync, parallel=dict(mode="dp", overlap="backward", bucket_cap_mb=SMALL_BUCKETS))),
         ("overlapped_fit", dict(sync, memory=_smallest_budget_for_shard(world_size),
                                 parallel=dict(mode="dp", bucket_cap_mb=SMALL_BUCKETS))),
         # Clipping needs the global norm: the update falls back to after backward (see overlap.py).
@@ -88,6 +89,7 @@ def test_synchronous_data_parallel_equals_one_process(world_size, references, tm
     assert all(result["steps_done"] == STEPS for result in results.values())
 
     assert _max_difference(saved["overlapped"], saved["plain_ddp"]) == 0.0
+    assert _max_difference(saved["in_backward"], saved["plain_ddp"]) == 0.0
     differences = {name: _max_difference(saved[name], references["clipped" if name == "clipped" else "plain"])
                    for name in saved}
     if world_size == 1:

@@ -3,7 +3,7 @@
 import argparse
 
 from oomless.errors import InputError
-from oomless.parallel.config import PARALLEL_MODES, ParallelConfig
+from oomless.parallel.config import OVERLAP_MODES, PARALLEL_MODES, ParallelConfig
 from oomless.plan.partition import SCHEDULES as PIPELINE_SCHEDULES
 from oomless.train.config import SEGMENTATION_MODELS, TrainConfig
 
@@ -52,7 +52,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
                         help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed), "
                              "pipeline (one stage per process) or hybrid (pipeline x data parallel)")
-    parser.add_argument("--no-overlap", action="store_true", help="dp: plain DDP, update after the whole backward")
+    parser.add_argument("--overlap", choices=OVERLAP_MODES, default=parallel.overlap,
+                        help="dp: each bucket's update must be done before its modules' next forward (default), "
+                             "before backward returns, or none (plain DDP, update after the whole backward)")
+    parser.add_argument("--no-overlap", action="store_true", help="dp: plain DDP (the same as --overlap none)")
     parser.add_argument("--average-every", type=int, default=parallel.average_every, metavar="STEPS", help="local-sgd: H")
     parser.add_argument("--bucket-cap-mb", type=float, default=parallel.bucket_cap_mb, help="DDP gradient bucket size")
     parser.add_argument("--timeout", type=float, default=parallel.timeout_seconds, metavar="SECONDS",
@@ -98,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
         progress=not args.quiet, deterministic=args.deterministic, max_grad_norm=args.max_grad_norm,
-        parallel=ParallelConfig(mode=args.parallel, overlap=not args.no_overlap, average_every=args.average_every,
+        parallel=ParallelConfig(mode=args.parallel, overlap="none" if args.no_overlap else args.overlap, average_every=args.average_every,
                                 bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout, stages=args.stages,
                                 schedule=args.schedule, microbatches=args.microbatches,
                                 stages_per_rank=args.stages_per_rank, switch=sorted(args.switch_at),

@@ -6,7 +6,8 @@ launched by ``torchrun``.
 - `process_group.py`   join the group torchrun describes; equal shards of the global batch; collectives
                        that fail name the rank and the collective.
 - `data_parallel.py`   the strategies the training loop calls; synchronous DDP.
-- `overlap.py`         per-bucket optimizer update in a DDP comm hook; all done when backward returns.
+- `overlap.py`         per-bucket optimizer update after its all-reduce; each module's next forward
+                       waits only for its own parameters' update.
 - `relaxed.py`         local SGD and asynchronous averaging with bounded staleness.
 - `batchnorm.py`       global-batch BatchNorm statistics (torch's SyncBatchNorm is CUDA-only).
 - `rank_state.py`      every rank's RNG (and, in relaxed modes, weights and optimizer) for checkpoints.

@@ -3,9 +3,10 @@
 Modes (see `oomless.parallel` for the trade-offs):
 
 - ``none``: one process, no torch.distributed.
-- ``dp``: synchronous data parallel on torch DDP; with ``overlap`` each bucket's optimizer update runs
-  as soon as its all-reduce lands, while backward computes the other buckets; all are done when
-  backward returns.
+- ``dp``: synchronous data parallel on torch DDP. ``overlap="forward"`` (default): each bucket's
+  optimizer update runs as soon as its all-reduce lands and may run on behind the next forward, in
+  which each module waits only for its own parameters' update; ``"backward"``: the updates run
+  while backward computes the other buckets and are all done when it returns; ``"none"``: plain DDP.
 - ``local-sgd``: every rank steps on its own shard; parameters are averaged every ``average_every`` steps.
 - ``async``: every rank steps on its own shard; the parameter average of step k runs while step k+1
   computes and is applied one step late (staleness bounded by one step).
@@ -31,6 +32,7 @@ from oomless.plan.partition import check_schedule
 PARALLEL_MODES = ("none", "dp", "local-sgd", "async", "pipeline", "hybrid")
 SYNCHRONOUS_MODES = ("none", "dp", "pipeline", "hybrid")
 PIPELINE_MODES = ("pipeline", "hybrid")
+OVERLAP_MODES = ("forward", "backward", "none")
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ParallelConfig:
     """How the processes started by ``torchrun`` share the work of one training run."""
 
     mode: str = "none"
-    overlap: bool = True                 # dp only: per-bucket update in the comm hook
+    overlap: str = "forward"             # dp only: forward | backward | none (see above)
     average_every: int = 4               # local-sgd only: steps between parameter averages (H)
     bucket_cap_mb: float = 25.0          # DDP gradient bucket size; smaller buckets overlap earlier
     timeout_seconds: float = 600.0       # a collective slower than this fails, naming rank and collective
@@ -102,6 +104,8 @@ class ParallelConfig:
             raise InputError(f"bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if not self.timeout_seconds > 0:
             raise InputError(f"timeout must be positive, got {self.timeout_seconds}")
+        if self.overlap not in OVERLAP_MODES:
+            raise InputError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         self._validate_pipeline()

@@ -121,8 +121,7 @@ class SynchronousDataParallel(Collectives):
             # update needs to read a bucket's averaged gradients without racing DDP's own copy.
             self.ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                                                gradient_as_bucket_view=True)
-        # overlap: "forward" (also True), "backward", or False / "none" for plain DDP.
-        wait_in = {True: "forward", False: None, "none": None}.get(self.config.overlap, self.config.overlap)
+        wait_in = None if self.config.overlap == "none" else self.config.overlap
         if wait_in is not None and not needs_global_view(max_grad_norm):
             self.update = apply_overlapped_update(self.ddp, optimizer, wait_in)
         return self.ddp
