@@ -7,8 +7,10 @@ reads them through ``init_process_group``'s ``env://`` default. Several machines
 torchrun's rendezvous (``--rdzv-backend c10d --rdzv-endpoint host:port``); nothing here changes.
 """
 
+import atexit
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,6 +56,9 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     except Exception as error:
         raise CollectiveError(f"rank {os.environ.get('RANK')}: could not join the {backend} process group "
                               f"within {config.timeout_seconds:g} s: {_first_line(error)}") from error
+    if "gloo" in dist.get_backend():
+        atexit.unregister(_let_gloo_threads_finish)     # once per process, however many runs join
+        atexit.register(_let_gloo_threads_finish)
     return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
 
@@ -74,8 +79,35 @@ def _attempt_store(timeout_seconds: float) -> dist.Store:
 
 
 def leave_process_group(ranks: Ranks) -> None:
+    """Destroy the group if `join_process_group` created it, after a failed collective as well: a later
+    run in this process must create a fresh group, not reuse a broken one. Under gloo this does not stop
+    the group's threads (see `_let_gloo_threads_finish`)."""
     if ranks.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# Long enough for a runnable thread to be scheduled on a loaded machine; paid once, at process exit.
+_GLOO_EXIT_GRACE_SECONDS = 0.2
+
+
+def _let_gloo_threads_finish() -> None:
+    """At exit, before Python finalizes: give gloo's worker threads the GIL and the CPU for a moment.
+
+    A gloo worker thread keeps working after the collective's caller has been woken: it drops the work
+    (whose tensors were created in Python, so releasing them takes the GIL: torch 2.13 decrefs a
+    tensor's Python object when C++ lets go of it), runs Python future callbacks (the overlapped
+    update's step), and a barrier's work frees the earlier works it waited for. Once Python finalizes,
+    a thread that asks for the GIL is ended with ``pthread_exit``, whose unwinding through torch's
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active exception"
+    and SIGABRT, after a run that finished (the rank that does not save returns first) or after a
+    failed collective (the failing works are still being released); torch checks only
+    ``Py_IsInitialized()`` before taking the GIL (pytorch/pytorch#190489). Stopping the threads first is not
+    possible here: gloo's ``shutdown()`` and ``abort()`` do nothing in torch 2.13, and the threads end
+    only in the group's destructor, which never runs while DDP and its comm hook still hold the group
+    (they do until the process exits). What a worker has left is microseconds of work; this sleep, with
+    the GIL released, lets it run. atexit handlers run before Python marks itself finalizing.
+    """
+    time.sleep(_GLOO_EXIT_GRACE_SECONDS)
 
 
 def _free_port() -> int:
