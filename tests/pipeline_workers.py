@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
+from oomless.parallel.process_group import guard_gloo_exit
 from oomless.parallel.stage_fit import fit_stages
 from tests.parallel_workers import free_port
 
@@ -81,6 +82,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    guard_gloo_exit()       # gloo's threads may still be freeing work when this process exits
     try:
         for job in jobs:
             mesh = pipeline_mesh(world_size // job.get("dp", 1))

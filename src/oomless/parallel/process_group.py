@@ -39,6 +39,7 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     if not config.distributed:
         return Ranks()
     if dist.is_initialized():
+        guard_gloo_exit()
         return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=False)
     if "WORLD_SIZE" not in os.environ:
         # Launched as a plain process: a world of one, so `--parallel dp` still runs (and equals plain).
@@ -56,10 +57,16 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     except Exception as error:
         raise CollectiveError(f"rank {os.environ.get('RANK')}: could not join the {backend} process group "
                               f"within {config.timeout_seconds:g} s: {_first_line(error)}") from error
+    guard_gloo_exit()
+    return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def guard_gloo_exit() -> None:
+    """Under gloo, give its worker threads their grace period at exit (`_let_gloo_threads_finish`),
+    also where the caller made the group: the threads outlive any run in this process."""
     if "gloo" in dist.get_backend():
         atexit.unregister(_let_gloo_threads_finish)     # once per process, however many runs join
         atexit.register(_let_gloo_threads_finish)
-    return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
 
 
 def _attempt_store(timeout_seconds: float) -> dist.Store:
