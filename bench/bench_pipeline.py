@@ -133,36 +133,15 @@ def rank_actions(schedule: str, ranks: int, microbatches: int) -> list[list[tupl
 
 
 def simulate_step_seconds(orders, seconds_of, stages: int) -> float:
-    """Makespan of ``orders`` when each rank runs its actions in order, each as soon as its inputs
-    exist (a forward after the previous stage's forward of that micro-batch, an input or full
-    backward after the next stage's), taking ``seconds_of(stage, kind)``, with free communication."""
-    done: dict[tuple, float] = {}
-    position, free_at = [0] * len(orders), [0.0] * len(orders)
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank, order in enumerate(orders):
-            while position[rank] < len(order):
-                stage, kind, microbatch = order[position[rank]]
-                if kind == "F":
-                    needs = [("F", stage - 1, microbatch)] if stage else []
-                elif kind in "BI":
-                    needs = [("F", stage, microbatch)]
-                    if stage < stages - 1:
-                        needs.append(("grad", stage + 1, microbatch))
-                else:
-                    needs = [("grad", stage, microbatch)]
-                if any(need not in done for need in needs):
-                    break
-                start = max([free_at[rank], *(done[need] for need in needs)])
-                free_at[rank] = start + seconds_of(stage, kind)
-                done[("grad" if kind in "BI" else kind, stage, microbatch)] = free_at[rank]
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the action orders deadlock: {orders}")
-    return max(free_at)
+    """Makespan of torch's ``orders`` ((stage, kind, micro-batch) per rank) with per-action
+    ``seconds_of(stage, kind)`` and free communication: `oomless.plan.schedules.simulate_actions`,
+    the simulator the partitioner's predictions use, run here on torch's own orders."""
+    schedules = importlib.import_module("oomless.plan.schedules")   # `oomless.plan` is also a function
+    actions = [[schedules.Action(*action) for action in order] for order in orders]
+    named = 1 + max((action.stage for order in actions for action in order), default=0)
+    if named != stages:
+        raise ValueError(f"expected orders over {stages} stages, they name {named}")
+    return schedules.simulate_actions(actions, seconds_of)
 
 
 def synthetic_seconds_of(unit_seconds: float, blocks_per_stage: int):
