@@ -2,7 +2,7 @@
 overlapped update (into the next forward, and in-backward) vs plain DDP vs no communication, on N
 processes of one machine.
 
-    /tmp/v/bin/python bench/bench_dp.py --world-size 2              # gloo on CPU
+    python bench/bench_dp.py --world-size 2                 # gloo on CPU
     python bench/bench_dp.py --world-size 2 --device cuda           # NCCL, one GPU per process
 
 Variants (same model, data, buckets and optimizer; torch DDP in all four):

@@ -1,8 +1,8 @@
 """Pipeline-parallel benchmark: the measured bubble fraction of each schedule against the textbook
 (P - 1) / (M + P - 1), the partitioner's prediction and a simulation of torch's own action order (issue 5).
 
-    /tmp/v/bin/python bench/bench_pipeline.py                            # ~3 minutes on 2 cores
-    /tmp/v/bin/python bench/bench_pipeline.py --quick --out /tmp/pipeline.json   # seconds; what the test runs
+    python bench/bench_pipeline.py                            # ~3 minutes on 2 cores
+    python bench/bench_pipeline.py --quick --out /tmp/pipeline.json   # seconds; what the test runs
 
 Synthetic rows: on a 2-core CPU, P processes computing for real would contend for the cores and bury
 the schedule's bubble under that contention. So the model is a chain of `SleepBlock`s whose forward,
