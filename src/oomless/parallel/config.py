@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from oomless.errors import InputError
-from oomless.plan.partition import check_schedule
+from oomless.plan.schedules import SINGLE_STAGE_SCHEDULES, check_schedule
 
 PARALLEL_MODES = ("none", "dp", "local-sgd", "async", "pipeline", "hybrid")
 SYNCHRONOUS_MODES = ("none", "dp", "pipeline", "hybrid")
@@ -68,7 +68,7 @@ class ParallelConfig:
     def resolved_stages_per_rank(self) -> int:
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 1 if self.schedule in ("gpipe", "1f1b") else 2
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
 
     def with_layout(self, layout: str) -> "ParallelConfig":
         """This configuration under ``layout``: ``dp``, ``local-sgd``, ``async``, ``pipeline[:S]`` or

@@ -35,12 +35,11 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import BlockSequence
-from oomless.plan.partition import SCHEDULES, microbatch_problem, stage_ranks
+from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, microbatch_problem, stage_ranks
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                     "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 def cuts_from_stage_blocks(sequence: BlockSequence, stage_blocks: list[list[str]]) -> list[int]:

@@ -79,6 +79,7 @@ from typing import Callable, NamedTuple
 from oomless.errors import InputError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")      # one stage per rank; the others run several
 # Share of a step's compute in forward when the profile says nothing (T_F = T_B = T_W).
 DEFAULT_FORWARD_FRACTION = 1 / 3
 ZERO_BUBBLE_SCHEDULES = ("zero-bubble", "zbv")
@@ -98,7 +99,7 @@ def check_schedule(schedule: str, ranks: int, stages_per_rank: int) -> None:
         raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if ranks < 1 or stages_per_rank < 1:
         raise InputError(f"stages (ranks) and stages_per_rank must be at least 1, got {ranks} and {stages_per_rank}")
-    if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
+    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
         raise InputError(f"schedule {schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}; "
                          "use interleaved-1f1b, zero-bubble or zbv for several")
     if schedule in ("interleaved-1f1b", "zero-bubble") and stages_per_rank < 2:
@@ -229,7 +230,7 @@ def rank_in_flight(schedule: str, rank: int, ranks: int, stages_per_rank: int,
     of them at once at each moment the rank's total may peak (after a forward; those another
     moment's counts dominate left out). A rank's activation bytes are the most, over those moments,
     of counts x each stage's bytes per micro-batch: its stages do not peak together."""
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in SINGLE_STAGE_SCHEDULES:
         count = in_flight_microbatches(schedule, rank, ranks, microbatches)
         return [count], [(count,)]
     local = {stage: index for index, stage in
@@ -316,7 +317,7 @@ def predicted_step_seconds(schedule: str, ranks: int, stages_per_rank: int, micr
     P, V, M, T = ranks, stages_per_rank, microbatches, rank_seconds
     if schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in SINGLE_STAGE_SCHEDULES:
         return (M + P - 1) * T
     if schedule == "interleaved-1f1b":
         return max(M * T + (P - 1) * T / V, (M + V * P - 1) * T / V)
