@@ -49,14 +49,20 @@ def _reference(tmp_path, name: str, **overrides) -> dict:
 
 
 def _smallest_budget_for_shard(world_size: int) -> int:
-    """The tightest budget oomless accepts for one rank's shard: the plan then swaps or recomputes."""
+    """The tightest budget oomless accepts for one rank's shard: the plan then swaps or recomputes.
+    Measured with one thread, as the workers run: CPU kernels' working memory grows with threads."""
     config = tiny_config(global_batch=GLOBAL_BATCH)
     seed_everything(config.seed)
     model = build_segmentation_model(config)
     volumes, labels = SyntheticVolumes(config.shape, seed=config.seed).batch(0, GLOBAL_BATCH // world_size)
-    with pytest.raises(oomless.PlanError) as refused:
-        oomless.plan(model, volumes, memory=1, optimizer=torch.optim.Adam(model.parameters()),
-                     loss_fn=lambda logits: segmentation_loss(logits, labels))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(oomless.PlanError) as refused:
+            oomless.plan(model, volumes, memory=1, optimizer=torch.optim.Adam(model.parameters()),
+                         loss_fn=lambda logits: segmentation_loss(logits, labels))
+    finally:
+        torch.set_num_threads(threads)
     return refused.value.minimum_bytes
 
 
