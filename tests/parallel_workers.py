@@ -87,3 +87,23 @@ def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
 def run_timeout(out_dir: Path) -> str:
     mp.start_processes(_timeout_worker, args=(free_port(), str(out_dir)), nprocs=2, start_method="spawn")
     return Path(out_dir, "error.txt").read_text()
+
+
+def smallest_budget_for_shard(config, shard: int) -> int:
+    """In a worker-like process (one thread): the smallest memory oomless plans the first ``shard``
+    volumes of ``config``'s task for, from the `PlanError` of an impossible budget."""
+    import oomless
+    from oomless.data import SyntheticVolumes
+    from oomless.train.loop import build_segmentation_model, seed_everything
+    from oomless.train.losses import segmentation_loss
+
+    torch.set_num_threads(1)
+    seed_everything(config.seed)
+    model = build_segmentation_model(config)
+    volumes, labels = SyntheticVolumes(config.shape, seed=config.seed).batch(0, shard)
+    try:
+        oomless.plan(model, volumes, memory=1, optimizer=torch.optim.Adam(model.parameters()),
+                     loss_fn=lambda logits: segmentation_loss(logits, labels))
+    except oomless.PlanError as refused:
+        return refused.minimum_bytes
+    raise AssertionError("a 1-byte budget was accepted")
