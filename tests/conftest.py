@@ -1,7 +1,10 @@
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import oomless
+from oomless.models import TinyTransformer, UNet3D
 from oomless.plan.planner import make_plan, smallest_memory
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -28,3 +31,25 @@ def plan_under(model, inputs, loss_fn, policy: str):
         return oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile), memory
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
     return plan.with_decisions({name: policy for name in plan.decisions}), None
+
+
+def ledger_case(model_name: str, device="cpu"):
+    """(model, inputs, loss_fn) of the ledger tests (tests/test_ledger.py, on CUDA in test_cuda.py)."""
+    if model_name == "unet3d":
+        volume = torch.randn(2, 1, 32, 32, 32, device=device)
+        target = (volume[:, 0] > 0).long()
+        return UNet3D(base_channels=4, depth=2).to(device), volume, lambda out: F.cross_entropy(out, target)
+    tokens = torch.randint(0, 256, (4, 64), device=device)
+    return (TinyTransformer(vocab_size=256, dim=64, depth=4, heads=4, max_len=64).to(device),
+            tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.flatten()))
+
+
+def apply_plan_for_share(model, inputs, loss_fn, optimizer, share):
+    """Plan ``model`` for ``share`` of its plain activations ("minimum": the smallest budget that
+    fits; a share below it is raised to it), apply it; returns (plan, memory planned for)."""
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    smallest = minimum_memory(profile)
+    memory = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
+    plan = oomless.plan(model, inputs, memory, profile=profile, min_swap_bytes=0)
+    oomless.apply(model, plan)
+    return plan, memory

@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 import oomless  # noqa: E402
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D  # noqa: E402
 from oomless.runtime.install import installed_state  # noqa: E402
-from tests.conftest import budget_for_share, minimum_memory, plan_under  # noqa: E402
+from tests.conftest import apply_plan_for_share, ledger_case, minimum_memory, plan_under  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -316,24 +316,9 @@ def test_all_swap_really_moves_bytes_off_the_gpu(name, monkeypatch):
 def test_ledger_on_cuda_stays_within_the_activation_budget(model_name, share):
     """tests/test_ledger.py on the GPU."""
     torch.manual_seed(0)
-    if model_name == "unet3d":
-        model, inputs = UNet3D(base_channels=4, depth=2).to(DEVICE), torch.randn(2, 1, 32, 32, 32, device=DEVICE)
-        target = (inputs[:, 0] > 0).long()
-
-        def loss_fn(out):
-            return F.cross_entropy(out, target)
-    else:
-        model = TinyTransformer(vocab_size=256, dim=64, depth=4, heads=4, max_len=64).to(DEVICE)
-        inputs = torch.randint(0, 256, (4, 64), device=DEVICE)
-
-        def loss_fn(out):
-            return F.cross_entropy(out.flatten(0, 1), inputs.flatten())
+    model, inputs, loss_fn = ledger_case(model_name, DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
-    smallest = minimum_memory(profile)
-    memory = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
-    plan = oomless.plan(model, inputs, memory, profile=profile, min_swap_bytes=0)
-    oomless.apply(model, plan)
+    plan, _ = apply_plan_for_share(model, inputs, loss_fn, optimizer, share)
     _steps(model, inputs, loss_fn, optimizer)
     stats = oomless.stats(model)
     assert stats.peak_activation_bytes <= plan.activation_budget

@@ -4,35 +4,18 @@ activations on the device down to the smallest budget that fits."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import oomless
-from oomless.models import TinyTransformer, UNet3D
-from tests.conftest import budget_for_share, minimum_memory
+from tests.conftest import apply_plan_for_share, ledger_case
 
 
-def _unet():
-    volume = torch.randn(2, 1, 32, 32, 32)
-    return UNet3D(base_channels=4, depth=2), volume, lambda out: F.cross_entropy(out, (volume[:, 0] > 0).long())
-
-
-def _transformer():
-    tokens = torch.randint(0, 256, (4, 64))
-    return (TinyTransformer(vocab_size=256, dim=64, depth=4, heads=4, max_len=64),
-            tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.flatten()))
-
-
-@pytest.mark.parametrize("build", [_unet, _transformer], ids=["unet3d", "transformer"])
+@pytest.mark.parametrize("model_name", ["unet3d", "transformer"])
 @pytest.mark.parametrize("share", [1.0, 0.5, 0.25, "minimum"])
-def test_ledger_peak_stays_within_the_activation_budget(build, share):
+def test_ledger_peak_stays_within_the_activation_budget(model_name, share):
     torch.manual_seed(0)
-    model, inputs, loss_fn = build()
+    model, inputs, loss_fn = ledger_case(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
-    smallest = minimum_memory(profile)
-    memory = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
-    plan = oomless.plan(model, inputs, memory, profile=profile, min_swap_bytes=0)
-    oomless.apply(model, plan)
+    plan, memory = apply_plan_for_share(model, inputs, loss_fn, optimizer, share)
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(inputs)).backward()
