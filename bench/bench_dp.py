@@ -51,7 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import provenance  # noqa: E402  (bench/common.py)
+from common import provenance, write_result  # noqa: E402  (bench/common.py)
 
 VARIANTS = ("no_communication", "plain_ddp", "overlapped_backward", "overlapped")
 
@@ -265,7 +265,7 @@ def main() -> None:
     result = {"provenance": record, "settings": vars(args), "summary": summary, "per_rank": per_rank}
     date = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"dp-{args.device}-{backend}-{date}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(json.dumps(summary, indent=2))
     print(f"load average at start {record['load_average_at_start']}, at end {record['load_average_at_end']}")
     print(f"wrote {out}")

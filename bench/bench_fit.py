@@ -44,7 +44,7 @@ from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rs
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # loaded from its path by `oomless bench`, not run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import SIZES, build_model, provenance  # noqa: E402  (bench/common.py)
+from common import SIZES, build_model, provenance, write_result  # noqa: E402  (bench/common.py)
 
 VARIANTS = ("plain", "keep", "plan_50", "plan_25", "plan_ckpt_memory", "checkpoint", "save_on_cpu")
 PLAN_SHARES = {"plan_50": 0.5, "plan_25": 0.25}
@@ -361,10 +361,8 @@ def _run(args: argparse.Namespace, command: str, device: torch.device) -> dict:
         report["models"][name] = bench_model(name, sizes[name], device, steps, warmup_steps)
     date = report["provenance"]["date_utc"][:10]
     out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"fit-{device.type}-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(out, report)
     print_table(report)
-    print(f"wrote {out}")
     report["path"] = str(out)
     return report
 

@@ -48,7 +48,7 @@ from torch import nn
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import provenance  # noqa: E402  (bench/common.py)
+from common import provenance, write_result  # noqa: E402  (bench/common.py)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 BLOCKS_PER_RANK = 2
@@ -375,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                      if row["status"] == "ran" else row["notes"][0][:60])
             print(f"{row['model']:>15} {row['schedule']:>16} P={ranks} M={row['microbatches']}  "
                   f"textbook {row['textbook_bubble']:.3f}  {shown}", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(out, record)
     return 0
 
 

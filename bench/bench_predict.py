@@ -14,7 +14,6 @@ bench/results/predict-<device>-<date>.json.
 """
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import SIZES, build_model, provenance  # noqa: E402  (bench/common.py)
+from common import SIZES, build_model, provenance, write_result  # noqa: E402  (bench/common.py)
 
 SHARES = (1.0, 0.5, 0.25)
 
@@ -139,9 +138,7 @@ def main(argv=None) -> int:
     result["max_abs_error"] = max(errors) if errors else None
     date = datetime.now(timezone.utc).strftime("%Y%m%d")
     out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"predict-{device.type}-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {out}")
+    write_result(out, result)
     return 0
 
 

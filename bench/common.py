@@ -5,6 +5,7 @@ on sys.path already; loaded from its file path (``oomless bench`` loads bench_fi
 program puts bench/ on sys.path first.
 """
 
+import json
 import os
 import platform
 import shlex
@@ -102,3 +103,12 @@ def provenance(device: torch.device | str, command: str | None = None, **extra) 
     }
     record.update(extra)
     return record
+
+
+def write_result(out: Path | str, record: dict) -> Path:
+    """Write a benchmark's JSON result (indented, newline-terminated), creating its folder; say where."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out
