@@ -386,5 +386,38 @@ def test_a_planned_step_makes_no_host_synchronisation(model_name, policy, monkey
     assert stats.resident_activation_bytes == 0
     tier = installed_state(model).tier
     if tier is not None:
-        buffers = [buffer for free in tier.pool._free.values() for buffer, _ in free]
+        buffers = tier.pool.buffers()
         assert buffers and all(buffer.is_pinned() for buffer in buffers), "non_blocking copies need pinned memory"
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) The swap tier's own resources: copy streams of its own, pinned buffers of every size.
+
+def test_the_tier_copies_on_streams_of_its_own_not_torchs_pool():
+    """torch.cuda.Stream() hands out 32 pooled streams per priority, round robin: asking for 64 of
+    each priority returns every one of them, and none may be the tier's."""
+    from oomless.runtime.tiers import PinnedHostTier
+
+    tier = PinnedHostTier(DEVICE)
+    assert tier.dedicated_streams
+    pooled = {torch.cuda.Stream(DEVICE, priority=priority).cuda_stream for priority in (0, -1) for _ in range(64)}
+    own = {tier.copy_out_stream.cuda_stream, tier.copy_in_stream.cuda_stream}
+    assert len(own) == 2 and not own & pooled and torch.cuda.current_stream(DEVICE).cuda_stream not in own
+    # A round trip through the tier lands the same bytes.
+    data = torch.arange(1 << 20, device=DEVICE, dtype=torch.int32).view(torch.uint8)
+    ticket = tier.put(data)
+    back = tier.get(ticket).clone()
+    assert torch.equal(back, data)
+    tier.release(ticket)
+    tier.close()
+
+
+def test_a_zero_byte_storage_swaps_through_pinned_memory():
+    from oomless.runtime.tiers import PinnedHostTier
+
+    tier = PinnedHostTier(DEVICE)
+    ticket = tier.put(torch.empty(0, dtype=torch.uint8, device=DEVICE))
+    assert ticket.host.numel() == 0 and all(buffer.is_pinned() for buffer in tier.pool.buffers())
+    assert tier.get(ticket).numel() == 0
+    tier.release(ticket)
+    tier.close()

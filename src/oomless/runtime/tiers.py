@@ -3,10 +3,12 @@ disk (compute on CPU). A tier moves raw storage bytes (uint8 tensors) out and ba
 blocking compute; each `put` returns a ticket that `prefetch` and `get` take.
 
 CUDA tier synchronisation rules (each wait below names the hazard it prevents):
-- device->host copies run on `copy_out_stream`, host->device copies on `copy_in_stream`;
+- device->host copies run on `copy_out_stream`, host->device copies on `copy_in_stream`, two streams
+  of oomless's own (`dedicated_copy_streams`), never shared with compute or communication;
 - the compute stream never waits on the host: every ordering is an event wait between streams.
 """
 
+import ctypes
 import itertools
 import os
 import shutil
@@ -19,24 +21,48 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from oomless.runtime.pinned_pool import PinnedPool
 
-class PinnedPool:
-    """Reused page-locked host buffers, by exact size: a step's sizes repeat, so after the first
-    step no pinned allocation (slow, and a device synchronisation in CUDA) happens again."""
+_CU_STREAM_NON_BLOCKING = 0x1
+_copy_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream, bool]] = {}
 
-    def __init__(self):
-        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = defaultdict(list)
-        self.allocated_bytes = 0
 
-    def acquire(self, num_bytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        free = self._free[num_bytes]
-        if free:
-            return free.pop()
-        self.allocated_bytes += num_bytes
-        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True), None
+def dedicated_copy_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream, bool]:
+    """(copy-out, copy-in, dedicated): two CUDA streams for the tier's copies, made once per device
+    and process and kept for its life.
 
-    def release(self, buffer: torch.Tensor, last_use: torch.cuda.Event | None) -> None:
-        self._free[buffer.numel()].append((buffer, last_use))
+    Not ``torch.cuda.Stream()``: that hands out one of 32 pooled streams per priority, round robin,
+    shared with everything else in the process (NCCL's communication streams, other libraries, an
+    earlier tier): a copy queued behind an unrelated all-reduce would stall backward. So the streams
+    are created with the driver API (``cuStreamCreate``, non-blocking: a blocking stream would
+    serialise with work on the legacy default stream, which is PyTorch's compute stream) and wrapped
+    in ``torch.cuda.ExternalStream``. Never destroyed: the caching allocator keeps blocks keyed by
+    stream. Default priority: CUDA's stream priorities order kernels only and have no effect on
+    host<->device memory operations (cudaStreamCreateWithPriority), which is all these streams carry.
+    If the driver call is not possible, pooled streams are used and ``dedicated`` is False."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _copy_streams:
+        try:
+            streams = tuple(_driver_stream(index) for _ in range(2)) + (True,)
+        except (OSError, RuntimeError) as error:
+            import warnings
+
+            warnings.warn(f"oomless: copy streams from PyTorch's shared pool ({error})", RuntimeWarning, stacklevel=2)
+            streams = (torch.cuda.Stream(index), torch.cuda.Stream(index), False)
+        _copy_streams[index] = streams
+    return _copy_streams[index]
+
+
+def _driver_stream(index: int) -> torch.cuda.Stream:
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        # Makes the device's primary context current on this thread, where cuStreamCreate puts the stream.
+        torch.cuda.current_stream().query()
+        result = driver.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
+    if result != 0:
+        raise RuntimeError(f"cuStreamCreate returned CUresult {result}")
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
 
 
 class _CudaTicket:
@@ -51,8 +77,7 @@ class PinnedHostTier:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.copy_out_stream = torch.cuda.Stream(device)
-        self.copy_in_stream = torch.cuda.Stream(device)
+        self.copy_out_stream, self.copy_in_stream, self.dedicated_streams = dedicated_copy_streams(device)
         self.pool = PinnedPool()
         self._stall_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -139,6 +164,7 @@ class PinnedHostTier:
 
     def close(self) -> None:
         self._stall_marks.clear()
+        self.pool.clear()
 
 
 class _DiskTicket:

@@ -1,0 +1,85 @@
+"""The CUDA tier's pinned pool, on CPU with the allocation faked: size classes, reuse across
+shapes, a bound on what it holds, and never a 0-byte buffer (``torch.empty(0, pin_memory=True)`` is
+not pinned, so a swapped 0-byte storage would be copied non_blocking from pageable memory)."""
+
+import random
+
+import torch
+
+from oomless.runtime.pinned_pool import MIN_CLASS_BYTES, PinnedPool, size_class
+
+
+class _FakeAllocator:
+    """Plain CPU buffers standing in for pinned ones; records every size asked for."""
+
+    def __init__(self):
+        self.requests: list[int] = []
+
+    def __call__(self, num_bytes: int) -> torch.Tensor:
+        self.requests.append(num_bytes)
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+
+def test_size_classes_are_powers_of_two_of_at_least_a_page():
+    assert [size_class(n) for n in (0, 1, 4096, 4097, 5000, 2**20, 2**20 + 1)] == \
+        [MIN_CLASS_BYTES, MIN_CLASS_BYTES, 4096, 8192, 8192, 2**20, 2**21]
+
+
+def test_a_zero_byte_request_gets_a_real_buffer():
+    allocate = _FakeAllocator()
+    pool = PinnedPool(allocate)
+    view, last_use = pool.acquire(0)
+    assert view.numel() == 0 and last_use is None
+    assert allocate.requests == [MIN_CLASS_BYTES]
+
+
+def test_a_buffer_is_reused_by_other_shapes_of_its_class_and_the_class_below():
+    allocate = _FakeAllocator()
+    pool = PinnedPool(allocate)
+    first, _ = pool.acquire(5000)
+    pointer = first.data_ptr()
+    pool.release(first, "event-1")
+    second, last_use = pool.acquire(6000)               # same class (8 KiB), another shape
+    assert (second.data_ptr(), second.numel(), last_use) == (pointer, 6000, "event-1")
+    pool.release(second, "event-2")
+    third, last_use = pool.acquire(3000)                 # class 4 KiB: none idle, the 8 KiB one serves
+    assert (third.data_ptr(), last_use) == (pointer, "event-2")
+    assert allocate.requests == [8192]
+
+
+def test_held_bytes_never_pass_the_most_ever_in_use_whatever_the_shapes():
+    """Steps whose swapped sizes vary (as with varying sequence lengths): an exact-size pool keeps
+    a buffer per size ever seen; this one stays within the largest step's need."""
+    allocate = _FakeAllocator()
+    pool = PinnedPool(allocate)
+    rng = random.Random(0)
+    for step in range(50):
+        scale = rng.choice((1, 2, 4, 8))
+        views = [pool.acquire(rng.randint(1, 64 * 1024) * scale)[0] for _ in range(rng.randint(4, 12))]
+        assert pool.held_bytes <= pool.peak_in_use_bytes
+        for view in views:
+            pool.release(view, None)
+    assert pool.held_bytes <= pool.peak_in_use_bytes
+    assert sum(buffer.numel() for buffer in pool.buffers()) == pool.held_bytes
+    assert pool.held_bytes < sum(allocate.requests)     # something was freed: the bound did work
+
+
+def test_a_repeated_step_allocates_only_in_its_first_step():
+    allocate = _FakeAllocator()
+    pool = PinnedPool(allocate)
+    sizes = [300_000, 70_000, 70_000, 5, 0, 1 << 20]
+    for _ in range(3):
+        views = [pool.acquire(size)[0] for size in sizes]
+        for view in reversed(views):
+            pool.release(view, None)
+    assert len(allocate.requests) == len(sizes)
+
+
+def test_clear_frees_idle_buffers_only():
+    pool = PinnedPool(_FakeAllocator())
+    held, _ = pool.acquire(10_000)
+    idle, _ = pool.acquire(100_000)
+    pool.release(idle, None)
+    pool.clear()
+    assert pool.held_bytes == pool.in_use_bytes == size_class(10_000)
+    assert [buffer.data_ptr() for buffer in pool.buffers()] == [held.data_ptr()]
