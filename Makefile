@@ -2,6 +2,9 @@
 #   make demo   train the embedded default (3D U-Net on synthetic MRI-like volumes) under a memory budget
 #   make test   run the test suite
 # TORCH pins the PyTorch requirement installed first; a GPU machine gets the CUDA build from PyPI.
+#   make gpu    on a CUDA machine: every CUDA test and benchmark in 9 minutes, JSON and a summary under
+#               bench/results/gpu/<date>-<device>/ (bench/gpu_suite.py). Installs nothing: runs from the source
+#               tree with $(PYTHON) and the PyTorch it has. GPU_SUITE_ARGS="--dry-run" checks it on CPU.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV ?= .venv
@@ -18,4 +21,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q
 
-.PHONY: demo test
+gpu:
+	PYTHONPATH=src $(PYTHON) bench/gpu_suite.py $(GPU_SUITE_ARGS)
+
+.PHONY: demo test gpu

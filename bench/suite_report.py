@@ -1,0 +1,126 @@
+"""The numbers to read first from each piece of bench/gpu_suite.py, and its Markdown summary.
+
+Each extractor reads the JSON its piece wrote and returns a small dict; one that cannot read a
+file says so in the dict instead of failing the suite (a piece's format may change before this does).
+"""
+
+import json
+from pathlib import Path
+
+# What each result is held against (issue 10's targets; bench/README.md's for the step-time benchmark).
+TARGETS = {
+    "cuda_tests": "every test passes: equality with plain PyTorch, torch.cuda.max_memory_allocated <= budget, "
+                  "the ledger's peak <= the activation budget, no host synchronisation in a planned step",
+    "swap_trace": "host_copy_overlap_fraction near 1 (copies hidden behind kernels), copies on streams of their "
+                  "own (copies_share_a_stream_with_kernels false), pageable_copy_count 0, stall_seconds near 0",
+    "fit_bench": "keep within 3 % of plain (paired ratio <= 1.03); swap plans within 10 % of max(compute, bytes / "
+                 "bandwidth) and at least 2x faster than save_on_cpu; peak_over_budget <= 1",
+    "predict": "predicted against measured within 10 % for step time and peak activations (|error| <= 0.10)",
+    "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
+    "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
+    "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
+}
+
+
+def _read(out: Path, name: str) -> dict:
+    return json.loads((out / name).read_text())
+
+
+def _cuda_tests(out: Path) -> dict:
+    result = _read(out, "cuda-tests.json")
+    printed = [line.strip() for test in result["tests"] for line in test.get("output", "").splitlines() if line.strip()]
+    return {"counts": result["counts"],
+            "not_passed": [f"{test['nodeid'].split('::')[-1]}: {test['outcome']}" for test in result["tests"]
+                           if test["outcome"] in ("failed", "error")],
+            "printed": printed[:20]}
+
+
+def _fit_bench(out: Path) -> dict:
+    result = _read(out, "fit.json")
+    found = {}
+    for model, report in result["models"].items():
+        variants = report["variants"]
+        found[model] = {name: round(variant["paired_ratio_vs_plain"], 3) for name, variant in variants.items()
+                        if name != "plain"}
+        found[model]["peak_over_budget"] = {name: round(variant["measured_peak_bytes"] / variant["memory_bytes"], 3)
+                                            for name, variant in variants.items() if variant.get("memory_bytes")}
+        found[model]["targets"] = report.get("targets")
+    return found
+
+
+def _predict(out: Path) -> dict:
+    result = _read(out, "predict.json")
+    rows = {f"{row['model']} {row['share']}": {key: round(value, 3) for key, value in row["error"].items()
+                                               if value is not None}
+            for row in result["rows"] if isinstance(row.get("error"), dict)}
+    return {"max_abs_error": result.get("max_abs_error"), "error_by_row": rows}
+
+
+def _dp(name: str):
+    def extract(out: Path) -> dict:
+        summary = _read(out, name)["summary"]
+        return {variant: {"median_step_ms": round(1e3 * values["median_step_seconds_slowest_rank"], 3),
+                          "paired_ratio_vs_plain_ddp": round(values["paired_ratio_vs_plain_ddp"], 3)}
+                for variant, values in summary.items()}
+    return extract
+
+
+def _swap_trace(out: Path) -> dict:
+    result = _read(out, "swap-trace.json")
+    trace = result["trace"]
+    return {"host_copy_overlap_fraction": trace["host_copy_overlap_fraction"],
+            "exposed_copy_seconds": {direction: round(entry["exposed_seconds"], 6)
+                                     for direction, entry in trace["directions"].items()},
+            "copies_share_a_stream_with_kernels": trace["copies_share_a_stream_with_kernels"],
+            "pageable_copy_count": trace["pageable_copy_count"], "kernel_count": trace["kernel_count"],
+            "stall_seconds": result["stall_seconds"], "offloaded_bytes": result["offloaded_bytes"],
+            "dedicated_copy_streams": result["dedicated_copy_streams"]}
+
+
+def _max_size(out: Path, files: list[str]) -> dict:
+    found = {}
+    for name in files:
+        result = _read(out, name)
+        found[name] = {key: value for key, value in result.items()
+                       if isinstance(value, (int, float, str, bool)) or value is None}
+    return found
+
+
+def highlights(record: dict, out: Path) -> dict:
+    """The numbers to read first from ``record``'s piece (empty when it wrote nothing)."""
+    if not record["files"]:
+        return {}
+    extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
+                  "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
+                  "swap_trace": _swap_trace}
+    try:
+        if record["name"] == "max_size":
+            return _max_size(out, record["files"])
+        return extractors[record["name"]](out)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OSError) as error:
+        return {"unreadable": f"{type(error).__name__}: {error}"}
+
+
+def _compact(value) -> str:
+    text = json.dumps(value, separators=(", ", ": "))
+    return text.replace("|", "\\|")
+
+
+def write_summary(path: Path, suite: dict) -> None:
+    provenance = suite["provenance"]
+    dirty = " (uncommitted changes)" if provenance.get("git_dirty") else ""
+    lines = [f"# oomless GPU suite: {provenance['device_name']}", ""]
+    if suite["dry_run"]:
+        lines += ["**Dry run**: every piece on CPU at tiny sizes. It checks that the suite works, not the GPU.", ""]
+    lines += [f"{provenance['date_utc']} · torch {provenance['torch_version']} · CUDA {provenance['cuda_version']} · "
+              f"commit {str(provenance['git_commit'])[:12]}{dirty} · {suite['seconds']} s of "
+              f"{suite['time_budget_seconds']:.0f} s", "", f"Command: `{provenance['command']}`", "",
+              "| piece | status | seconds | highlights |", "|---|---|---|---|"]
+    for record in suite["pieces"]:
+        status = record["status"] + (f": {record['reason']}" if record.get("reason") else "")
+        lines.append(f"| {record['name']} | {status.replace('|', '/')} | {record['seconds']} | "
+                     f"{_compact(record['highlights']) if record['highlights'] else ''} |")
+    lines += ["", "## Compare with", ""]
+    lines += [f"- **{name}**: {target}" for name, target in TARGETS.items()]
+    lines += ["", "Each piece's JSON (with provenance) and log are in this folder; suite.json lists them.", ""]
+    path.write_text("\n".join(lines))
