@@ -2,6 +2,7 @@
 
     oomless train --size 48 --memory 1GiB --steps 20 --seed 0
     oomless plan unet3d --input-shape 1,1,64,64,64 --memory 2GiB
+    oomless make-data data/demo --cases 8 --size 96
     python -m oomless --help
 
 Errors oomless raises on purpose (bad sizes, unknown models, budgets no plan fits) print one line
@@ -25,7 +26,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from oomless.cli import bench, plan, train
+    from oomless.cli import bench, make_data, plan, train
 
     parser = OneLineErrorParser(
         prog="oomless",
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     subcommands.required = True
-    for module in (train, plan, bench):
+    for module in (train, make_data, plan, bench):
         module.add_parser(subcommands)
     return parser
 

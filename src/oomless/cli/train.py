@@ -2,6 +2,7 @@
 
 import argparse
 
+from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.parallel.config import OVERLAP_MODES, PARALLEL_MODES, ParallelConfig
 from oomless.plan.partition import SCHEDULES as PIPELINE_SCHEDULES
@@ -23,19 +24,22 @@ def parse_size(text: str) -> int | tuple[int, int, int]:
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
-        "train", help="train a 3D U-Net on synthetic MRI-like volumes under a memory budget",
-        description="Train a 3D segmentation network on synthetic MRI-like volumes. "
+        "train", help="train a 3D U-Net on whole volumes (synthetic, or NIfTI with --data) under a memory budget",
+        description="Train a 3D segmentation network on whole volumes: synthetic MRI-like ones, or a NIfTI "
+                    "dataset with --data. "
                     "With --memory, oomless plans swap/recompute to fit the budget; without it, plain PyTorch.",
     )
     defaults = TrainConfig()
-    parser.add_argument("--size", default=str(defaults.size), help="volume side, or D,H,W (default %(default)s)")
+    parser.add_argument("--size", default=None, help=f"volume side, or D,H,W (default {defaults.size}); with --data, "
+                                                      "resample every case to it (default: pad to the largest case)")
     parser.add_argument("--memory", default=None, help="device memory budget, e.g. 1GiB; omit for plain PyTorch")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed for weights and data")
     parser.add_argument("--global-batch", type=int, default=defaults.global_batch, help="volumes per step")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate")
     parser.add_argument("--model", choices=SEGMENTATION_MODELS, default=defaults.model)
-    parser.add_argument("--channels", type=int, default=defaults.channels, help="input channels (MRI contrasts)")
+    parser.add_argument("--channels", type=int, default=defaults.channels,
+                        help="input channels (MRI contrasts); with --data, the dataset's modalities")
     parser.add_argument("--base-channels", type=int, default=defaults.base_channels, help="width of the first stage")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="down/up steps; size must divide by 2**depth")
     parser.add_argument("--device", default=defaults.device, help="auto (cuda if available), cpu, cuda, cuda:1")
@@ -48,6 +52,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--quiet", action="store_true", help="no per-step progress output")
     parser.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower on CUDA)")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
+    add_data_arguments(parser)
     parallel = ParallelConfig()
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
                         help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed), "
@@ -77,6 +82,33 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    data = DataConfig(path="")
+    group = parser.add_argument_group("training on NIfTI files (pip install \"oomless[medical]\")")
+    group.add_argument("--data", default=None, metavar="DIR",
+                       help="a Medical Segmentation Decathlon task folder (dataset.json) or NAME_image/NAME_label.nii.gz pairs")
+    group.add_argument("--stage", default=None, metavar="DIR",
+                       help="copy the dataset here once (resumable, checksummed) and decode it to .npy for fast loading")
+    group.add_argument("--workers", type=int, default=data.workers,
+                       help="loader processes preparing the next batches (default %(default)s; 0: in the training process)")
+    group.add_argument("--validate-every", type=int, default=data.validate_every, metavar="STEPS",
+                       help="whole-volume validation every STEPS steps (default: after the last step only)")
+    group.add_argument("--validation-fraction", type=float, default=data.validation_fraction,
+                       help="share of the cases held out for validation, chosen by --seed (default %(default)s)")
+    group.add_argument("--no-augment", action="store_true", help="no random flips and 90-degree rotations")
+    group.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="where the split, validation scores and a predicted segmentation go (default runs/<data folder>)")
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig | None:
+    if args.data is None:
+        return None
+    size = parse_size(args.size) if args.size is not None else None
+    return DataConfig(path=args.data, stage=args.stage, shape=(size,) * 3 if isinstance(size, int) else size,
+                      workers=args.workers, validation_fraction=args.validation_fraction,
+                      validate_every=args.validate_every, augment=not args.no_augment, run_dir=args.run_dir)
+
+
 def parse_switch_when(text: str) -> tuple[str, str]:
     """"loss<0.5:dp" -> ("loss<0.5", "dp"); "dice>0.8:hybrid:2" -> ("dice>0.8", "hybrid:2")."""
     condition, _, layout = text.partition(":")
@@ -95,7 +127,8 @@ def parse_switch(text: str) -> tuple[int, str]:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        size=parse_size(args.size), memory=args.memory, steps=args.steps, seed=args.seed,
+        size=parse_size(args.size) if args.size is not None and args.data is None else TrainConfig.size,
+        data=data_config_from_args(args), memory=args.memory, steps=args.steps, seed=args.seed,
         global_batch=args.global_batch, lr=args.lr, model=args.model, channels=args.channels,
         base_channels=args.base_channels, depth=args.depth, device=args.device, save=args.save,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -121,5 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":      # under torchrun, rank 0 reports for all
         return 0
     print(f"done: {result.steps_done} steps, loss {result.final_loss:.4f}, dice {result.final_dice:.3f}, "
-          f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}")
+          f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}, "
+          f"data wait {result.data_wait_seconds:.2f} s")
+    if result.validation:
+        print(f"validation: mean dice {result.validation[-1]['mean_dice']:.3f} at step {result.validation[-1]['step']}")
     return 0

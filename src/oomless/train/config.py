@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.parallel.config import ParallelConfig
 from oomless.sizes import parse_bytes
@@ -14,7 +15,7 @@ SEGMENTATION_MODELS = ("unet3d", "monai-unet")
 
 # Fields that change the trajectory of a run: resuming under different values would silently
 # produce a run that equals neither the old nor the new configuration, so it is refused.
-TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "base_channels", "depth",
+TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "classes", "base_channels", "depth",
                      "max_grad_norm")
 
 
@@ -25,6 +26,8 @@ class TrainConfig:
     ``memory`` is the device budget for the whole step ("1GiB", bytes as int); None trains with
     plain PyTorch, no oomless. ``size`` is the side of the cubic volume (or (D, H, W)) and must be
     divisible by ``2**depth``. ``global_batch`` volumes are used per optimizer step.
+    With ``data`` the volumes come from NIfTI files, and ``size``, ``channels`` and ``classes``
+    (background included) are taken from the dataset when training starts.
     """
 
     size: int | tuple[int, int, int] = 48
@@ -35,6 +38,7 @@ class TrainConfig:
     lr: float = 1e-3
     model: str = "unet3d"
     channels: int = 1
+    classes: int = 2
     base_channels: int = 8
     depth: int = 3
     device: str = "auto"
@@ -48,6 +52,7 @@ class TrainConfig:
     deterministic: bool = False
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -67,9 +72,9 @@ class TrainConfig:
         shape = self.shape
         if len(shape) != 3 or any(side <= 0 or side % multiple for side in shape):
             raise InputError(f"size {self.size} must be positive and divisible by 2**depth = {multiple} (depth={self.depth})")
-        for name in ("steps", "global_batch", "channels", "base_channels", "checkpoint_every", "log_every",
+        for name in ("steps", "global_batch", "channels", "classes", "base_channels", "checkpoint_every", "log_every",
                      "keep_checkpoints"):
-            minimum = 0 if name == "steps" else 1
+            minimum = {"steps": 0, "classes": 2}.get(name, 1)
             if getattr(self, name) < minimum:
                 raise InputError(f"{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -77,6 +82,8 @@ class TrainConfig:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise InputError(f"max-grad-norm must be positive, got {self.max_grad_norm}")
         self.parallel.validate()
+        if self.data is not None:
+            self.data.validate(multiple)
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:
@@ -98,5 +105,8 @@ class TrainConfig:
     def trajectory(self) -> dict:
         """The fields a checkpoint must agree on to be resumed, JSON-ready."""
         values = dataclasses.asdict(self)
-        return {name: list(values[name]) if isinstance(values[name], tuple) else values[name]
-                for name in TRAJECTORY_FIELDS}
+        trajectory = {name: list(values[name]) if isinstance(values[name], tuple) else values[name]
+                      for name in TRAJECTORY_FIELDS}
+        if self.data is not None:
+            trajectory["data"] = self.data.trajectory()
+        return trajectory

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-from oomless.data import SyntheticVolumes
+from oomless.data.loader import step_batches
 from oomless.errors import InputError
 from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
@@ -36,7 +36,9 @@ from oomless.train.losses import segmentation_loss
 
 @dataclass
 class TrainResult:
-    """What a run achieved. ``history`` holds one dict per logged step (step, loss, dice)."""
+    """What a run achieved. ``history`` holds one dict per logged step (step, loss, dice, data wait
+    seconds per step since the previous record); ``validation`` one dict per whole-volume validation
+    (``--data``); ``data_wait_seconds`` is the time steps waited for their batches, all steps together."""
 
     steps_done: int
     final_loss: float
@@ -49,6 +51,8 @@ class TrainResult:
     layouts: list[tuple[int, str]] = field(default_factory=list)   # (first step, layout) of each stretch
     stats: object | None = None
     model: nn.Module | None = field(default=None, repr=False)
+    data_wait_seconds: float = 0.0
+    validation: list[dict] = field(default_factory=list)
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -64,7 +68,7 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 def build_segmentation_model(config: TrainConfig) -> nn.Module:
-    return build_model(config.model, in_channels=config.channels, out_channels=2,
+    return build_model(config.model, in_channels=config.channels, out_channels=config.classes,
                        base_channels=config.base_channels, depth=config.depth)
 
 
@@ -141,6 +145,12 @@ def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
 def _train(config: TrainConfig, console: Console | None, device: torch.device, ranks) -> TrainResult:
     # Only rank 0 talks; the others would print the same lines N times.
     console = console or Console(stderr=True, quiet=not ranks.is_first)
+    # Imported here, not at the top: the data modules write files with oomless.train.checkpoint's
+    # atomic_write, and importing them while oomless.train initialises would be circular.
+    from oomless.data.open import open_training_data
+
+    # Files are found, staged, checked and split before anything is counted or timed.
+    data, config = open_training_data(config, console, ranks)
     seed_everything(config.seed, config.deterministic)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
@@ -150,10 +160,10 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
 
     model = build_segmentation_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    dataset = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels)
+    dataset = data.train
     oomless_applied = config.memory is not None
     start_step = _checkpoint_step(config) if config.resume else 0
-    run = _Run(config, console, device, dataset, start_step, memory)
+    run = _Run(config, console, device, data, start_step, memory)
     conditions = list(config.parallel.switch_when)         # each fires once; removed when it does
     step, layout = start_step, config.parallel.layout_at(start_step)
     plan = None
@@ -224,9 +234,16 @@ def _rebuilt(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optim
 class _Run:
     """The steps of a run across layouts: progress bar, history, checkpoints, the last loss and Dice."""
 
-    def __init__(self, config: TrainConfig, console: Console, device: torch.device, dataset, start_step: int,
+    def __init__(self, config: TrainConfig, console: Console, device: torch.device, data, start_step: int,
                  memory: MemoryProbe):
-        self.config, self.console, self.device, self.dataset = config, console, device, dataset
+        from oomless.train.validate import Validation      # see _train: imported late for the same reason
+
+        self.config, self.console, self.device, self.dataset = config, console, device, data.train
+        self.data = data
+        self.waits: list[float] = []            # seconds each step waited for its batch
+        self.validation = (Validation(data.validation, data.prepared.class_names, data.run_dir,
+                                      config.data.validate_every, config.steps, start_step)
+                           if data.validation is not None else None)
         self.memory = memory
         self.start_step = start_step
         self.history: list[dict] = []
@@ -247,8 +264,9 @@ class _Run:
         ``conditions`` holds (removing it). Returns (steps done, the fired condition's layout or None)."""
         config = self.config
         steps_done, fired = first, None
-        for step in range(first, end):
-            volumes, labels = self.dataset.batch(*strategy.shard(step, config.global_batch))
+        batches = step_batches(self.dataset, [strategy.shard(step, config.global_batch) for step in range(first, end)],
+                               self.data.workers, pin_memory=self.device.type == "cuda", waits=self.waits)
+        for step, (volumes, labels) in zip(range(first, end), batches):
             volumes = volumes.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             self.loss, self.dice = strategy.train_step(train_model, volumes, labels)
@@ -257,6 +275,8 @@ class _Run:
             if steps_done % config.log_every == 0 or steps_done == config.steps:
                 self._log(strategy, steps_done)
                 fired = _fire(conditions, self.history[-1])
+            if self.validation is not None and self.validation.due(steps_done):
+                self._validate(strategy, model, steps_done)
             if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0 or fired
                                                       or steps_done in (end, config.steps)):
                 self._checkpoint(strategy, model, optimizer, steps_done)
@@ -272,15 +292,30 @@ class _Run:
         config = self.config
         record = {"step": steps_done, "loss": strategy.mean_across_ranks(self.loss.detach()).item(),
                   "dice": strategy.mean_across_ranks(self.dice).item()}
+        logged_before = self.history[-1]["step"] if self.history else self.start_step
+        record["data_wait_seconds"] = sum(self.waits[logged_before - self.start_step:]) / max(steps_done - logged_before, 1)
         self.history.append(record)
         elapsed = time.perf_counter() - self.started
         rate = (steps_done - self.start_step) * config.global_batch / max(elapsed, 1e-9)
         metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
                    f"{rate * self.voxels_per_volume / 1e6:.2f} Mvox/s  "
-                   f"peak {format_bytes(self.memory.peak_since_mark())}")
+                   f"peak {format_bytes(self.memory.peak_since_mark())}  "
+                   f"data wait {record['data_wait_seconds'] * 1e3:.0f} ms/step")
         self.progress.update(self.task, metrics=metrics)
         if config.progress and not self.show_bar:
             self.console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
+
+    def _validate(self, strategy, model: nn.Module, steps_done: int) -> None:
+        if strategy.config.pipelined:
+            # Each rank holds only its own stages on the device: no rank can run the whole model.
+            self.console.print(f"step {steps_done}: validation skipped under a pipelined layout", soft_wrap=True)
+            return
+        strategy.synchronize(model)            # no update in flight: the weights validated are the step's
+        if strategy.ranks.is_first:
+            record = self.validation.run(model, self.device, steps_done)
+            self.console.print(self.validation.describe(record), soft_wrap=True)
+            self.started += record["seconds"]      # throughput counts training, not validation
+        strategy.barrier()                     # the other ranks wait rather than run ahead of the collectives
 
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
         config = self.config
@@ -324,4 +359,5 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
         history=run.history, layouts=run.layouts, stats=stats, model=model,
+        data_wait_seconds=sum(run.waits), validation=run.validation.records if run.validation else [],
     )

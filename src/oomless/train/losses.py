@@ -1,4 +1,5 @@
-"""Segmentation loss and metric for the lesion class (label 1): cross-entropy + soft Dice, hard Dice."""
+"""Segmentation loss and metrics over the foreground classes (label 1..C-1): cross-entropy + soft Dice,
+hard Dice per class and its mean. With two classes (background, lesion) they are the lesion class's."""
 
 import torch
 import torch.nn.functional as F
@@ -8,17 +9,24 @@ _DICE_SMOOTHING = 1.0
 
 
 def soft_dice_loss(logits: torch.Tensor, labels: torch.Tensor, sum_across=None) -> torch.Tensor:
-    """1 - soft Dice of the lesion class over the whole batch; logits (N, 2, D, H, W), labels (N, D, H, W).
+    """1 - soft Dice over the whole batch, averaged over the foreground classes 1..C-1 (the lesion
+    class alone when C = 2); logits (N, C, D, H, W), labels (N, D, H, W).
 
     Dice is a ratio of sums over the batch, not a mean of per-sample terms, so under data parallel
     ``sum_across`` (a differentiable all-reduce) adds every rank's sums before the ratio is taken."""
-    probability = F.softmax(logits, dim=1)[:, 1]
-    target = (labels == 1).to(probability.dtype)
-    sums = torch.stack([(probability * target).sum(), probability.sum() + target.sum()])
+    probabilities = F.softmax(logits, dim=1)
+    overlaps, totals = [], []
+    # One class at a time: a one-hot target would hold C x 8 bytes per voxel at once.
+    for label in range(1, logits.shape[1]):
+        probability = probabilities[:, label]
+        target = (labels == label).to(probability.dtype)
+        overlaps.append((probability * target).sum())
+        totals.append(probability.sum() + target.sum())
+    sums = torch.stack([torch.stack(overlaps), torch.stack(totals)])
     if sum_across is not None:
         sums = sum_across(sums)
     overlap, total = sums[0], sums[1]
-    return 1.0 - (2.0 * overlap + _DICE_SMOOTHING) / (total + _DICE_SMOOTHING)
+    return 1.0 - ((2.0 * overlap + _DICE_SMOOTHING) / (total + _DICE_SMOOTHING)).mean()
 
 
 def segmentation_loss(logits: torch.Tensor, labels: torch.Tensor, sum_across=None) -> torch.Tensor:
@@ -30,10 +38,20 @@ def segmentation_loss(logits: torch.Tensor, labels: torch.Tensor, sum_across=Non
 
 
 @torch.no_grad()
+def dice_per_class(predicted: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """Dice of hard predictions for each foreground class 1..classes-1, over all voxels given, as a
+    (classes-1,) tensor (no host sync); a class absent from both prediction and labels scores 1."""
+    scores = []
+    for label in range(1, classes):
+        predicted_here, target = predicted == label, labels == label
+        overlap = (predicted_here & target).sum()
+        total = predicted_here.sum() + target.sum()
+        scores.append(torch.where(total > 0, 2.0 * overlap / total.clamp(min=1), torch.ones((), device=labels.device)))
+    return torch.stack(scores)
+
+
+@torch.no_grad()
 def hard_dice(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Dice of argmax predictions for the lesion class, as a 0-d tensor (no host sync); 1 when both are empty."""
-    predicted = logits.argmax(dim=1) == 1
-    target = labels == 1
-    overlap = (predicted & target).sum()
-    total = predicted.sum() + target.sum()
-    return torch.where(total > 0, 2.0 * overlap / total.clamp(min=1), torch.ones((), device=logits.device))
+    """Mean over the foreground classes of the Dice of argmax predictions (the lesion class's when C = 2),
+    as a 0-d tensor (no host sync)."""
+    return dice_per_class(logits.argmax(dim=1), labels, logits.shape[1]).mean()

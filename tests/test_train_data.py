@@ -1,0 +1,147 @@
+"""``oomless train --data``: the whole path on a tiny NIfTI dataset (stage, load, train, validate,
+save), N-class models, loader workers and the stage changing nothing, resume, and Dice as defined."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("nibabel")
+
+from oomless.cli.main import main                                                   # noqa: E402
+from oomless.data.config import DataConfig                                          # noqa: E402
+from oomless.data.layout import find_dataset                                        # noqa: E402
+from oomless.data.make_dataset import write_synthetic_dataset                       # noqa: E402
+from oomless.data.nifti import read_nifti                                           # noqa: E402
+from oomless.data.prepare import prepare_dataset                                    # noqa: E402
+from oomless.data.volumes import VolumeDataset                                      # noqa: E402
+from oomless.errors import InputError                                               # noqa: E402
+from oomless.train import TrainConfig, train                                        # noqa: E402
+from oomless.train.losses import dice_per_class, hard_dice, segmentation_loss       # noqa: E402
+from oomless.train.validate import validate_volumes                                 # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny") / "Task99_Tiny"
+    write_synthetic_dataset(directory, cases=5, size=16, channels=2, classes=3, seed=0)
+    return directory
+
+
+def _config(dataset_dir: Path, run_dir: Path, train_settings: dict | None = None, **data_settings) -> TrainConfig:
+    data = DataConfig(path=dataset_dir, run_dir=run_dir, **{"workers": 0, **data_settings})
+    settings = dict(steps=2, seed=0, global_batch=2, base_channels=4, depth=2, progress=False, device="cpu")
+    return TrainConfig(data=data, **{**settings, **(train_settings or {})})
+
+
+def _assert_state_equal(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    assert not [name for name in first if not torch.equal(first[name], second[name])]
+
+
+def test_the_whole_path_from_the_command_line(dataset_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["train", "--data", str(dataset_dir), "--stage", str(tmp_path / "stage"), "--run-dir", str(run_dir),
+                 "--steps", "2", "--global-batch", "2", "--base-channels", "4", "--depth", "2", "--device", "cpu",
+                 "--workers", "2", "--validate-every", "1", "--save", str(tmp_path / "final.safetensors")])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "validation: mean dice" in out.out and "data wait" in out.out
+    assert "5 file(s) copied" not in out.err and "11 file(s) copied" in out.err     # dataset.json + 5 pairs
+    weights = load_file(str(tmp_path / "final.safetensors"))
+    assert weights["encoders.0.0.weight"].shape[1] == 2 and weights["head.weight"].shape[0] == 3
+    split = json.loads((run_dir / "split.json").read_text())
+    assert len(split["validation"]) == 1 and len(split["train"]) == 4 and split["seed"] == 0
+    validations = json.loads((run_dir / "validation.json").read_text())
+    assert [record["step"] for record in validations] == [1, 2]
+    assert set(validations[-1]["dice"]) == {"lesion type 1", "lesion type 2"}
+    assert all(0.0 <= score <= 1.0 for score in validations[-1]["dice"].values())
+    held_out = split["validation"][0]
+    prediction, affine = read_nifti(run_dir / f"prediction-{held_out}.nii.gz", dtype=None)
+    image, image_affine = read_nifti(dataset_dir / "imagesTr" / f"{held_out}.nii.gz")
+    assert prediction.shape[1:] == image.shape[1:] and np.array_equal(affine, image_affine)
+    assert set(np.unique(prediction).tolist()) <= {0, 1, 2}
+
+
+def test_workers_and_the_stage_change_nothing_in_the_trained_model(dataset_dir, tmp_path):
+    in_process = train(_config(dataset_dir, tmp_path / "a"))
+    prefetched = train(_config(dataset_dir, tmp_path / "b", workers=2, stage=tmp_path / "stage"))
+    _assert_state_equal(in_process.model.state_dict(), prefetched.model.state_dict())
+    assert in_process.validation[-1]["dice"] == prefetched.validation[-1]["dice"]
+    assert prefetched.data_wait_seconds > 0 and len(prefetched.history) == 2
+    assert all(record["data_wait_seconds"] >= 0 for record in prefetched.history)
+
+
+def test_training_equals_a_plain_loop_over_the_same_batches(dataset_dir, tmp_path):
+    result = train(_config(dataset_dir, tmp_path / "run", validation_fraction=0.4))
+    torch.manual_seed(0)
+    from oomless.models import UNet3D
+
+    reference = UNet3D(in_channels=2, out_channels=3, base_channels=4, depth=2)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    prepared = prepare_dataset(find_dataset(dataset_dir))
+    held_out = set(json.loads((tmp_path / "run" / "split.json").read_text())["validation"])
+    dataset = VolumeDataset([case for case in prepared.cases if case.name not in held_out], (16, 16, 16), 3, seed=0)
+    for step in range(2):
+        volumes, labels = dataset.batch(step * 2, 2)
+        segmentation_loss(reference(volumes), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    _assert_state_equal(result.model.state_dict(), reference.state_dict())
+
+
+def test_resume_continues_the_data_and_the_validation_record(dataset_dir, tmp_path):
+    whole = train(_config(dataset_dir, tmp_path / "a", dict(steps=3, checkpoint_dir=tmp_path / "ck-a"), validate_every=1))
+    train(_config(dataset_dir, tmp_path / "b", dict(steps=2, checkpoint_dir=tmp_path / "ck-b"), validate_every=1))
+    resumed = train(_config(dataset_dir, tmp_path / "b", dict(steps=3, checkpoint_dir=tmp_path / "ck-b", resume=True),
+                            validate_every=1))
+    _assert_state_equal(whole.model.state_dict(), resumed.model.state_dict())
+    assert [record["step"] for record in json.loads((tmp_path / "b" / "validation.json").read_text())] == [1, 2, 3]
+    with pytest.raises(InputError, match="another train/validation split"):
+        train(_config(dataset_dir, tmp_path / "b", dict(steps=4, checkpoint_dir=tmp_path / "ck-b", resume=True),
+                      validation_fraction=0.6))
+
+
+def test_validation_dice_of_a_perfect_and_an_empty_prediction(dataset_dir):
+    prepared = prepare_dataset(find_dataset(dataset_dir))
+    dataset = VolumeDataset(prepared.cases[:2], (16, 16, 16), 3, augment=False)
+
+    class Oracle(torch.nn.Module):
+        """Returns the one-hot of the case's label (found by its volume), or all background."""
+
+        def __init__(self, perfect: bool):
+            super().__init__()
+            self.perfect = perfect
+            self.cases = [dataset.fitted(index) for index in range(2)]
+
+        def forward(self, volume):
+            label = next(label for known, label in self.cases if torch.equal(known, volume[0]))
+            if not self.perfect:
+                label = torch.zeros_like(label)
+            return torch.nn.functional.one_hot(label, 3).permute(3, 0, 1, 2)[None].float()
+
+    names = ("background", "a", "b")
+    perfect = validate_volumes(Oracle(True), dataset, torch.device("cpu"), names, step=7)
+    assert perfect["mean_dice"] == 1.0 and perfect["step"] == 7 and len(perfect["cases"]) == 2
+    empty = validate_volumes(Oracle(False), dataset, torch.device("cpu"), names, step=7)
+    labels = [np.asarray(dataset.native(index)[1]) for index in range(2)]
+    for name, lesion in (("a", 1), ("b", 2)):
+        # 0 for a case holding the class, 1 for a case holding neither prediction nor class.
+        expected = np.mean([0.0 if (label == lesion).any() else 1.0 for label in labels])
+        assert empty["dice"][name] == expected
+
+
+def test_multiclass_losses_and_dice_per_class():
+    labels = torch.zeros(1, 4, 4, 4, dtype=torch.long)
+    labels[0, :2, :2, :2] = 1
+    labels[0, 2:, 2:, 2:] = 2
+    logits = torch.nn.functional.one_hot(labels, 3).permute(0, 4, 1, 2, 3).float() * 30
+    assert segmentation_loss(logits, labels).item() < 1e-3 and hard_dice(logits, labels).item() == 1.0
+    predicted = labels.clone()
+    predicted[0, 0, 0, :2] = 2        # 2 voxels of class 1 (of 8) called class 2 (which has 8 of its own)
+    scores = dice_per_class(predicted, labels, 3)
+    assert torch.allclose(scores, torch.tensor([2 * 6 / (6 + 8), 2 * 8 / (10 + 8)]))
+    assert dice_per_class(torch.zeros_like(labels), torch.zeros_like(labels), 3).tolist() == [1.0, 1.0]
