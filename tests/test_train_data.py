@@ -2,6 +2,7 @@
 save), N-class models, loader workers and the stage changing nothing, resume, and Dice as defined."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +146,15 @@ def test_multiclass_losses_and_dice_per_class():
     scores = dice_per_class(predicted, labels, 3)
     assert torch.allclose(scores, torch.tensor([2 * 6 / (6 + 8), 2 * 8 / (10 + 8)]))
     assert dice_per_class(torch.zeros_like(labels), torch.zeros_like(labels), 3).tolist() == [1.0, 1.0]
+
+
+def test_bad_data_stops_the_command_before_training_with_one_line(dataset_dir, tmp_path, capsys):
+    broken = Path(shutil.copytree(dataset_dir, tmp_path / "broken"))
+    truncated = broken / "labelsTr" / "case_003.nii.gz"
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    assert main(["train", "--data", str(broken), "--run-dir", str(tmp_path / "run"), "--device", "cpu", "--quiet"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("oomless train: error: ") and "labelsTr/case_003.nii.gz: cannot read as NIfTI" in error
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "--data", str(tmp_path / "nowhere"), "--device", "cpu"]) == 2
+    assert "no such folder" in capsys.readouterr().err

@@ -1,4 +1,7 @@
-"""Data for ``oomless train``: synthetic, seeded, generated on the fly."""
+"""Data for ``oomless train``: synthetic volumes generated on the fly (``synthetic``), or NIfTI files
+(``--data``): ``layout`` finds the cases, ``stage`` copies them locally, ``prepare`` checks and decodes
+them, ``volumes`` fits and augments them, ``loader`` prefetches batches, ``open`` ties these together;
+``make_dataset`` writes a small synthetic Decathlon-style dataset (``oomless make-data``)."""
 
 from oomless.data.synthetic import SyntheticVolumes, make_volume, synthetic_tokens
 

@@ -251,12 +251,15 @@ class _Run:
         self.loss = self.dice = None
         self.voxels_per_volume = int(np.prod(config.shape))
         self.started = time.perf_counter()
-        columns = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[metrics]}"))
         # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
         self.show_bar = config.progress and console.is_terminal and not console.quiet
         self.progress = Progress(*columns, console=console, disable=not self.show_bar)
         self.task = self.progress.add_task("train", total=config.steps, completed=start_step, metrics="")
+        # With files, a second bar: how far the current epoch (one pass over the training cases) is.
+        self.epoch_task = (self.progress.add_task("epoch", total=data.items_per_epoch, metrics="")
+                           if data.items_per_epoch else None)
 
     def steps(self, strategy, model: nn.Module, train_model: nn.Module, optimizer, first: int, end: int,
               conditions: list[tuple[str, str]]) -> tuple[int, str | None]:
@@ -281,6 +284,9 @@ class _Run:
                                                       or steps_done in (end, config.steps)):
                 self._checkpoint(strategy, model, optimizer, steps_done)
             self.progress.update(self.task, completed=steps_done)
+            if self.epoch_task is not None:
+                epoch, position = divmod(steps_done * config.global_batch, self.data.items_per_epoch)
+                self.progress.update(self.epoch_task, completed=position, description=f"epoch {epoch + 1}")
             if fired:
                 self.console.print(f"step {steps_done}: {fired[0]} holds", soft_wrap=True)
                 return steps_done, fired[1]
