@@ -28,6 +28,12 @@ torch.optim's global step hooks: ``optimizer_step_calls_per_step`` and ``optimiz
 for the overlapped variants, from `OverlappedUpdate`'s counters: ``module_waits_per_step`` (updates a
 module's forward pre-hook waited for) and ``waited_while_running_per_step`` (of those, still running).
 Means over the measured steps. Timing is measured here, never asserted in tests.
+
+On CUDA (NCCL) the per-bucket times come from CUDA events (`BucketClock`: NCCL's futures complete
+at enqueue, so wall time would read 0), and step times from wall time around a device
+synchronisation; ``update_seconds`` and ``optimizer_step_seconds_per_step`` stay host wall time, which
+on CUDA is the time to launch the update's kernels, not to run them. One GPU per process: ``--world-size``
+above the number of GPUs is refused (NCCL refuses two ranks on one GPU).
 """
 
 import argparse
@@ -53,20 +59,54 @@ if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than
     sys.path.insert(0, str(BENCH_DIRECTORY))
 from common import provenance, write_result  # noqa: E402  (bench/common.py)
 
+from oomless.errors import InputError  # noqa: E402
+from oomless.parallel.process_group import cuda_device_for_local_rank  # noqa: E402
+
 VARIANTS = ("no_communication", "plain_ddp", "overlapped_backward", "overlapped")
 
 
-def _timed(hook, timings: list):
-    """Wrap a DDP comm hook: record (bucket index, launch, completion) perf_counter times."""
+class BucketClock:
+    """When each bucket's communication was launched and when it completed, in seconds.
+
+    gloo (CPU): wall time, when DDP calls the comm hook and when the future's callback runs (the
+    all-reduce has finished then). NCCL: a work's future completes when the collective is enqueued,
+    not when it has run, so wall time would read ~0; the marks are CUDA events instead: one recorded
+    on the current stream when DDP calls the hook (where the bucket's gradients are produced), one
+    recorded in the future's callback, which torch runs on streams made to wait for the collective's
+    completion. Events become seconds (relative to ``start_round``'s event) once the round is over and
+    the device synchronised."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reference = None
+
+    def start_round(self) -> None:
+        if self.cuda:
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        return self.reference.elapsed_time(mark) / 1e3 if self.cuda else mark
+
+
+def _timed(hook, timings: list, clock: BucketClock):
+    """Wrap a DDP comm hook: record (bucket index, launch mark, completion mark)."""
 
     def timed_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        launched = time.perf_counter()
+        launched = clock.mark()
         future = hook(state, bucket)
         record = {"bucket": bucket.index(), "launched": launched, "done": None}
         timings.append(record)
 
         def mark(done_future):
-            record["done"] = time.perf_counter()
+            record["done"] = clock.mark()
             return done_future.value()
 
         return future.then(mark)
@@ -106,24 +146,24 @@ class OptimizerStepClock:
         self.seconds_by_optimizer.clear()
 
 
-def _build(variant, args, device, rank, timings):
+def _build(variant, args, device, timings, clock):
     from oomless.models import UNet3D
     from oomless.parallel.overlap import STATE_ATTRIBUTE, OverlappedUpdate
 
     torch.manual_seed(0)
     model = UNet3D(1, 2, base_channels=args.base_channels, depth=args.depth).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None,
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
     update = None
     if variant == "no_communication":
-        ddp.register_comm_hook(None, _timed(noop_hook, timings))
+        ddp.register_comm_hook(None, _timed(noop_hook, timings, clock))
     elif variant == "plain_ddp":
-        ddp.register_comm_hook(None, _timed(allreduce_hook, timings))
+        ddp.register_comm_hook(None, _timed(allreduce_hook, timings, clock))
     else:
         # apply_overlapped_update, with the hook timed
         update = OverlappedUpdate(ddp, optimizer, wait_in="backward" if variant == "overlapped_backward" else "forward")
-        ddp.register_comm_hook(None, _timed(update.comm_hook, timings))
+        ddp.register_comm_hook(None, _timed(update.comm_hook, timings, clock))
         setattr(ddp, STATE_ATTRIBUTE, update)
     return ddp, optimizer, update
 
@@ -133,7 +173,8 @@ def _worker(rank, world_size, port, args, out_path):
 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    # One process per GPU (main() refused more processes than GPUs before starting any).
+    device = cuda_device_for_local_rank(rank, world_size) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
@@ -142,7 +183,8 @@ def _worker(rank, world_size, port, args, out_path):
     labels = (volumes[:, 0] > 1.0).long()
     clock = OptimizerStepClock()
     timings = {variant: [] for variant in VARIANTS}
-    built = {variant: _build(variant, args, device, rank, timings[variant]) for variant in VARIANTS}
+    bucket_clock = BucketClock(device)
+    built = {variant: _build(variant, args, device, timings[variant], bucket_clock) for variant in VARIANTS}
     round_seconds = {variant: [] for variant in VARIANTS}       # per measured round: mean step seconds
     per_bucket = {variant: {} for variant in VARIANTS}
     optimizer_work = {variant: {"calls": 0, "seconds": 0.0, "module_waits": 0, "waited_while_running": 0}
@@ -164,7 +206,8 @@ def _worker(rank, world_size, port, args, out_path):
             waits = (update.module_waits, update.waited_while_running) if update is not None else (0, 0)
             step_records = []
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize()    # the round's wall time starts with an idle device
+            bucket_clock.start_round()
             started = time.perf_counter()
             for step in range(args.steps_per_round):
                 timings[variant].clear()
@@ -177,10 +220,14 @@ def _worker(rank, world_size, port, args, out_path):
             if update is not None:
                 update.synchronize()        # the last step's updates (wait_in="forward")
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize()    # every kernel and collective of the round has run: events readable
             elapsed = time.perf_counter() - started
             if not measured:
                 continue
+            for records in step_records:
+                for record in records:
+                    record["launched"] = bucket_clock.seconds(record["launched"])
+                    record["done"] = bucket_clock.seconds(record["done"])
             round_seconds[variant].append(elapsed / args.steps_per_round)
             optimizer_work[variant]["calls"] += clock.calls
             optimizer_work[variant]["seconds"] += clock.seconds
@@ -251,6 +298,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/dp-<device>-<backend>-<date>.json)")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        try:
+            cuda_device_for_local_rank(args.world_size - 1, args.world_size)    # more processes than GPUs: refused
+        except InputError as error:
+            parser.error(str(error))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -83,7 +83,9 @@ def provenance(device: torch.device | str, command: str | None = None, **extra) 
     ``date_utc``/``utc_date``, ``torch_version``/``torch``: the programs wrote different names before
     they shared this function, and results committed then stay comparable with later ones."""
     device = torch.device(device)
-    commit = _git("rev-parse", "HEAD") or None
+    # A copy of the tree without .git (a GPU machine given the files only) records the commit it was
+    # told: OOMLESS_GIT_COMMIT.
+    commit = _git("rev-parse", "HEAD") or os.environ.get("OOMLESS_GIT_COMMIT") or None
     dirty_text = _git("status", "--porcelain", "--untracked-files=no")
     dirty = None if dirty_text is None else bool(dirty_text)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -421,3 +421,31 @@ def test_a_zero_byte_storage_swaps_through_pinned_memory():
     assert tier.get(ticket).numel() == 0
     tier.release(ticket)
     tier.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) The training loop on CUDA: --deterministic runs (torch has no deterministic nll_loss2d
+# reduction, so strict mode would raise), batches go through pinned memory.
+
+def test_deterministic_training_on_cuda_runs_and_copies_batches_from_pinned_memory(monkeypatch):
+    from oomless.train import TrainConfig, train
+
+    pinned = []
+    pin_memory = torch.Tensor.pin_memory
+
+    def counted(tensor, *args, **kwargs):
+        pinned.append(tensor.shape)
+        return pin_memory(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counted)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        result = train(TrainConfig(size=16, steps=2, base_channels=4, depth=2, device="cuda", deterministic=True,
+                                   progress=False, log_every=1))
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+    assert [record["step"] for record in result.history] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(record["loss"])) for record in result.history)
+    assert len(pinned) >= 2 * 2          # volumes and labels, each step (pinned by the data loader)

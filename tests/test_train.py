@@ -47,7 +47,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run_bitwise(tmp_path):
     uninterrupted = train(_config(steps=4, checkpoint_dir=tmp_path / "a"))
     # "Crash" after 2 steps: the second run stops there, the third resumes from its last checkpoint.
     train(_config(steps=2, checkpoint_dir=tmp_path / "b"))
-    resumed = train(_config(steps=4, checkpoint_dir=tmp_path / "b", resume=True))
+    resumed = train(_config(steps=4, checkpoint_dir=tmp_path / "b", resume=True, log_every=1))
     assert [record["step"] for record in resumed.history] == [3, 4]
     _assert_state_equal(uninterrupted.model.state_dict(), resumed.model.state_dict())
     assert resumed.final_loss == uninterrupted.final_loss

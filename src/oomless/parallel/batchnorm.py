@@ -7,6 +7,17 @@ CPU `GlobalBatchNorm` computes the same statistics with differentiable all-reduc
 (`sum_across_ranks`): per-channel sums, then the mean, then the centred
 sum of squares (two passes, so the variance does not suffer the E[x^2] - E[x]^2 cancellation).
 
+What torch's ``SyncBatchNorm`` costs on CUDA (``torch/nn/modules/_functions.py``, read in torch
+2.13): each layer's training forward all-gathers (mean, invstd, count) from every rank
+(one all-gather, ``async_op=False``: the current stream waits, the host does not), then
+drops ranks whose count is 0 with a boolean mask (``count_all[mask]``). That indexing has a
+data-dependent shape: **one host synchronisation per BatchNorm layer per forward** (skipped only while
+a CUDA graph is being captured; pytorch/pytorch#78549, #78656). Its backward all-reduces (sum_dy,
+sum_dy_xmu) without any host synchronisation. ``GlobalBatchNorm`` has no host synchronisation (equal
+shards: the count is known), but two all-reduces per layer forward and unfused elementwise kernels
+that save more activations for backward, so ``SyncBatchNorm`` stays the CUDA choice until a GPU
+measurement says otherwise.
+
 `convert_batchnorm_for_data_parallel` swaps the layers in place, reusing the same parameter and buffer
 tensors, so parameter names, the optimizer and hooks installed on parent modules are unaffected.
 """

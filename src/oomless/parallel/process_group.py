@@ -49,7 +49,8 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_device_for_local_rank(int(os.environ.get("LOCAL_RANK", "0")),
+                                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")), backend))
     try:
         dist.init_process_group(backend, store=_attempt_store(config.timeout_seconds),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
@@ -59,6 +60,21 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
                               f"within {config.timeout_seconds:g} s: {_first_line(error)}") from error
     guard_gloo_exit()
     return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True)
+
+
+def cuda_device_for_local_rank(local_rank: int, local_world_size: int, backend: str = "nccl") -> torch.device:
+    """The GPU of the process ``local_rank`` of the ``local_world_size`` on this machine: ordinal
+    ``local_rank % device_count``, so no process asks for a GPU that does not exist. Under NCCL each
+    process needs a GPU of its own (NCCL refuses two ranks of one communicator on one device,
+    "Duplicate GPU detected"): more processes than GPUs is refused here, before any is started."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise InputError("a CUDA device was asked for, but PyTorch sees no GPU here; use --device cpu")
+    if backend == "nccl" and local_world_size > count:
+        raise InputError(f"{local_world_size} processes on this machine need {local_world_size} GPUs under NCCL "
+                         f"(one each: NCCL refuses two ranks on one GPU), and {count} is visible; start at most "
+                         f"{count} (--nproc-per-node / --world-size {count}), or use --device cpu (gloo)")
+    return torch.device("cuda", local_rank % count)
 
 
 def guard_gloo_exit() -> None:
@@ -161,11 +177,32 @@ def shard_start(step: int, global_batch: int, ranks: Ranks) -> int:
     return step * global_batch + ranks.rank * local_batch_size(global_batch, ranks.world_size)
 
 
+class _SumAcrossRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient. Rank r's loss L_r reads the global
+    sum S = sum_k x_k, and DDP averages what each rank computes for its own x_r; the gradient of the
+    ranks' mean loss with respect to x_r is (1/N) sum_k dL_k/dS, so each rank's backward must be
+    handed sum_k dL_k/dS: the all-reduce of every rank's incoming gradient (DDP supplies the 1/N).
+
+    Written out rather than taken from torch's functional all-reduce, whose differentiability has
+    changed between releases (``torch.distributed.nn.functional.all_reduce`` is deprecated)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.detach().clone(memory_format=torch.contiguous_format)
+        # async_op=False: on NCCL the current stream waits for the collective (no host synchronisation).
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor):
+        total = gradient.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        return total, None
+
+
 def sum_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group`` (default: the world): its backward all-reduces the
     gradient, so a loss term computed from the global sum sends each rank the gradient for its own
-    contribution. (torch's functional collective; ``torch.distributed.nn.functional.all_reduce`` is
-    deprecated.)"""
-    from torch.distributed._functional_collectives import all_reduce
-
-    return all_reduce(tensor, "sum", group if group is not None else dist.group.WORLD)
+    contribution (`_SumAcrossRanks`). Every rank must call it, in the same order, in forward and backward."""
+    return _SumAcrossRanks.apply(tensor, group)

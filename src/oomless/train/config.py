@@ -47,7 +47,7 @@ class TrainConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     resume: bool = False
-    log_every: int = 1
+    log_every: int = 10                     # steps per logged line (a host sync); each logs the mean since the last
     progress: bool = True
     deterministic: bool = False
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step

@@ -12,6 +12,7 @@ this same loop on its shard of the global batch; the strategy from `oomless.para
 collective, rank 0 prints, writes checkpoints (with every rank's state) and ``--save``.
 """
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -55,16 +56,28 @@ class TrainResult:
     validation: list[dict] = field(default_factory=list)
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> None:
+def seed_everything(seed: int, deterministic: bool = False, device: torch.device | None = None) -> None:
     import random
 
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)          # seeds CUDA generators as well
     if deterministic:
-        # Bitwise-reproducible kernels on CUDA cost speed, so this is opt-in; CPU kernels already are.
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_kernels(device or torch.device("cpu"))
+
+
+def use_deterministic_kernels(device: torch.device) -> None:
+    """Deterministic kernels wherever torch has one (opt-in: on CUDA they cost speed). Strict on
+    CPU. On CUDA torch has none for some ops this task runs, and strict mode raises in them:
+    ``nll_loss2d``'s reduced forward (the cross-entropy of a 3D segmentation; atomic adds) and, in
+    torch releases without its deterministic version (pytorch/pytorch#85425), ``max_pool3d``'s
+    backward. There, ``warn_only``: those ops stay nondeterministic and torch warns naming each."""
+    if device.type == "cuda":
+        # cuBLAS is reproducible only with a fixed workspace; read when the first cuBLAS handle is made.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def build_segmentation_model(config: TrainConfig) -> nn.Module:
@@ -151,7 +164,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
 
     # Files are found, staged, checked and split before anything is counted or timed.
     data, config = open_training_data(config, console, ranks)
-    seed_everything(config.seed, config.deterministic)
+    seed_everything(config.seed, config.deterministic, device)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])
@@ -249,6 +262,10 @@ class _Run:
         self.history: list[dict] = []
         self.layouts: list[tuple[int, str]] = []
         self.loss = self.dice = None
+        # Sums since the last log, kept on the device: reading them (.item()) waits for the device,
+        # so only `_log` does, every `log_every` steps, and it logs the mean of every step since.
+        self.loss_sum = self.dice_sum = None
+        self.steps_since_log = 0
         self.voxels_per_volume = int(np.prod(config.shape))
         self.started = time.perf_counter()
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -267,15 +284,19 @@ class _Run:
         ``conditions`` holds (removing it). Returns (steps done, the fired condition's layout or None)."""
         config = self.config
         steps_done, fired = first, None
+        # On CUDA the loader pins each batch, so the copies below are asynchronous (a non_blocking
+        # copy from pageable memory would first wait for the stream to drain).
         batches = step_batches(self.dataset, [strategy.shard(step, config.global_batch) for step in range(first, end)],
                                self.data.workers, pin_memory=self.device.type == "cuda", waits=self.waits)
         for step, (volumes, labels) in zip(range(first, end), batches):
             volumes = volumes.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             self.loss, self.dice = strategy.train_step(train_model, volumes, labels)
+            self._accumulate()
             strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
             steps_done = step + 1
-            if steps_done % config.log_every == 0 or steps_done == config.steps:
+            # Also at the end of a stretch: the mean logged never spans two layouts.
+            if steps_done % config.log_every == 0 or steps_done in (end, config.steps):
                 self._log(strategy, steps_done)
                 fired = _fire(conditions, self.history[-1])
             if self.validation is not None and self.validation.due(steps_done):
@@ -292,12 +313,21 @@ class _Run:
                 return steps_done, fired[1]
         return steps_done, None
 
+    def _accumulate(self) -> None:
+        loss = self.loss.detach()
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.dice_sum = self.dice if self.dice_sum is None else self.dice_sum + self.dice
+        self.steps_since_log += 1
+
     def _log(self, strategy, steps_done: int) -> None:
-        # .item() waits for the device: done only when logging, never on every step.
-        # Under data parallel: the mean over ranks (for dp, the global-batch loss).
+        # The loss and Dice of the steps since the last log, averaged: .item() waits for the device,
+        # so it runs only here. Under data parallel: the mean over ranks (for dp, the global batch's).
         config = self.config
-        record = {"step": steps_done, "loss": strategy.mean_across_ranks(self.loss.detach()).item(),
-                  "dice": strategy.mean_across_ranks(self.dice).item()}
+        loss, dice = self.loss_sum / self.steps_since_log, self.dice_sum / self.steps_since_log
+        self.loss_sum = self.dice_sum = None
+        self.steps_since_log = 0
+        record = {"step": steps_done, "loss": strategy.mean_across_ranks(loss).item(),
+                  "dice": strategy.mean_across_ranks(dice).item()}
         logged_before = self.history[-1]["step"] if self.history else self.start_step
         record["data_wait_seconds"] = sum(self.waits[logged_before - self.start_step:]) / max(steps_done - logged_before, 1)
         self.history.append(record)
