@@ -34,7 +34,8 @@ def dataset_dir(tmp_path_factory) -> Path:
 
 def _config(dataset_dir: Path, run_dir: Path, train_settings: dict | None = None, **data_settings) -> TrainConfig:
     data = DataConfig(path=dataset_dir, run_dir=run_dir, **{"workers": 0, **data_settings})
-    settings = dict(steps=2, seed=0, global_batch=2, base_channels=4, depth=2, progress=False, device="cpu")
+    settings = dict(steps=2, seed=0, global_batch=2, base_channels=4, depth=2, progress=False, device="cpu",
+                    log_every=1)
     return TrainConfig(data=data, **{**settings, **(train_settings or {})})
 
 
