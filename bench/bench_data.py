@@ -79,7 +79,7 @@ def measure_data_wait(work: Path, steps: int, size: int) -> dict:
         started = time.perf_counter()
         result = train(config)
         seconds = time.perf_counter() - started
-        waits = [record["data_wait_seconds"] for record in result.history]
+        waits = result.data_wait_seconds_per_step
         step_seconds = 2 / result.volumes_per_second
         results[f"workers_{workers}"] = {
             "seconds_per_step": step_seconds, "data_wait_seconds_per_step": waits,

@@ -77,6 +77,8 @@ def test_workers_and_the_stage_change_nothing_in_the_trained_model(dataset_dir, 
     _assert_state_equal(in_process.model.state_dict(), prefetched.model.state_dict())
     assert in_process.validation[-1]["dice"] == prefetched.validation[-1]["dice"]
     assert prefetched.data_wait_seconds > 0 and len(prefetched.history) == 2
+    assert len(prefetched.data_wait_seconds_per_step) == 2
+    assert prefetched.data_wait_seconds == sum(prefetched.data_wait_seconds_per_step)
     assert all(record["data_wait_seconds"] >= 0 for record in prefetched.history)
 
 

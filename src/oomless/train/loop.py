@@ -39,7 +39,8 @@ from oomless.train.losses import segmentation_loss
 class TrainResult:
     """What a run achieved. ``history`` holds one dict per logged step (step, loss, dice, data wait
     seconds per step since the previous record); ``validation`` one dict per whole-volume validation
-    (``--data``); ``data_wait_seconds`` is the time steps waited for their batches, all steps together."""
+    (``--data``); ``data_wait_seconds`` is the time steps waited for their batches, all steps together,
+    and ``data_wait_seconds_per_step`` each step's (this process's steps, a resumed run's from its start)."""
 
     steps_done: int
     final_loss: float
@@ -53,6 +54,7 @@ class TrainResult:
     stats: object | None = None
     model: nn.Module | None = field(default=None, repr=False)
     data_wait_seconds: float = 0.0
+    data_wait_seconds_per_step: list[float] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)
 
 
@@ -395,5 +397,5 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
         history=run.history, layouts=run.layouts, stats=stats, model=model,
-        data_wait_seconds=sum(run.waits), validation=run.validation.records if run.validation else [],
+        data_wait_seconds=sum(run.waits), data_wait_seconds_per_step=run.waits, validation=run.validation.records if run.validation else [],
     )
