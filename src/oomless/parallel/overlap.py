@@ -53,12 +53,13 @@ The races of letting updates run into the next forward, and what prevents each:
 Also: the user's ``optimizer.zero_grad()`` must not run while updates are pending (each update zeroes
 its own bucket's gradients; `OverlappedUpdate.zero_grad` is the no-op the loop calls).
 
-The update is bitwise the plain one: per bucket one ``torch.optim`` optimizer of the user's class, one
-param group per user group the bucket touches, with that group's settings re-read at every step,
-sharing the user's optimizer's ``state`` dict (so checkpoints and ``optimizer.state_dict()`` are
-unchanged). Adam, AdamW and SGD (single-tensor, foreach or fused) compute each parameter on its own, so
-a step over a bucket's parameters is the step over all parameters restricted to them, in the
-implementation the user's optimizer picks for those same tensors. One ``step()`` per bucket, not per
+The update is bitwise the plain one: per bucket one slice of the user's optimizer
+(`oomless.runtime.optimizer_slices`: the user's class, one param group per user group the bucket
+touches, that group's settings re-read at every step, the user's ``state`` dict shared, so checkpoints
+and ``optimizer.state_dict()`` are unchanged). Any ``torch.optim`` optimizer with per-parameter state
+computes each parameter on its own, so a step over a bucket's parameters is the step over all
+parameters restricted to them (tested: SGD with momentum/nesterov/weight decay, Adam, AdamW, RMSprop,
+Adagrad, NAdam; LBFGS is refused at install). One ``step()`` per bucket, not per
 parameter: torch's per-call overhead (hooks, profiling, state init checks) is paid once per bucket.
 Parameters DDP reduces that the optimizer does not hold are left alone, as the plain step does.
 
@@ -85,6 +86,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 from oomless.errors import InputError
+from oomless.runtime.optimizer_slices import OptimizerSlice, check_sliceable, group_index_of
 
 STATE_ATTRIBUTE = "_oomless_overlap"
 WAIT_IN = ("forward", "backward")
@@ -100,44 +102,27 @@ class BucketUpdate:
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter],
                  group_index_of: dict[nn.Parameter, int]):
-        self.user_optimizer = user_optimizer
         self.key = tuple(map(id, parameters))
         # Parameters the user's optimizer does not hold keep their gradients, as after a plain step.
-        self.parameters = [param for param in parameters if param in group_index_of]
-        by_group: dict[int, list[nn.Parameter]] = {}
-        for param in self.parameters:
-            by_group.setdefault(group_index_of[param], []).append(param)
-        self.group_indices = sorted(by_group)
-        self.optimizer: torch.optim.Optimizer | None = None
-        if self.parameters:
-            groups = [{**self._settings(index), "params": by_group[index]} for index in self.group_indices]
-            self.optimizer = type(user_optimizer)(groups, **user_optimizer.defaults)
-
-    def _settings(self, group_index: int) -> dict:
-        # By index: optimizer.load_state_dict replaces the group dicts (keeping their parameters).
-        group = self.user_optimizer.param_groups[group_index]
-        return {key: value for key, value in group.items() if key != "params"}
+        self.slice = OptimizerSlice(user_optimizer, parameters, group_index_of)
+        self.parameters = self.slice.parameters
+        self.group_indices = self.slice.group_indices
 
     def read_settings(self) -> None:
         """Copy the user's hyper-parameters and state dict; called in the comm hook, on the training
         (autograd) thread, so what the update uses is what the user's groups held during backward."""
-        if self.optimizer is None:
-            return
-        for group, index in zip(self.optimizer.param_groups, self.group_indices):
-            group.update(self._settings(index))
-        # optimizer.load_state_dict gives the user's optimizer a new state dict: share that one.
-        self.optimizer.state = self.user_optimizer.state
+        self.slice.read_settings()
 
     def run(self, averaged: torch.futures.Future) -> torch.Tensor:
         """Chained on the averaged all-reduce: step, consume the gradients; returns the averaged buffer."""
         buffer = averaged.value()[0]            # re-raises a failed all-reduce into whoever waits
-        if self.optimizer is not None:
+        if self.slice.optimizer is not None:
             # gradient_as_bucket_view=True makes each param.grad a view of this bucket's buffer, so
             # the grads already hold the average, and DDP's finalize leaves them alone (the hook's
             # result is that buffer: nothing to copy back). Backward does not write them again this
             # step (DDP marked the bucket ready); the next backward writes them only after the
             # parameter's module ran its forward, which waits for this update.
-            self.optimizer.step()
+            self.slice.step()
             for param in self.parameters:
                 if param.grad is not None:
                     param.grad.zero_()          # the loop's zero_grad, done here: the grad is consumed
@@ -199,6 +184,7 @@ class OverlappedUpdate:
                  wait_in: str = "forward"):
         if wait_in not in WAIT_IN:
             raise InputError(f"the overlapped update waits in one of {', '.join(WAIT_IN)}, got {wait_in!r}")
+        check_sliceable(optimizer)
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.wait_in = wait_in
@@ -232,8 +218,7 @@ class OverlappedUpdate:
     def _bucket_update_for(self, bucket: dist.GradBucket) -> BucketUpdate:
         if len(self.optimizer.param_groups) != self._group_count:      # first call, or add_param_group
             self._group_count = len(self.optimizer.param_groups)
-            self._group_index_of = {param: index for index, group in enumerate(self.optimizer.param_groups)
-                                    for param in group["params"]}
+            self._group_index_of = group_index_of(self.optimizer)
             self.bucket_updates.clear()
         index, parameters = bucket.index(), bucket.parameters()
         update = self.bucket_updates.get(index)
