@@ -6,11 +6,13 @@ import torch.nn as nn
 from oomless.errors import ApplyError, InputError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
+from oomless.plan.static import choose_update_in_backward
 from oomless.profile.profile import Profile
 from oomless.profile.profiler import profile_model
 from oomless.profile.tensors import check_inputs_device, model_device, tensors_in
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
+from oomless.runtime.update_in_backward import apply_update_in_backward, remove_update_in_backward
 from oomless.sizes import parse_bytes
 
 
@@ -24,7 +26,9 @@ def sum_of_outputs(output) -> torch.Tensor:
 
 def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
          blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024,
-         profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto") -> Plan:
+         profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto",
+         update_in_backward: bool | None = None, max_grad_norm: float | None = None,
+         accumulation_steps: int = 1) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
@@ -36,8 +40,15 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     the step is profiled on meta tensors and timed by that device's roofline, so the model and the
     inputs may be on the meta device; ``dtype`` then casts floating-point parameters and inputs.
     ``solver`` is "greedy", "exact" or "auto" (exact up to a few hundred blocks, see `plan.solvers`).
+
+    ``update_in_backward``: True steps ``optimizer`` per parameter during backward and frees each
+    gradient at once (`oomless.runtime.update_in_backward`), False never, None lets the planner decide.
+    The loop's ``max_grad_norm`` (clipping by global norm) and ``accumulation_steps`` (micro-batches
+    per optimizer step) decide whether it can.
     """
     memory_bytes = parse_bytes(memory)
+    in_backward, in_backward_reason = choose_update_in_backward(update_in_backward, optimizer, max_grad_norm,
+                                                                accumulation_steps)
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
     if profile is None and target is not None:
@@ -54,7 +65,10 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    return make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
+    chosen = make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
+    chosen.update_in_backward, chosen.accumulation_steps = in_backward, accumulation_steps
+    chosen.notes.append(in_backward_reason)
+    return chosen
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
@@ -71,21 +85,33 @@ def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, bloc
                          memory_bytes=None if memory is None else parse_bytes(memory))
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged."""
+def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
+    """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged. A plan
+    that updates in backward needs the ``optimizer`` it steps."""
     if not isinstance(plan, Plan):
         raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
-    return install_plan(model, plan, model_device(model))
+    if plan.update_in_backward and optimizer is None:
+        raise ApplyError("this plan updates the parameters in backward: pass the optimizer it steps, "
+                         "oomless.apply(model, plan, optimizer=optimizer)")
+    install_plan(model, plan, model_device(model))
+    if plan.update_in_backward:
+        try:
+            apply_update_in_backward(model, optimizer, plan.accumulation_steps)
+        except Exception:
+            uninstall_plan(model)           # all or nothing: the model is left as it was
+            raise
+    return model
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Uninstall oomless; the model is exactly as before `apply`."""
+    """Uninstall oomless; the model (and an optimizer stepped in backward) exactly as before `apply`."""
+    remove_update_in_backward(model)
     return uninstall_plan(model)
 
 
 def fit(model: nn.Module, example_inputs, memory, **kwargs) -> nn.Module:
     """Plan ``model`` for ``memory`` bytes and apply the plan: one line before the training loop."""
-    return apply(model, plan(model, example_inputs, memory, **kwargs))
+    return apply(model, plan(model, example_inputs, memory, **kwargs), optimizer=kwargs.get("optimizer"))
 
 
 def stats(model: nn.Module) -> Stats:

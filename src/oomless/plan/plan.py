@@ -35,6 +35,10 @@ class Plan:
     min_swap_bytes: int = 64 * 1024
     static_breakdown: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Each parameter's optimizer step in backward, its gradient freed at once (runtime/update_in_backward.py);
+    # with gradient accumulation, at its accumulation_steps-th gradient.
+    update_in_backward: bool = False
+    accumulation_steps: int = 1
 
     @property
     def decisions(self) -> dict[str, str]:

@@ -1,0 +1,138 @@
+"""Update in backward (seed 001's buffer reuse): each parameter's optimizer step runs as soon as its
+gradient is accumulated, and the gradient is freed right after, so the gradients alive at once are
+those of the parameters whose step has not run yet, not all of them.
+
+    oomless.fit(model, inputs, memory="2GiB", optimizer=optimizer, update_in_backward=True)
+    for batch in data:                 # the loop is unchanged
+        loss_fn(model(batch)).backward()   # every parameter is updated here
+        optimizer.step()               # nothing left to do for those parameters
+        optimizer.zero_grad()          # their gradients are already gone
+        scheduler.step()               # applies from the next backward on, as in the plain loop
+
+Hook points (PyTorch's own; the shape of PyTorch's tutorial "How to save memory by fusing the
+optimizer step into the backward pass" and of ``torch.distributed.optim._apply_optimizer_in_backward``):
+``Tensor.register_post_accumulate_grad_hook`` on every trainable parameter the optimizer holds, and
+``Optimizer.register_step_pre_hook`` on the user's optimizer. Both are removed by `remove`
+(``oomless.remove(model)``), which leaves the model and optimizer exactly as plain PyTorch uses them.
+
+Why the result is bit for bit the plain step's:
+- Each parameter is stepped by a slice of the user's optimizer over that parameter alone
+  (`oomless.runtime.optimizer_slices`): the user's class, its group's settings re-read at each step,
+  the user's state dict. Per-parameter optimizers compute each parameter on its own.
+- Autograd runs a parameter's AccumulateGrad node only after every node that contributes to its
+  gradient, and those are the nodes that saved it; so no later part of backward reads the parameter
+  the update has just written (a recomputed block recomputes before its own parameters' gradients
+  exist). A tensor saved as ``param.detach()`` outside the gradient's path would be read after the
+  update; autograd's version counter then raises instead of computing something else.
+- The user's ``optimizer.step()`` and ``zero_grad()`` skip parameters whose ``grad`` is None (every
+  ``torch.optim`` optimizer does): for the parameters updated here they are no-ops; parameters the
+  hooks do not cover (frozen, not in this model) are stepped by the user's call as before.
+
+The loop's other habits:
+- LR schedulers and hand-changed settings work: the slices copy the user's param groups before each
+  step, during backward; a scheduler stepped after ``optimizer.step()`` applies from the next backward,
+  exactly as in the plain loop. The user's ``optimizer.step()`` still runs (its parameters have no
+  gradients), so the scheduler sees it called.
+- Gradient accumulation over micro-batches: pass ``accumulation_steps=k``; each parameter is stepped at
+  its k-th gradient, the earlier ones accumulate as usual (so they are all alive in the last
+  micro-batch: no memory is saved; the planner never chooses this with k > 1). A parameter that gets a
+  gradient after its update with no ``optimizer.step()`` in between (accumulation without telling),
+  or ``optimizer.step()`` after fewer than k micro-batches, raises `InputError`.
+- Clipping by global norm needs every gradient before the first update: refused at ``plan``/``fit``
+  when ``max_grad_norm`` is given. A ``clip_grad_norm_`` in the loop would see no gradients.
+- fp16 loss scaling (``GradScaler``) must skip the whole step on overflow, which cannot be known before
+  the last gradient: ``GradScaler.step`` finds no gradients and asserts.
+"""
+
+import torch
+from torch import nn
+
+from oomless.errors import ApplyError, InputError
+from oomless.runtime.optimizer_slices import OptimizerSlice, check_sliceable, group_index_of
+
+STATE_ATTRIBUTE = "_oomless_update_in_backward"
+
+
+class UpdateInBackward:
+    """Installed on a model by `apply_update_in_backward`; kept as ``model._oomless_update_in_backward``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1):
+        check_sliceable(optimizer)
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise InputError(f"accumulation_steps must be a positive int (micro-batches per optimizer step), "
+                             f"got {accumulation_steps!r}")
+        if getattr(optimizer, STATE_ATTRIBUTE, None) is not None:
+            raise ApplyError("this optimizer already updates in backward for a model; oomless.remove that model first")
+        self.model = model
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        group_of = group_index_of(optimizer)
+        self.names = {param: name for name, param in model.named_parameters()
+                      if param.requires_grad and param in group_of}
+        if not self.names:
+            raise InputError("the optimizer holds none of the model's trainable parameters: nothing to update "
+                             "in backward (pass the optimizer that trains this model)")
+        self.slices = {param: OptimizerSlice(optimizer, [param], group_of) for param in self.names}
+        self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
+        self.steps_in_backward = 0                              # counted for tests and stats
+        self.handles = [param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+                        for param in self.names]
+        self.handles.append(optimizer.register_step_pre_hook(self._before_user_step))
+        setattr(optimizer, STATE_ATTRIBUTE, self)
+
+    def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        seen = self.gradients_seen[param] + 1
+        if seen > self.accumulation_steps:
+            raise InputError(
+                f"parameter {self.names[param]} got a gradient after its update in backward with no "
+                f"optimizer.step() in between; its update ran after {self.accumulation_steps} backward "
+                "pass(es). Call optimizer.step() once per step (it is a no-op for the parameters updated "
+                "in backward), and for gradient accumulation over k micro-batches pass accumulation_steps=k")
+        self.gradients_seen[param] = seen
+        if seen < self.accumulation_steps:
+            return
+        update = self.slices[param]
+        update.read_settings()
+        update.step()
+        param.grad = None               # the point: this gradient's memory is free for the rest of backward
+        self.steps_in_backward += 1
+
+    def _before_user_step(self, optimizer, args, kwargs) -> None:
+        partial = {self.names[param]: seen for param, seen in self.gradients_seen.items()
+                   if 0 < seen < self.accumulation_steps}
+        if partial:
+            name, seen = next(iter(partial.items()))
+            raise InputError(f"optimizer.step() after {seen} of accumulation_steps={self.accumulation_steps} "
+                             f"micro-batches (parameter {name} and {len(partial) - 1} more have accumulated "
+                             "gradients not yet applied); step after every k-th backward, or plan with the "
+                             "accumulation_steps the loop uses")
+        self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+
+    def remove(self) -> None:
+        """Remove the hooks: from the next backward on, gradients stay for the user's step."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if getattr(self.optimizer, STATE_ATTRIBUTE, None) is self:
+            delattr(self.optimizer, STATE_ATTRIBUTE)
+
+
+def apply_update_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             accumulation_steps: int = 1) -> UpdateInBackward:
+    """Step ``optimizer`` per parameter during ``model``'s backward (see the module docstring)."""
+    if getattr(model, STATE_ATTRIBUTE, None) is not None:
+        raise ApplyError("this model already updates in backward; oomless.remove(model) first")
+    update = UpdateInBackward(model, optimizer, accumulation_steps)
+    object.__setattr__(model, STATE_ATTRIBUTE, update)
+    return update
+
+
+def installed_update(model: nn.Module) -> UpdateInBackward | None:
+    return getattr(model, STATE_ATTRIBUTE, None)
+
+
+def remove_update_in_backward(model: nn.Module) -> None:
+    update = getattr(model, STATE_ATTRIBUTE, None)
+    if update is not None:
+        update.remove()
+        object.__delattr__(model, STATE_ATTRIBUTE)

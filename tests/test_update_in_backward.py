@@ -1,0 +1,224 @@
+"""Update in backward equals plain PyTorch bit for bit, and frees the gradients as it goes.
+
+Each case trains a ``deepcopy`` with the plain loop (zero_grad, backward, step, scheduler step) and
+the model under ``oomless.fit(..., update_in_backward=True)`` with the very same loop, for several
+steps with a learning rate that changes every step, then compares parameters and the optimizer's
+state (``torch.equal``). The memory promise is checked by counting: the gradient bytes alive at once
+during backward (a probe hook registered before oomless's sees each gradient as it is accumulated),
+and, in a child process, the step's peak resident memory (tests/update_in_backward_child.py).
+"""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import oomless
+from oomless.errors import InputError
+from oomless.models import MLP, TinyTransformer
+from oomless.runtime.update_in_backward import installed_update
+
+OPTIMIZERS = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=1e-2),
+    "nadam": lambda groups: torch.optim.NAdam(groups, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+}
+STEPS = 4
+
+
+def _transformer():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 32))
+    # Tied embedding and head: one parameter, two uses, one AccumulateGrad.
+    return (TinyTransformer(vocab_size=256, dim=64, depth=3, heads=4, max_len=32),
+            tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.roll(-1, 1).flatten()))
+
+
+def _groups(model):
+    """Two param groups as training scripts make them: weight decay for matrices only."""
+    matrices = [param for param in model.parameters() if param.dim() >= 2]
+    others = [param for param in model.parameters() if param.dim() < 2]
+    return [{"params": matrices}, {"params": others, "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _train(model, optimizer, inputs, loss_fn, steps=STEPS, accumulation_steps=1):
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.6)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for micro_batch in range(accumulation_steps):
+            torch.manual_seed(100 + step * accumulation_steps + micro_batch)    # dropout
+            (loss_fn(model(inputs)) / accumulation_steps).backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def _assert_same_training(reference, reference_optimizer, model, optimizer):
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(expected, actual), f"parameter {name} differs"
+        assert actual.grad is None, f"gradient of {name} was not freed"
+    state, expected_state = optimizer.state_dict(), reference_optimizer.state_dict()
+    assert state["param_groups"] == expected_state["param_groups"]
+    assert state["state"].keys() == expected_state["state"].keys()
+    for index, entry in state["state"].items():
+        assert entry.keys() == expected_state["state"][index].keys()
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(expected_state["state"][index][key])), (index, key)
+
+
+@pytest.fixture(scope="module")
+def transformer_profile():
+    model, inputs, loss_fn = _transformer()
+    return oomless.profile(model, inputs, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_update_in_backward_equals_plain_pytorch(name, transformer_profile):
+    model, inputs, loss_fn = _transformer()
+    reference = copy.deepcopy(model)
+    reference_optimizer = OPTIMIZERS[name](_groups(reference))
+    optimizer = OPTIMIZERS[name](_groups(model))
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                profile=transformer_profile)
+    assert oomless.installed_plan(model).update_in_backward
+
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+    # One step per trainable parameter and step, all in backward (the tied weight once).
+    assert installed_update(model).steps_in_backward == STEPS * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("policy", ["swap", "recompute"])
+def test_update_in_backward_composes_with_swap_and_recompute(policy, transformer_profile):
+    """Recomputed blocks recompute before their own parameters are updated: still bit-equal."""
+    model, inputs, loss_fn = _transformer()
+    reference = copy.deepcopy(model)
+    reference_optimizer, optimizer = torch.optim.AdamW(reference.parameters()), torch.optim.AdamW(model.parameters())
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                        profile=transformer_profile, min_swap_bytes=0)
+    oomless.apply(model, plan.with_decisions({name: policy for name in plan.decisions}), optimizer=optimizer)
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+    stats = oomless.stats(model)
+    assert (stats.recomputed_blocks if policy == "recompute" else stats.offloaded_bytes) > 0
+
+
+def test_gradient_accumulation_steps_at_the_last_micro_batch(transformer_profile):
+    model, inputs, loss_fn = _transformer()
+    reference = copy.deepcopy(model)
+    reference_optimizer, optimizer = torch.optim.Adam(reference.parameters()), torch.optim.Adam(model.parameters())
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                accumulation_steps=3, profile=transformer_profile)
+    _train(reference, reference_optimizer, inputs, loss_fn, accumulation_steps=3)
+    _train(model, optimizer, inputs, loss_fn, accumulation_steps=3)
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+
+
+def test_accumulating_without_saying_so_raises(transformer_profile):
+    model, inputs, loss_fn = _transformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                profile=transformer_profile)
+    loss_fn(model(inputs)).backward()
+    with pytest.raises(InputError, match="accumulation_steps=k"):
+        loss_fn(model(inputs)).backward()           # a second micro-batch, no optimizer.step() between
+    oomless.remove(model)
+
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                accumulation_steps=2, profile=transformer_profile)
+    loss_fn(model(inputs)).backward()
+    with pytest.raises(InputError, match="after 1 of accumulation_steps=2"):
+        optimizer.step()
+
+
+def test_clipping_and_unsplittable_optimizers_are_refused_at_fit(transformer_profile):
+    model, inputs, loss_fn = _transformer()
+    common = dict(loss_fn=loss_fn, update_in_backward=True, profile=transformer_profile)
+    with pytest.raises(InputError, match="clipping by global norm"):
+        oomless.fit(model, inputs, "1TiB", optimizer=torch.optim.Adam(model.parameters()), max_grad_norm=1.0, **common)
+    with pytest.raises(InputError, match="none was given"):
+        oomless.fit(model, inputs, "1TiB", **common)
+    with pytest.raises(InputError, match="LBFGS steps every parameter at once"):
+        oomless.fit(model, inputs, "1TiB", optimizer=torch.optim.LBFGS(model.parameters()), **common)
+    assert not hasattr(model, "_oomless")
+    # The planner's own choice never steps in backward when the loop clips.
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.Adam(model.parameters()),
+                        max_grad_norm=1.0, profile=transformer_profile)
+    assert not plan.update_in_backward and any("clipping by global norm" in note for note in plan.notes)
+
+
+def test_remove_gives_the_gradients_back_to_the_loop(transformer_profile):
+    """After oomless.remove the same optimizer steps after backward again, continuing bit-equal."""
+    model, inputs, loss_fn = _transformer()
+    reference = copy.deepcopy(model)
+    reference_optimizer, optimizer = torch.optim.Adam(reference.parameters()), torch.optim.Adam(model.parameters())
+    step_hooks_before = dict(optimizer._optimizer_step_pre_hooks)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                profile=transformer_profile)
+    _train(reference, reference_optimizer, inputs, loss_fn, steps=2)
+    _train(model, optimizer, inputs, loss_fn, steps=2)
+    oomless.remove(model)
+    assert dict(optimizer._optimizer_step_pre_hooks) == step_hooks_before
+    assert all(not param._post_accumulate_grad_hooks for param in model.parameters())
+    _train(reference, reference_optimizer, inputs, loss_fn, steps=2)
+    _train(model, optimizer, inputs, loss_fn, steps=2)
+    for expected, actual in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(expected, actual) and torch.equal(expected.grad, actual.grad)
+
+
+def _largest_gradient_bytes_alive(update_in_backward: bool) -> tuple[int, int, int]:
+    """(most gradient bytes alive at once in one backward, all gradient bytes, largest parameter's)."""
+    torch.manual_seed(0)
+    model = MLP((256,) * 12)
+    inputs = torch.randn(8, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    alive = []
+    # Registered before oomless's hooks, so each runs while the gradient just accumulated still exists.
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda _: alive.append(
+            sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)))
+    if update_in_backward:
+        oomless.fit(model, inputs, "1TiB", loss_fn=lambda out: out.square().mean(), optimizer=optimizer,
+                    update_in_backward=True)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        alive.clear()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    all_bytes = sum(param.nbytes for param in model.parameters())
+    return max(alive), all_bytes, max(param.nbytes for param in model.parameters())
+
+
+def test_gradients_alive_at_once_drop_by_at_least_80_percent():
+    plain_alive, all_bytes, largest = _largest_gradient_bytes_alive(update_in_backward=False)
+    in_backward_alive, _, _ = _largest_gradient_bytes_alive(update_in_backward=True)
+    assert plain_alive == all_bytes
+    assert in_backward_alive == largest
+    assert plain_alive - in_backward_alive >= 0.8 * all_bytes
+
+
+def _child_peak(mode: str) -> dict:
+    script = Path(__file__).with_name("update_in_backward_child.py")
+    done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_peak_resident_memory_drops_by_at_least_80_percent_of_the_gradients():
+    """In a child process each: the step's peak resident-memory rise above the memory before it."""
+    plain, in_backward = _child_peak("plain"), _child_peak("in_backward")
+    drop = plain["peak_rise_bytes"] - in_backward["peak_rise_bytes"]
+    print(f"\npeak rise plain {plain['peak_rise_bytes'] / 2**20:.1f} MiB, in backward "
+          f"{in_backward['peak_rise_bytes'] / 2**20:.1f} MiB; gradients {plain['gradient_bytes'] / 2**20:.1f} MiB")
+    assert drop >= 0.8 * plain["gradient_bytes"]
