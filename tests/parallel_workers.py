@@ -91,7 +91,8 @@ def run_timeout(out_dir: Path) -> str:
 
 def smallest_budget_for_shard(config, shard: int) -> int:
     """In a worker-like process (one thread): the smallest memory oomless plans the first ``shard``
-    volumes of ``config``'s task for, from the `PlanError` of an impossible budget."""
+    volumes of ``config``'s task for, from the `PlanError` of an impossible budget (with the update
+    after backward, as data parallel plans: DDP averages every gradient first)."""
     import oomless
     from oomless.data import SyntheticVolumes
     from oomless.train.loop import build_segmentation_model, seed_everything
@@ -103,6 +104,7 @@ def smallest_budget_for_shard(config, shard: int) -> int:
     volumes, labels = SyntheticVolumes(config.shape, seed=config.seed).batch(0, shard)
     try:
         oomless.plan(model, volumes, memory=1, optimizer=torch.optim.Adam(model.parameters()),
+                     update_in_backward=False,
                      loss_fn=lambda logits: segmentation_loss(logits, labels))
     except oomless.PlanError as refused:
         return refused.minimum_bytes

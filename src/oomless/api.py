@@ -6,7 +6,7 @@ import torch.nn as nn
 from oomless.errors import ApplyError, InputError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
-from oomless.plan.static import choose_update_in_backward
+from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.profiler import profile_model
 from oomless.profile.tensors import check_inputs_device, model_device, tensors_in
@@ -47,8 +47,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     per optimizer step) decide whether it can.
     """
     memory_bytes = parse_bytes(memory)
-    in_backward, in_backward_reason = choose_update_in_backward(update_in_backward, optimizer, max_grad_norm,
-                                                                accumulation_steps)
+    request = StaticRequest(update_in_backward, max_grad_norm, accumulation_steps)
+    request.check()
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
     if profile is None and target is not None:
@@ -65,10 +65,10 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    chosen = make_plan(profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
-    chosen.update_in_backward, chosen.accumulation_steps = in_backward, accumulation_steps
-    chosen.notes.append(in_backward_reason)
-    return chosen
+    return plan_with_static_decisions(
+        profile, model, optimizer, request,
+        lambda device_profile: make_plan(device_profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes,
+                                         solver=solver))
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,

@@ -19,6 +19,21 @@ class BlockPlan:
 
 
 @dataclass
+class StaticPart:
+    """One kind of static bytes (plan/static.py): all of it, what the device holds at once, and where."""
+
+    name: str              # parameters | gradients | optimizer state | buffers | inputs
+    total_bytes: int
+    device_bytes: int      # what the budget counts
+    where: str
+
+    def describe(self) -> str:
+        if self.where == "device" and self.device_bytes == self.total_bytes:
+            return f"{self.name} {format_bytes(self.total_bytes)}"
+        return f"{self.name} {format_bytes(self.device_bytes)} of {format_bytes(self.total_bytes)} ({self.where})"
+
+
+@dataclass
 class Plan:
     memory_bytes: int
     device: str
@@ -39,6 +54,7 @@ class Plan:
     # with gradient accumulation, at its accumulation_steps-th gradient.
     update_in_backward: bool = False
     accumulation_steps: int = 1
+    static_parts: list[StaticPart] = field(default_factory=list)
 
     @property
     def decisions(self) -> dict[str, str]:
@@ -52,13 +68,14 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         data = json.loads(text)
         data["blocks"] = [BlockPlan(**block) for block in data["blocks"]]
+        data["static_parts"] = [StaticPart(**part) for part in data.get("static_parts", [])]
         return cls(**data)
 
     def with_decisions(self, decisions: dict[str, str], reason: str = "given by the user") -> "Plan":
         """A copy of this plan with some decisions replaced (predictions are not recomputed)."""
         blocks = [BlockPlan(**{**asdict(block), "decision": decisions[block.name], "reason": reason})
                   if block.name in decisions else block for block in self.blocks]
-        return Plan(**{**asdict(self), "blocks": blocks})
+        return Plan(**{**asdict(self), "blocks": blocks, "static_parts": list(self.static_parts)})
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -74,6 +91,8 @@ class Plan:
         console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
         console.print(table)
         breakdown = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.static_breakdown.items())
+        if self.static_parts:
+            breakdown = ", ".join(part.describe() for part in self.static_parts)
         lines = [
             f"static {format_bytes(self.static_bytes)} ({breakdown}); reserve {format_bytes(self.reserve_bytes)}; "
             f"activation budget {format_bytes(self.activation_budget)}",

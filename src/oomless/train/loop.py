@@ -98,8 +98,11 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     import oomless
 
     volumes, labels = example
+    # One process: the planner may step the optimizer in backward (not when the loop clips); under a
+    # parallel strategy the strategy steps after the gradients are averaged.
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
-                        loss_fn=lambda logits: segmentation_loss(logits, labels))
+                        loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
+                        update_in_backward=None if config.parallel.mode == "none" else False)
     if strategy.ranks.world_size > 1:
         import torch.distributed as dist
 
@@ -109,7 +112,7 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
         plan = oomless.Plan.from_json(shared[0])
     if config.progress and strategy.ranks.is_first:
         console.print(str(plan), soft_wrap=True)
-    oomless.apply(model, plan)
+    oomless.apply(model, plan, optimizer=optimizer)
     return plan
 
 

@@ -1,0 +1,108 @@
+"""The plan counts static bytes with where they live, and the planner decides the optimizer step in
+backward for the budget (plan/static.py): off when the plain step fits, on when only the gradients
+it frees make the plan fit, forced either way by the user, each decision printed with its reason."""
+
+import copy
+
+import pytest
+import torch
+
+import oomless
+from oomless.errors import PlanError
+from oomless.models import MLP
+from oomless.plan.planner import smallest_memory
+from oomless.plan.static import device_view, gradient_bytes_in_backward
+
+
+def _case():
+    torch.manual_seed(0)
+    model = MLP((512,) * 9)                  # 8 layers of 1 MiB: gradients are most of the step
+    inputs = torch.randn(4, 512)
+    return model, inputs, (lambda out: out.square().mean())
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model, inputs, loss_fn = _case()
+    optimizer = torch.optim.Adam(model.parameters())
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    in_backward_bytes = gradient_bytes_in_backward(model, profile)
+    return profile, smallest_memory(profile), smallest_memory(device_view(profile, in_backward_bytes))
+
+
+def _notes(plan) -> str:
+    return " | ".join(plan.notes)
+
+
+def test_a_roomy_budget_keeps_the_update_after_backward(profiled):
+    profile, _, _ = profiled
+    model, inputs, loss_fn = _case()
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.Adam(model.parameters()),
+                        profile=profile)
+    assert not plan.update_in_backward
+    assert "update in backward: off (the step fits with every block kept" in _notes(plan)
+    gradients = {part.name: part for part in plan.static_parts}["gradients"]
+    assert gradients.device_bytes == gradients.total_bytes == profile.gradient_bytes and gradients.where == "device"
+    assert plan.static_bytes == sum(part.device_bytes for part in plan.static_parts)
+
+
+def test_the_planner_steps_in_backward_when_only_that_fits_and_training_is_unchanged(profiled):
+    profile, without_minimum, with_minimum = profiled
+    largest_module_bytes = (512 * 512 + 512) * 4
+    assert with_minimum <= without_minimum - profile.gradient_bytes + largest_module_bytes
+    memory = (with_minimum + without_minimum) // 2
+    model, inputs, loss_fn = _case()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
+    with pytest.raises(PlanError):              # forced off, it does not fit
+        oomless.plan(model, inputs, memory, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                     update_in_backward=False)
+    oomless.fit(model, inputs, memory, loss_fn=loss_fn, optimizer=optimizer, profile=profile)
+    plan = oomless.installed_plan(model)
+    assert plan.update_in_backward
+    assert "update in backward: on" in _notes(plan) and "without it no plan fits" in _notes(plan)
+    gradients = {part.name: part for part in plan.static_parts}["gradients"]
+    assert gradients.device_bytes == largest_module_bytes and gradients.total_bytes == profile.gradient_bytes
+    assert "update in backward" in gradients.where
+    assert plan.static_bytes + plan.reserve_bytes + plan.predicted_activation_peak_bytes <= memory
+    assert plan.plain_peak_bytes > memory       # plain PyTorch holds every gradient
+    printed = str(plan)
+    assert "gradients 1.00 MiB of 8.02 MiB (device, one module's at a time" in printed
+    assert "update in backward: on" in printed
+
+    for batch in range(3):
+        for trained, trained_optimizer in ((reference, reference_optimizer), (model, optimizer)):
+            trained_optimizer.zero_grad(set_to_none=True)
+            loss_fn(trained(inputs + batch)).backward()
+            trained_optimizer.step()
+    for expected, actual in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(expected, actual)
+
+
+def test_the_smallest_memory_reported_counts_the_step_in_backward(profiled):
+    profile, without_minimum, with_minimum = profiled
+    model, inputs, loss_fn = _case()
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(PlanError, match="optimizer step in backward frees") as refused:
+        oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer, profile=profile)
+    assert with_minimum <= refused.value.minimum_bytes < without_minimum
+    plan = oomless.plan(model, inputs, refused.value.minimum_bytes, loss_fn=loss_fn, optimizer=optimizer,
+                        profile=profile)
+    assert plan.update_in_backward
+
+
+def test_forced_on_at_a_roomy_budget_and_saved_as_json(profiled):
+    profile, _, _ = profiled
+    model, inputs, loss_fn = _case()
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        profile=profile, update_in_backward=True, accumulation_steps=2)
+    assert plan.update_in_backward and plan.accumulation_steps == 2
+    assert "update in backward: on (given by the user)" in _notes(plan)
+    # With accumulation every gradient is alive in the last micro-batch: counted at full size.
+    gradients = {part.name: part for part in plan.static_parts}["gradients"]
+    assert gradients.device_bytes == gradients.total_bytes
+    loaded = oomless.Plan.from_json(plan.to_json())
+    assert loaded == plan
+    with pytest.raises(oomless.ApplyError, match="pass the optimizer"):
+        oomless.apply(model, loaded)
+    assert not hasattr(model, "_oomless")
