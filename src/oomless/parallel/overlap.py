@@ -105,6 +105,7 @@ class BucketUpdate:
         self.key = tuple(map(id, parameters))
         # Parameters the user's optimizer does not hold keep their gradients, as after a plain step.
         self.slice = OptimizerSlice(user_optimizer, parameters, group_index_of)
+        self.optimizer = self.slice.optimizer   # the torch.optim optimizer stepping this bucket (None: nothing held)
         self.parameters = self.slice.parameters
         self.group_indices = self.slice.group_indices
 
