@@ -32,3 +32,12 @@ class InputError(OomlessError, ValueError):
 
 class CollectiveError(OomlessError, RuntimeError):
     """A torch.distributed collective failed or timed out; the message names the rank and the collective."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be resumed: damaged (checksum or format), from other settings, or of
+    other shapes than the model. ``path`` is the file (or the directory, when none is intact)."""
+
+    def __init__(self, message: str, path=None):
+        super().__init__(message)
+        self.path = path

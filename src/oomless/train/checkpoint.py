@@ -9,46 +9,28 @@ Why safetensors for everything: a checkpoint may come from anywhere, and unpickl
 Tensors go in as tensors; everything else (step, optimizer hyper-parameters, Python/NumPy RNG
 state) goes in the file's string metadata as JSON. Nothing here ever calls ``pickle``.
 
-Why atomic: a run killed mid-write must leave the previous checkpoint intact. Each file is written
-to a temporary name in the same directory (same filesystem, so the rename is atomic), flushed to
-disk, then ``os.replace``d over its final name.
+Why verified: a checkpoint is only ever read after its checksum matches, and a resumed run takes the
+newest intact one (`oomless.train.checkpoint_files`: atomic writes, the checksum, the search). The
+model's shapes are compared with the file's before any weight is loaded.
 """
 
-import json
-import os
 import random
-import re
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from oomless.errors import InputError
+from oomless.errors import CheckpointError
+from oomless.train.checkpoint_files import (atomic_write, checkpoint_path, latest_checkpoint, list_checkpoints,
+                                            newest_intact_checkpoint, read_checkpoint_file, remove_temporaries,
+                                            write_checkpoint_file)
 
-FORMAT_VERSION = 1
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.safetensors$")
-
-
-def atomic_write(path: Path | str, write: Callable[[str], None]) -> Path:
-    """Call ``write(temporary_path)``, fsync, then rename onto ``path``; no partial file is ever visible."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(descriptor)
-    try:
-        write(temporary)
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
+__all__ = ["CheckpointState", "atomic_write", "check_settings", "checkpoint_path", "latest_checkpoint",
+           "list_checkpoints", "load_checkpoint", "newest_intact_checkpoint", "process_state", "save_checkpoint",
+           "save_weights"]
 
 
 def _to_savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,25 +140,6 @@ class CheckpointState:
     path: Path | None = None
 
 
-def checkpoint_path(directory: Path | str, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.safetensors"
-
-
-def list_checkpoints(directory: Path | str) -> list[tuple[int, Path]]:
-    """(step, path) of every finished checkpoint in ``directory``, oldest first; temporaries are ignored."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [(int(match.group(1)), entry) for entry in directory.iterdir()
-             if (match := _CHECKPOINT_NAME.match(entry.name))]
-    return sorted(found)
-
-
-def latest_checkpoint(directory: Path | str) -> Path | None:
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
 def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """This process's RNG states and, if given, model and optimizer: (tensors, JSON-ready metadata)."""
     tensors, meta = {}, {}
@@ -193,7 +156,8 @@ def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | No
 def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     data_position: int, trajectory: dict | None = None, keep: int = 2,
                     other_ranks: list[tuple[dict, dict]] | None = None) -> Path:
-    """Write ``step-NNNNNNNN.safetensors`` atomically and delete all but the newest ``keep``.
+    """Write ``step-NNNNNNNN.safetensors`` atomically, with its checksum, then delete all but the
+    newest ``keep`` (only once the new file is on disk, so a crash never leaves fewer).
 
     ``other_ranks[r - 1]`` is rank r's `process_state` (gathered by `oomless.parallel.rank_state`)."""
     tensors, process_meta = process_state(model, optimizer)
@@ -201,35 +165,60 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
     for rank, (rank_tensors, rank_meta) in enumerate(other_ranks or [], start=1):
         tensors.update({f"rank.{rank}.{name}": tensor for name, tensor in rank_tensors.items()})
         ranks_meta[str(rank)] = rank_meta
-    tensors = _to_savable(tensors)
     meta = {
-        "format_version": FORMAT_VERSION, "step": step, "data_position": data_position,
+        "step": step, "data_position": data_position,
         "optimizer": process_meta["optimizer"], "rng": process_meta["rng"],
         "trajectory": _json_ready(trajectory or {}), "ranks": ranks_meta,
     }
-    path = atomic_write(checkpoint_path(directory, step),
-                        lambda temporary: save_file(tensors, temporary, metadata={"oomless": json.dumps(meta)}))
+    path = write_checkpoint_file(checkpoint_path(directory, step), _to_savable(tensors), meta)
+    remove_temporaries(directory)
     for _, old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
 
 
+def check_settings(path: Path | str, meta: dict, expected: dict) -> None:
+    """Refuse a checkpoint whose run had other trajectory settings (`TrainConfig.trajectory`) than
+    ``expected``: resuming it would train a model that equals neither run."""
+    saved = meta.get("trajectory", {})
+    different = {name: (saved.get(name), value) for name, value in expected.items() if saved.get(name) != value}
+    if different:
+        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in different.items())
+        raise CheckpointError(f"cannot resume {path}: the run was started with different settings ({listed}); "
+                              "resume with the old settings or start in another --checkpoint-dir", path)
+
+
+def _check_shapes(path: Path, model_state: dict[str, torch.Tensor], model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None, optimizer_meta: dict | None) -> None:
+    # load_state_dict would copy matching tensors before failing on the first mismatch: compare first.
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    found = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
+    problems = [f"{name} missing" for name in expected if name not in found]
+    problems += [f"{name} not in the model" for name in found if name not in expected]
+    problems += [f"{name} {list(found[name])} in the file, {list(shape)} in the model"
+                 for name, shape in expected.items() if name in found and found[name] != shape]
+    if optimizer is not None and not problems:
+        saved_groups = [len(group.get("params", [])) for group in (optimizer_meta or {}).get("param_groups", [])]
+        groups = [len(group["params"]) for group in optimizer.param_groups]
+        if saved_groups != groups:
+            problems.append(f"optimizer parameter groups of sizes {saved_groups} in the file, {groups} here")
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(f"{path} does not fit this model ({'; '.join(problems[:3])}{more}): it was written "
+                              "for another model or other settings", path)
+
+
 def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True, rank: int = 0) -> CheckpointState:
+                    restore_rng: bool = True, rank: int = 0, expected_settings: dict | None = None) -> CheckpointState:
     """Restore model, optimizer and RNG states in place from ``path``; return step and data position.
 
+    The file's checksum, then ``expected_settings`` (`check_settings`), then every shape are checked
+    before anything is restored: a refused checkpoint (`CheckpointError`) leaves the model as it was.
     ``rank``: a data-parallel rank restores its own entries (``rank.<r>.``) where the file has them."""
     path = Path(path)
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        raw = (handle.metadata() or {}).get("oomless")
-    if raw is None:
-        raise InputError(f"{path} is not an oomless checkpoint (no 'oomless' metadata)")
-    meta = json.loads(raw)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise InputError(f"{path} has checkpoint format {meta.get('format_version')}, expected {FORMAT_VERSION}")
-    tensors = load_file(str(path))
+    meta, tensors = read_checkpoint_file(path)
+    if expected_settings is not None:
+        check_settings(path, meta, expected_settings)
     if rank:
         prefix = f"rank.{rank}."
         own = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
@@ -240,6 +229,7 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
         meta = {**meta, **meta.get("ranks", {}).get(str(rank), {})}
     tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith("rank.")}
     model_state = {name[len("model."):]: tensor for name, tensor in tensors.items() if name.startswith("model.")}
+    _check_shapes(path, model_state, model, optimizer, meta.get("optimizer"))
     model.load_state_dict(model_state)
     if optimizer is not None:
         optimizer_tensors = {name: tensor for name, tensor in tensors.items() if name.startswith("optimizer.")}

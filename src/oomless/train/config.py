@@ -1,6 +1,7 @@
 """The typed configuration of ``oomless train``; the CLI maps its flags onto this and nothing else."""
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,22 @@ SEGMENTATION_MODELS = ("unet3d", "monai-unet")
 # produce a run that equals neither the old nor the new configuration, so it is refused.
 TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "classes", "base_channels", "depth",
                      "max_grad_norm")
+
+
+def _check_creatable(path: Path, flag: str, directory: bool) -> None:
+    """Raise `InputError` unless ``path`` is (or can be made as) a directory / a file to write."""
+    if path.exists():
+        if directory and not path.is_dir():
+            raise InputError(f"{flag} {path} is a file; name a directory (created if missing)")
+        if not directory and path.is_dir():
+            raise InputError(f"{flag} {path} is a directory; name a file, e.g. {path / 'weights.safetensors'}")
+    parent = path if directory and path.is_dir() else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path} cannot be created: {parent} is not writable")
 
 
 @dataclass
@@ -88,6 +105,11 @@ class TrainConfig:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:
             raise InputError("resume needs a checkpoint directory (--checkpoint-dir)")
+        # Checked now, not when the first checkpoint or the final weights are written, after the steps.
+        if self.checkpoint_dir is not None:
+            _check_creatable(Path(self.checkpoint_dir), "checkpoint-dir", directory=True)
+        if self.save is not None:
+            _check_creatable(Path(self.save), "save", directory=False)
         self.resolve_device()
         return self
 

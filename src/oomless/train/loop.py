@@ -15,6 +15,7 @@ collective, rank 0 prints, writes checkpoints (with every rank's state) and ``--
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,14 +24,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from oomless.data.loader import step_batches
-from oomless.errors import InputError
+from oomless.errors import CheckpointError
 from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
 from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.sizes import format_bytes
-from oomless.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, save_weights
+from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
+                                      save_weights)
 from oomless.train.config import TrainConfig
 from oomless.train.losses import segmentation_loss
 
@@ -116,23 +118,24 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     return plan
 
 
-def _resume(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console,
-            rank: int = 0) -> int:
-    path = latest_checkpoint(config.checkpoint_dir)
-    if path is None:
+def _find_resumable(config: TrainConfig, console: Console) -> tuple[Path, int] | None:
+    """(path, step) of the newest intact checkpoint in ``config.checkpoint_dir``, its settings checked
+    against ``config`` before anything is built or loaded; None (start at step 0) if there is none."""
+    found = newest_intact_checkpoint(config.checkpoint_dir, report=console.print)
+    if found is None:
         console.print(f"no checkpoint in {config.checkpoint_dir}; starting from step 0")
-        return 0
-    state = load_checkpoint(path, model, optimizer, rank=rank)
-    expected = config.trajectory()
-    different = {name: (state.trajectory.get(name), value) for name, value in expected.items()
-                 if state.trajectory.get(name) != value}
-    if different:
-        listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in different.items())
-        raise InputError(f"cannot resume {path}: the run was started with different settings ({listed})")
-    if state.data_position != state.step * config.global_batch:
-        raise InputError(f"{path} is at data position {state.data_position}, not step x global batch")
+        return None
+    path, meta = found
+    check_settings(path, meta, config.trajectory())
+    if meta["data_position"] != meta["step"] * config.global_batch:
+        raise CheckpointError(f"{path} is at data position {meta['data_position']}, not step x global batch", path)
+    return path, meta["step"]
+
+
+def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console,
+            rank: int = 0) -> None:
+    state = load_checkpoint(path, model, optimizer, rank=rank, expected_settings=config.trajectory())
     console.print(f"resumed from {path} at step {state.step}")
-    return state.step
 
 
 def _stats_line(model: nn.Module) -> tuple[object | None, str]:
@@ -169,6 +172,8 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
 
     # Files are found, staged, checked and split before anything is counted or timed.
     data, config = open_training_data(config, console, ranks)
+    # Before anything is built or measured: a damaged or mismatched checkpoint fails here, in a line.
+    resumable = _find_resumable(config, console) if config.resume else None
     seed_everything(config.seed, config.deterministic, device)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
@@ -180,7 +185,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     dataset = data.train
     oomless_applied = config.memory is not None
-    start_step = _checkpoint_step(config) if config.resume else 0
+    start_step = resumable[1] if resumable else 0
     run = _Run(config, console, device, data, start_step, memory)
     conditions = list(config.parallel.switch_when)         # each fires once; removed when it does
     step, layout = start_step, config.parallel.layout_at(start_step)
@@ -197,9 +202,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             plan = None
             if oomless_applied and not layout.pipelined:
                 plan = _apply_oomless(model, optimizer, example, config, console, strategy)
-            if step == start_step and config.resume:
+            if step == start_step and resumable:
                 # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
-                _resume(config, model, optimizer, console, ranks.rank)
+                _resume(config, resumable[0], model, optimizer, console, ranks.rank)
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
@@ -230,12 +235,6 @@ def _describe(layout) -> str:
     if layout.pipelined:
         return f"{layout.mode} with {layout.stages} stages ({layout.schedule})"
     return layout.mode
-
-
-def _checkpoint_step(config: TrainConfig) -> int:
-    """The step of the checkpoint a resumed run starts from (0 if none), read from its name."""
-    found = list_checkpoints(config.checkpoint_dir)
-    return found[-1][0] if found else 0
 
 
 def _rebuilt(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
