@@ -1,15 +1,23 @@
 # Two targets do all set-up on a fresh machine; each makes its own virtual environment.
 #   make demo   train the embedded default (3D U-Net on synthetic MRI-like volumes) under a memory budget
 #   make test   run the test suite
-# TORCH pins the PyTorch requirement installed first; a GPU machine gets the CUDA build from PyPI.
+# TORCH pins the PyTorch requirement installed first; a GPU machine gets the CUDA build from PyPI. A TORCH
+# other than the one last installed into $(VENV) is installed on the next make demo/test.
 #   make gpu    on a CUDA machine: every CUDA test and benchmark in 9 minutes, JSON and a summary under
 #               bench/results/gpu/<date>-<device>/ (bench/gpu_suite.py). Installs nothing: runs from the source
 #               tree with $(PYTHON) and the PyTorch it has. GPU_SUITE_ARGS="--dry-run" checks it on CPU.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV ?= .venv
+TORCH_STAMP = $(VENV)/.torch-requirement
 
-$(VENV)/.installed: pyproject.toml
+# The TORCH last asked for, rewritten only when it changes: then it is newer than .installed, which
+# reinstalls (otherwise `make demo TORCH=...` would be ignored once $(VENV) exists).
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != '$(TORCH)' ]; then echo '$(TORCH)' > $@; fi
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH)"
 	$(VENV)/bin/pip install -q -e ".[test]"
@@ -24,4 +32,6 @@ test: $(VENV)/.installed
 gpu:
 	PYTHONPATH=src $(PYTHON) bench/gpu_suite.py $(GPU_SUITE_ARGS)
 
-.PHONY: demo test gpu
+FORCE:
+
+.PHONY: demo test gpu FORCE

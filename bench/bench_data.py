@@ -10,7 +10,8 @@
 2. Data wait: trains ``--steps`` steps on ``make-data --cases 8 --size 96`` through a stage, with 0 and
    2 loader workers in turn, in this one process: data wait as a share of step time for each.
 
-Writes JSON with provenance to bench/results/data-<device>-<date>.json.
+Writes JSON with provenance to runs/bench/data-cpu-<date>.json (--out FOLDER|FILE.json; --out bench/results
+for a result to commit).
 """
 
 import argparse
@@ -20,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import common
@@ -29,6 +29,7 @@ from oomless.data.config import DataConfig
 from oomless.data.layout import find_dataset
 from oomless.data.make_dataset import write_synthetic_dataset
 from oomless.data.stage import files_of, stage_dataset
+from oomless.errors import InputError
 from oomless.train import TrainConfig, train
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -96,8 +97,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="folder or .json file (default runs/bench/data-cpu-<date>.json)")
     args = parser.parse_args()
+    try:
+        out = common.result_path(args.out, "data-cpu")
+    except InputError as error:
+        parser.error(str(error))
     work = Path(args.work or tempfile.mkdtemp(prefix="oomless-bench-data-"))
     try:
         record = {"provenance": common.provenance("cpu"),
@@ -106,7 +111,6 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    out = args.out or common.BENCH_DIRECTORY / "results" / f"data-cpu-{date.today().isoformat()}.json"
     common.write_result(out, record)
 
 

@@ -37,12 +37,12 @@ above the number of GPUs is refused (NCCL refuses two ranks on one GPU).
 """
 
 import argparse
-import datetime
 import json
 import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import provenance, write_result  # noqa: E402  (bench/common.py)
+from common import provenance, result_path, write_result  # noqa: E402  (bench/common.py)
 
 from oomless.errors import InputError  # noqa: E402
 from oomless.parallel.process_group import cuda_device_for_local_rank  # noqa: E402
@@ -295,7 +295,7 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=2, help="consecutive steps of a variant per round")
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/dp-<device>-<backend>-<date>.json)")
+    parser.add_argument("--out", default=None, help="folder or .json file (default runs/bench/dp-<device>-<backend>-<date>.json)")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
@@ -303,11 +303,15 @@ def main() -> None:
             cuda_device_for_local_rank(args.world_size - 1, args.world_size)    # more processes than GPUs: refused
         except InputError as error:
             parser.error(str(error))
+    try:
+        out = result_path(args.out, f"dp-{args.device}-{backend}")
+    except InputError as error:
+        parser.error(str(error))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     record = provenance(args.device, world_size=args.world_size, backend=backend, threads=args.threads)
-    raw = BENCH_DIRECTORY / "results" / f".dp-raw-{os.getpid()}.json"
+    raw = Path(tempfile.gettempdir()) / f"oomless-dp-raw-{os.getpid()}.json"
     mp.start_processes(_worker, args=(args.world_size, port, args, str(raw)), nprocs=args.world_size,
                        start_method="spawn")
     per_rank = json.loads(raw.read_text())
@@ -315,8 +319,6 @@ def main() -> None:
     record["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(per_rank)
     result = {"provenance": record, "settings": vars(args), "summary": summary, "per_rank": per_rank}
-    date = datetime.date.today().isoformat()
-    out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"dp-{args.device}-{backend}-{date}.json"
     write_result(out, result)
     print(json.dumps(summary, indent=2))
     print(f"load average at start {record['load_average_at_start']}, at end {record['load_average_at_end']}")

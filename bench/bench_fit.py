@@ -19,7 +19,8 @@ A step is forward + loss + backward + optimizer step (zero_grad, set_to_none, ju
 steps (warm-up excluded) is compared with plain's; the peak memory of each variant is measured in
 its own window (the allocator's peak on CUDA; on CPU the kernel's peak resident mark, reset before
 each step, as the rise above the reading at the step's start plus the variant's own resident state).
-The result is JSON with provenance, default bench/results/fit-<device>-<date>.json; see bench/README.md.
+The result is JSON with provenance, default runs/bench/fit-<device>-<date>.json (--out FOLDER or FILE.json;
+--out bench/results for results to commit); see bench/README.md.
 """
 
 import argparse
@@ -44,7 +45,7 @@ from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rs
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # loaded from its path by `oomless bench`, not run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import SIZES, build_model, provenance, write_result  # noqa: E402  (bench/common.py)
+from common import SIZES, build_model, provenance, result_path, write_result  # noqa: E402  (bench/common.py)
 
 VARIANTS = ("plain", "keep", "plan_50", "plan_25", "plan_ckpt_memory", "checkpoint", "save_on_cpu")
 PLAN_SHARES = {"plan_50": 0.5, "plan_25": 0.25}
@@ -324,7 +325,10 @@ def print_table(report: dict) -> None:
 def resolve_device(text: str) -> torch.device:
     if text == "auto":
         text = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(text)
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise InputError(f"--device {text!r}: the benchmark runs on cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: CUDA is not available in this PyTorch build or machine")
     if device.type not in ("cpu", "cuda"):
@@ -334,18 +338,19 @@ def resolve_device(text: str) -> torch.device:
 
 def run(args: argparse.Namespace, command: str) -> dict:
     device = resolve_device(args.device)
+    out = result_path(args.out, f"fit-{device.type}")
     threads_before = torch.get_num_threads()
     if args.threads is not None:
         if args.threads < 1:
             raise InputError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
-        return _run(args, command, device)
+        return _run(args, command, device, out)
     finally:
         torch.set_num_threads(threads_before)   # called in-process (tests), leave the process as it was
 
 
-def _run(args: argparse.Namespace, command: str, device: torch.device) -> dict:
+def _run(args: argparse.Namespace, command: str, device: torch.device, out: Path) -> dict:
     if device.type == "cpu":
         # Otherwise glibc keeps freed activations in its heap and resident memory never falls.
         return_freed_memory_to_the_system()
@@ -359,8 +364,6 @@ def _run(args: argparse.Namespace, command: str, device: torch.device) -> dict:
               "quick": args.quick, "models": {}}
     for name in names:
         report["models"][name] = bench_model(name, sizes[name], device, steps, warmup_steps)
-    date = report["provenance"]["date_utc"][:10]
-    out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"fit-{device.type}-{date}.json"
     write_result(out, report)
     print_table(report)
     report["path"] = str(out)

@@ -28,7 +28,6 @@ measured_bubble = 1 - mean busy / T; the simulation uses the measured per-stage 
 """
 
 import argparse
-import datetime
 import importlib
 import json
 import os
@@ -48,7 +47,9 @@ from torch import nn
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import provenance, write_result  # noqa: E402  (bench/common.py)
+from common import provenance, result_path, write_result  # noqa: E402  (bench/common.py)
+
+from oomless.errors import InputError  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 BLOCKS_PER_RANK = 2
@@ -344,14 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 5; quick 2)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="P = 2, M in (1, 2), tiny real model: seconds")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/pipeline-cpu-<date>.json)")
+    parser.add_argument("--out", default=None, help="folder or .json file (default runs/bench/pipeline-cpu-<date>.json)")
     args = parser.parse_args(argv)
     unit = args.unit if args.unit is not None else (0.01 if args.quick else 0.02)
     steps = args.steps if args.steps is not None else (2 if args.quick else 5)
     rank_counts, microbatch_counts = ((2,), (1, 2)) if args.quick else ((2, 4), (1, 2, 4, 8))
     real_sizes = REAL_SIZES["quick" if args.quick else "full"]
-    out = Path(args.out) if args.out else (BENCH_DIRECTORY / "results" /
-                                           f"pipeline-cpu-{datetime.date.today().isoformat()}.json")
+    try:
+        out = result_path(args.out, "pipeline-cpu")
+    except InputError as error:
+        parser.error(str(error))
     record = {"provenance": provenance("cpu", threads=1, backend="gloo"),
               "settings": {"unit_seconds": unit, "steps": steps, "warmup_steps": args.warmup, "quick": args.quick,
                            "schedules": list(SCHEDULES), "pipeline_ranks": list(rank_counts),

@@ -18,20 +18,19 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 import oomless
-from oomless.errors import PlanError
+from oomless.errors import InputError, PlanError
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import SIZES, build_model, provenance, write_result  # noqa: E402  (bench/common.py)
+from common import SIZES, build_model, provenance, result_path, write_result  # noqa: E402  (bench/common.py)
 
 SHARES = (1.0, 0.5, 0.25)
 
@@ -125,9 +124,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=("transformer", "unet3d", "all"), default="all")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per plan (after one warm-up)")
     parser.add_argument("--quick", action="store_true", help="tiny models")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="folder or .json file (default runs/bench/predict-<device>-<date>.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    try:
+        out = result_path(args.out, f"predict-{device.type}")
+    except InputError as error:
+        parser.error(str(error))
     sizes = SIZES["quick" if args.quick else device.type]
     names = ("transformer", "unet3d") if args.model == "all" else (args.model,)
     result = {"provenance": provenance(device), "sizes": {name: sizes[name] for name in names},
@@ -136,8 +139,6 @@ def main(argv=None) -> int:
     errors = [abs(row["error"][key]) for row in result["rows"] if isinstance(row.get("error"), dict)
               for key in ("step_seconds", "peak_activation_bytes")]
     result["max_abs_error"] = max(errors) if errors else None
-    date = datetime.now(timezone.utc).strftime("%Y%m%d")
-    out = Path(args.out) if args.out else BENCH_DIRECTORY / "results" / f"predict-{device.type}-{date}.json"
     write_result(out, result)
     return 0
 

@@ -23,6 +23,7 @@ from oomless.errors import InputError
 from oomless.models import TinyTransformer, UNet3D
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
+DEFAULT_OUTPUT = Path("runs") / "bench"      # relative to where the program runs, as `make demo`'s runs/
 
 # Sizes: on a 2-core CPU one plain step takes ~0.3-1 s; on an H100 the models are large enough
 # that a step's saved activations (GiB) take as long over PCIe as the step's compute.
@@ -105,6 +106,18 @@ def provenance(device: torch.device | str, command: str | None = None, **extra) 
     }
     record.update(extra)
     return record
+
+
+def result_path(out: Path | str | None, stem: str) -> Path:
+    """Where a program writes its JSON, checked before it runs: ``out`` itself when it names a .json
+    file, else ``<out>/<stem>-<YYYY-MM-DD>.json`` (UTC date) with ``out`` defaulting to runs/bench/
+    under the current directory: never the source tree. Results to commit: ``--out bench/results``."""
+    from oomless.output_paths import check_output_path
+
+    if out is not None and Path(out).suffix == ".json":
+        return check_output_path(out, "--out")
+    folder = check_output_path(DEFAULT_OUTPUT if out is None else out, "--out", directory=True)
+    return folder / f"{stem}-{datetime.now(timezone.utc).date().isoformat()}.json"
 
 
 def write_result(out: Path | str, record: dict) -> Path:

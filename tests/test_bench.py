@@ -7,6 +7,7 @@ with one micro-batch must leave its two ranks idle for a large share of the step
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,20 @@ def test_quick_pipeline_benchmark_measures_each_schedules_bubble(tmp_path):
     real = [row for row in report["rows"] if row["model"] == "TinyTransformer"]
     assert {row["schedule"] for row in real} == {"gpipe", "1f1b"}
     assert all(len(row["busy_seconds_per_rank"]) == 2 and min(row["busy_seconds_per_rank"]) > 0 for row in real)
+
+
+def test_results_go_to_runs_bench_unless_out_says_otherwise(tmp_path, monkeypatch):
+    """Benchmarks never write into the source tree by default: runs/bench/ under the current
+    directory, one date format (YYYY-MM-DD); --out names a folder or a .json file."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from common import result_path
+    finally:
+        sys.path.pop(0)
+    monkeypatch.chdir(tmp_path)
+    default = result_path(None, "fit-cpu")
+    assert default.parent == Path("runs") / "bench"
+    assert re.fullmatch(r"fit-cpu-\d{4}-\d{2}-\d{2}\.json", default.name)
+    assert result_path("elsewhere", "fit-cpu") == Path("elsewhere") / default.name
+    assert result_path("one.json", "fit-cpu") == Path("one.json")
+    assert list(tmp_path.iterdir()) == []                  # checked, nothing created before the run

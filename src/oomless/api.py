@@ -3,6 +3,7 @@
 import torch
 import torch.nn as nn
 
+from oomless.arguments import check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
@@ -49,6 +50,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     memory_bytes = parse_bytes(memory)
     request = StaticRequest(update_in_backward, max_grad_norm, accumulation_steps)
     request.check()
+    blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
+                                  profile, dtype, target, solver)
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
     if profile is None and target is not None:
@@ -76,6 +79,8 @@ def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, bloc
     """Measure one training step per block (see `oomless.profile.profiler`); plain data. Block
     times are measured under the plan for ``memory`` when given (else recomputing every block).
     With ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`)."""
+    blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, None, 0, None, dtype, target,
+                                  function="profile")
     if target is not None:
         from oomless.profile.fake import profile_for_target
         check_inputs_device(model, example_inputs, allow_meta=True)
@@ -88,6 +93,7 @@ def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, bloc
 def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged. A plan
     that updates in backward needs the ``optimizer`` it steps."""
+    check_model(model, "apply")
     if not isinstance(plan, Plan):
         raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
     if plan.update_in_backward and optimizer is None:
@@ -105,6 +111,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
 
 def remove(model: nn.Module) -> nn.Module:
     """Uninstall oomless; the model (and an optimizer stepped in backward) exactly as before `apply`."""
+    check_model(model, "remove")
     remove_update_in_backward(model)
     return uninstall_plan(model)
 
@@ -117,6 +124,7 @@ def fit(model: nn.Module, example_inputs, memory, **kwargs) -> nn.Module:
 def stats(model: nn.Module) -> Stats:
     """What the runtime did since `apply`: peak activation bytes on the ledger, bytes offloaded,
     blocks recomputed, seconds compute waited on transfers."""
+    check_model(model, "stats")
     state = installed_state(model)
     if state is None:
         raise ApplyError("oomless is not applied to this model; call oomless.fit or oomless.apply first")

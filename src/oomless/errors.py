@@ -41,3 +41,11 @@ class CheckpointError(InputError):
     def __init__(self, message: str, path=None):
         super().__init__(message)
         self.path = path
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of ``error``'s message, at most ``limit`` characters: for quoting a library's
+    error inside one of ours without a screenful of text."""
+    text = str(error).strip()
+    text = text.splitlines()[0] if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

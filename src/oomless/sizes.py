@@ -1,5 +1,6 @@
 """Byte sizes: parse "20GiB" / "1.5GB" / 512 and print them back for humans."""
 
+import math
 import re
 
 from oomless.errors import SizeError
@@ -9,13 +10,16 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A sign is accepted so that "-1GiB" is refused as not positive rather than as unreadable.
+_SIZE_PATTERN = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(size: int | float | str) -> int:
     """Return ``size`` in bytes. Accepts ints and strings such as "512MiB", "20GiB", "1.5GB"."""
     if isinstance(size, bool):
         raise SizeError(f"memory size {size!r} is a bool; give bytes as an int or a string like '20GiB'")
+    if isinstance(size, float) and not math.isfinite(size):
+        raise SizeError(f"memory size must be a finite number of bytes, got {size!r}")
     if isinstance(size, (int, float)):
         value = int(size)
     elif isinstance(size, str):
@@ -27,7 +31,10 @@ def parse_bytes(size: int | float | str) -> int:
                 "'512MiB', '20GiB', '1.5GB' or plain bytes like 1073741824 "
                 "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
             )
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):
+            raise SizeError(f"memory size {size!r} is too large to be a number of bytes")
+        value = int(number)
     else:
         raise SizeError(f"memory size must be an int or a string like '20GiB', got {type(size).__name__}")
     if value <= 0:

@@ -2,6 +2,7 @@
 
     oomless bench --device cuda --model all --steps 10
     oomless bench --quick --out /tmp/bench.json
+    oomless bench --device cpu --out bench/results       # a result to commit
 
 The benchmark is a program in the repository (bench/, next to its committed results), not part of
 the installed package: this subcommand loads it from the source checkout oomless was installed from
@@ -26,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured warm-up steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps: checks the program, not speed")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/fit-<device>-<date>.json)")
+    parser.add_argument("--out", default=None, metavar="FOLDER|FILE.json",
+                        help="where the JSON goes (default runs/bench/fit-<device>-<date>.json; results to commit: "
+                             "--out bench/results)")
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:

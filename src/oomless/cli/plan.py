@@ -16,7 +16,7 @@ import argparse
 import ast
 import sys
 
-from oomless.errors import InputError
+from oomless.errors import InputError, one_line
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -75,16 +75,56 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def check_model_runs(model, example, model_name: str) -> None:
+    """One forward without autograd before profiling: an input the model cannot take (a wrong
+    --input-shape) is the user's mistake and reads as one line; a failure after this point is
+    oomless's own and keeps its traceback. Evaluation mode and a forked RNG leave BatchNorm
+    statistics and the random stream as they were."""
+    import torch
+
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(example)
+    except Exception as error:          # whatever the user's model raises on this input
+        raise InputError(f"model {model_name!r} fails on its example input of shape {tuple(example.shape)}: "
+                         f"{one_line(error)}; give the shape it takes with --input-shape N,C,...") from None
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every flag checked before a model is built (a mistake costs no minutes of model building)."""
+    from oomless.output_paths import check_output_path
+    from oomless.plan.devices import find_device
+    from oomless.sizes import parse_bytes
+
+    parse_bytes(args.memory)
+    for flag, value in (("--batch", args.batch), ("--size", args.size)):
+        if value is not None and value <= 0:
+            raise InputError(f"{flag} must be positive, got {value}")
+    if args.dtype is not None and not args.target:
+        raise InputError("--dtype applies with --target (planning on meta tensors); without it the "
+                         "model runs here as built")
+    if args.target:
+        find_device(args.target)
+    if args.plot:
+        check_output_path(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError('--plot needs matplotlib, which is not installed: pip install "oomless[plot]"') from None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import oomless
     from oomless.models import build_model, example_input_for
-    from oomless.sizes import parse_bytes
 
-    parse_bytes(args.memory)            # a bad budget fails before any model is built
-    if args.batch is not None and args.batch <= 0:
-        raise InputError(f"--batch must be positive, got {args.batch}")
+    check_arguments(args)
     model_kwargs = parse_model_args(args.model_arg)
     # Parsed here, not as an argparse type: argparse would swap this message for "invalid value".
     shape = parse_shape(args.input_shape) if args.input_shape is not None else None
@@ -97,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         model = build_model(args.model, **model_kwargs)
     example = example_input_for(args.model, batch=args.batch or 1, size=args.size, shape=shape,
                                 **model_kwargs).to(device)
+    check_model_runs(model, example, args.model)
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
     # A registered model returns logits, not a loss: plan the backward of their sum, as a loss would.
     plan_kwargs = {"memory": args.memory, "target": args.target, "loss_fn": oomless.sum_of_outputs,
@@ -104,9 +145,6 @@ def run(args: argparse.Namespace) -> int:
     if args.blocks:
         plan_kwargs["blocks"] = args.blocks
     if args.dtype is not None:
-        if not args.target:
-            raise InputError("--dtype applies with --target (planning on meta tensors); without it the "
-                             "model runs here as built")
         plan_kwargs["dtype"] = getattr(torch, _DTYPES[args.dtype])
     profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
                               blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"))

@@ -4,15 +4,22 @@
     model = build_model("unet3d", base_channels=8, depth=3)
     volume = example_input_for("unet3d", batch=2, size=64)          # (2, 1, 64, 64, 64)
     custom = build_model("my_package.nets:make_net", width=128)     # imports and calls make_net(width=128)
+
+A ``module:factory`` is imported as ``python -m`` would: from the installed packages, else from the
+current directory (``oomless plan mymodels:make`` finds ./mymodels.py without PYTHONPATH=.).
 """
 
+import difflib
 import importlib
+import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from oomless.errors import InputError, OomlessError
+from oomless.errors import InputError, OomlessError, one_line
 from oomless.models.cnn import SmallCNN
 from oomless.models.mlp import MLP, DictOutputModel
 from oomless.models.transformer import TinyTransformer
@@ -33,6 +40,11 @@ def build_monai_unet(in_channels: int = 1, out_channels: int = 2, base_channels:
         raise OomlessError(
             "model 'monai-unet' needs MONAI, which is not installed; run: pip install oomless[monai]"
         ) from error
+    unknown = sorted(set(kwargs) - (set(inspect.signature(UNet).parameters) - {"spatial_dims", "channels", "strides"}))
+    if unknown:
+        raise InputError(f"model 'monai-unet' rejected its arguments {unknown}: it takes in_channels, out_channels, "
+                         "base_channels, depth, num_res_units and MONAI UNet's kernel_size, up_kernel_size, act, "
+                         "norm, dropout, bias, adn_ordering")
     return UNet(
         spatial_dims=3, in_channels=in_channels, out_channels=out_channels,
         channels=tuple(base_channels * 2**level for level in range(depth + 1)),
@@ -48,11 +60,19 @@ def build_transformers_model(model_type: str, **config) -> nn.Module:
     except ImportError as error:
         raise OomlessError(f"model 'hf:{model_type}' needs transformers, which is not installed; "
                            "run: pip install oomless[transformers]") from error
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        # transformers' own message lists all ~800 model types in one line: name the closest few.
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. hf:gpt2, hf:llama, hf:mistral"
+        raise InputError(f"transformers has no model type {model_type!r}{hint}")
     try:
         settings = AutoConfig.for_model(model_type, **config)
-    except ValueError as error:
-        raise InputError(f"transformers has no model type {model_type!r}: {error}") from error
-    return AutoModelForCausalLM.from_config(settings)
+        return AutoModelForCausalLM.from_config(settings)
+    except (ValueError, TypeError) as error:       # a config field it rejects, or no causal-LM head
+        raise InputError(f"transformers cannot build hf:{model_type} as a causal LM with {sorted(config)}: "
+                         f"{one_line(error)}") from error
 
 
 _FACTORIES: dict[str, Callable[..., nn.Module]] = {
@@ -66,14 +86,31 @@ _FACTORIES: dict[str, Callable[..., nn.Module]] = {
 MODEL_NAMES = tuple(_FACTORIES)
 
 
+def _import_module(module_name: str):
+    """``importlib.import_module``, falling back to the current directory as ``python -m`` has it on
+    sys.path first (the ``oomless`` script has its own folder there instead). The directory is only
+    added when the module is not found otherwise, and stays, so the module's own imports work."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        top_level = module_name.partition(".")[0]
+        here = os.getcwd()
+        if error.name != top_level or here in sys.path or "" in sys.path:
+            raise
+    sys.path.insert(0, here)
+    importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
 def _import_factory(spec: str) -> Callable[..., nn.Module]:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise OomlessError(f"model {spec!r} is not 'package.module:factory'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ImportError as error:
-        raise OomlessError(f"cannot import module {module_name!r} for model {spec!r}: {error}") from error
+        raise OomlessError(f"cannot import module {module_name!r} for model {spec!r} (from the installed packages "
+                           f"or {os.getcwd()}): {one_line(error)}") from error
     factory = module
     for part in attribute.split("."):
         factory = getattr(factory, part, None)
@@ -84,12 +121,32 @@ def _import_factory(spec: str) -> Callable[..., nn.Module]:
     return factory
 
 
+def _check_arguments(name: str, factory: Callable, kwargs: dict) -> None:
+    # Checked against the signature before the call, so that a TypeError raised inside the factory
+    # (a bug there) keeps its traceback while a misspelled or missing argument reads as one line.
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):             # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as error:
+        accepted = [parameter for parameter in signature.parameters if parameter not in ("self", "args", "kwargs")]
+        raise InputError(f"model {name!r} rejected its arguments {sorted(kwargs)}: {error}; it takes "
+                         f"{', '.join(accepted) or 'no arguments'} (--model-arg KEY=VALUE)") from None
+
+
 def build_model(name: str, **kwargs) -> nn.Module:
     """Build a model from a registered name (see ``MODEL_NAMES``) or a ``package.module:factory`` string."""
+    if not isinstance(name, str):
+        raise InputError(f"model name must be a string such as 'unet3d' or 'package.module:factory', got "
+                         f"{type(name).__name__}")
     if name.startswith("hf:"):
         return build_transformers_model(name[3:], **kwargs)
     if ":" in name:
-        model = _import_factory(name)(**kwargs)
+        factory = _import_factory(name)
+        _check_arguments(name, factory, kwargs)
+        model = factory(**kwargs)
         if not isinstance(model, nn.Module):
             raise OomlessError(f"factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
         return model
@@ -97,11 +154,8 @@ def build_model(name: str, **kwargs) -> nn.Module:
         raise OomlessError(
             f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} or give 'package.module:factory'"
         )
-    try:
-        return _FACTORIES[name](**kwargs)
-    except TypeError as error:
-        # A misspelled keyword is the common cause; say which model rejected it.
-        raise InputError(f"model {name!r} rejected its arguments {sorted(kwargs)}: {error}") from error
+    _check_arguments(name, _FACTORIES[name], kwargs)
+    return _FACTORIES[name](**kwargs)
 
 
 def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Sequence[int] | None = None,

@@ -173,7 +173,8 @@ class Partition:
                           str(self.in_flight[stage]))
         buffer = io.StringIO()
         Console(file=buffer, width=120, force_terminal=False, color_system=None).print(table)
-        ranks = ", ".join(f"{rank}: {format_bytes(used)} of {format_bytes(limit)}"
+        # A limit this large stands for "no budget given" (oomless.parallel.stage_fit.UNLIMITED): not printed.
+        ranks = ", ".join(f"{rank}: {format_bytes(used)}" + (f" of {format_bytes(limit)}" if limit < 1 << 60 else "")
                           for rank, (used, limit) in enumerate(zip(self.rank_bytes, self.memory_limits)))
         slowest = f"stage {self.bottleneck}" if self.stages_per_rank == 1 else f"rank {self.bottleneck_rank}"
         lines = [f"bottleneck: {slowest} (*), {self.bottleneck_seconds * 1e3:.2f} ms per micro-batch; "

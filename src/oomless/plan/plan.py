@@ -5,6 +5,7 @@ import io
 import json
 from dataclasses import asdict, dataclass, field
 
+from oomless.errors import InputError, one_line
 from oomless.sizes import format_bytes
 
 
@@ -66,10 +67,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        data = json.loads(text)
-        data["blocks"] = [BlockPlan(**block) for block in data["blocks"]]
-        data["static_parts"] = [StaticPart(**part) for part in data.get("static_parts", [])]
-        return cls(**data)
+        try:
+            data = json.loads(text)
+            data["blocks"] = [BlockPlan(**block) for block in data["blocks"]]
+            data["static_parts"] = [StaticPart(**part) for part in data.get("static_parts", [])]
+            return cls(**data)
+        except (ValueError, KeyError, TypeError) as error:     # not JSON, or not a plan's fields
+            raise InputError(f"the text is not a plan written by Plan.to_json ({one_line(error)})") from None
 
     def with_decisions(self, decisions: dict[str, str], reason: str = "given by the user") -> "Plan":
         """A copy of this plan with some decisions replaced (predictions are not recomputed)."""

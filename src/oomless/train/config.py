@@ -1,7 +1,7 @@
 """The typed configuration of ``oomless train``; the CLI maps its flags onto this and nothing else."""
 
 import dataclasses
-import os
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import torch
 
 from oomless.data.config import DataConfig
 from oomless.errors import InputError
+from oomless.output_paths import check_output_path
 from oomless.parallel.config import ParallelConfig
 from oomless.sizes import parse_bytes
 
@@ -18,22 +19,6 @@ SEGMENTATION_MODELS = ("unet3d", "monai-unet")
 # produce a run that equals neither the old nor the new configuration, so it is refused.
 TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "classes", "base_channels", "depth",
                      "max_grad_norm")
-
-
-def _check_creatable(path: Path, flag: str, directory: bool) -> None:
-    """Raise `InputError` unless ``path`` is (or can be made as) a directory / a file to write."""
-    if path.exists():
-        if directory and not path.is_dir():
-            raise InputError(f"{flag} {path} is a file; name a directory (created if missing)")
-        if not directory and path.is_dir():
-            raise InputError(f"{flag} {path} is a directory; name a file, e.g. {path / 'weights.safetensors'}")
-    parent = path if directory and path.is_dir() else path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path} cannot be created: {parent} is not writable")
 
 
 @dataclass
@@ -94,10 +79,12 @@ class TrainConfig:
             minimum = {"steps": 0, "classes": 2}.get(name, 1)
             if getattr(self, name) < minimum:
                 raise InputError(f"{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise InputError(f"lr must be positive, got {self.lr}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise InputError(f"max-grad-norm must be positive, got {self.max_grad_norm}")
+        if not 0 < self.lr < math.inf:
+            raise InputError(f"lr must be a positive finite number, got {self.lr}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise InputError(f"max-grad-norm must be a positive finite number, got {self.max_grad_norm}")
+        if not 0 <= self.seed < 2**32:              # NumPy's seed range; torch's and Python's are wider
+            raise InputError(f"seed must be between 0 and 2**32 - 1, got {self.seed}")
         self.parallel.validate()
         if self.data is not None:
             self.data.validate(multiple)
@@ -107,9 +94,9 @@ class TrainConfig:
             raise InputError("resume needs a checkpoint directory (--checkpoint-dir)")
         # Checked now, not when the first checkpoint or the final weights are written, after the steps.
         if self.checkpoint_dir is not None:
-            _check_creatable(Path(self.checkpoint_dir), "checkpoint-dir", directory=True)
+            check_output_path(self.checkpoint_dir, "checkpoint-dir", directory=True)
         if self.save is not None:
-            _check_creatable(Path(self.save), "save", directory=False)
+            check_output_path(self.save, "save")
         self.resolve_device()
         return self
 
@@ -118,10 +105,16 @@ class TrainConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
             device = torch.device(self.device)
-        except RuntimeError as error:
-            raise InputError(f"device {self.device!r} is not a torch device: {error}") from error
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise InputError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N (oomless runs on CPUs "
+                             "and NVIDIA GPUs)")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"device {self.device!r} asked for, but CUDA is not available here")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise InputError(f"device {self.device!r} asked for, but this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
         return device
 
     def trajectory(self) -> dict:
