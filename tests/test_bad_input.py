@@ -71,6 +71,12 @@ CLI_CASES = [
     (TRAIN + ["--switch-when", "loss<abc:dp"], "switch condition 'loss<abc' is not METRIC<VALUE"),
     (TRAIN + ["--switch-when", "speed<1:dp"], "switch condition 'speed<1' is not METRIC<VALUE"),
     (TRAIN + ["--sise", "16"], "unrecognized arguments: --sise 16"),
+    (TRAIN + ["--workers", "3"], "--workers applies with --data DIR"),
+    (TRAIN + ["--data", "no-such-folder"], "--data no-such-folder: no such folder"),
+    # oomless make-data
+    (["make-data", "a-file"], "DIR a-file is a file; name a directory"),
+    (["make-data", "new", "--seed", "-1"], "--seed must be between 0 and 2**32 - 1"),
+    (["make-data", "new", "--cases", "0"], "need cases >= 1"),
     # oomless plan
     (["plan", "nope", "--memory", "1GiB"], "unknown model 'nope'; choose one of"),
     (["plan", ":make", "--memory", "1GiB"], "is not 'package.module:factory'"),

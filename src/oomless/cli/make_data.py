@@ -33,6 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from oomless.cli.train import parse_size
     from oomless.data.make_dataset import write_synthetic_dataset
 
+    from oomless.errors import InputError
+    from oomless.output_paths import check_output_path
+
+    check_output_path(args.directory, "DIR", directory=True)
+    if not 0 <= args.seed < 2**32:
+        raise InputError(f"--seed must be between 0 and 2**32 - 1, got {args.seed}")
     console = Console(stderr=True)
     with Progress(console=console, disable=not console.is_terminal) as progress:
         task = progress.add_task("writing cases", total=args.cases)

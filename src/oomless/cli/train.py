@@ -102,6 +102,15 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig | None:
     if args.data is None:
+        defaults = DataConfig(path="")
+        given = [flag for flag, value, default in (
+            ("--stage", args.stage, None), ("--workers", args.workers, defaults.workers),
+            ("--validate-every", args.validate_every, defaults.validate_every),
+            ("--validation-fraction", args.validation_fraction, defaults.validation_fraction),
+            ("--no-augment", args.no_augment, False), ("--run-dir", args.run_dir, None)) if value != default]
+        if given:
+            raise InputError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} with --data DIR "
+                             "(training on NIfTI files); the synthetic volumes need none")
         return None
     size = parse_size(args.size) if args.size is not None else None
     return DataConfig(path=args.data, stage=args.stage, shape=(size,) * 3 if isinstance(size, int) else size,
