@@ -26,7 +26,7 @@ CHILD = Path(__file__).resolve().parent / "checkpoint_writer_child.py"
 
 def _config(**overrides) -> TrainConfig:
     settings = dict(size=16, steps=4, seed=0, global_batch=2, base_channels=4, depth=2, progress=False,
-                    device="cpu", keep_checkpoints=3)
+                    device="cpu", keep_checkpoints=3, log_every=1)
     settings.update(overrides)
     return TrainConfig(**settings)
 
