@@ -17,6 +17,10 @@ class BlockPlan:
     saved_bytes: int
     forward_seconds: float
     backward_seconds: float
+    # Saved-activation bytes the runtime lets onto the device while this block's forward / backward
+    # runs (the budget less the phase's own working memory); None: the plan's activation_budget.
+    forward_limit_bytes: int | None = None
+    backward_limit_bytes: int | None = None
 
 
 @dataclass
@@ -36,6 +40,15 @@ class StaticPart:
 
 @dataclass
 class Plan:
+    """The plan for one model and budget. Its promise: ``predicted_peak_bytes`` (static bytes, the
+    measurement margin, and the most the step holds beyond static bytes at one time: saved
+    activations on the device plus the running phase's working memory) is within ``memory_bytes``.
+    ``reserve_bytes`` is the working memory of the step's worst phase (held tensors, gradients in
+    flight, op workspaces) with the margin; ``activation_budget`` the most saved-activation bytes the
+    runtime lets onto the device at any time (in the phase with the least working memory; each
+    block's phases have their own limits). The worst phase and the activation peak are at different
+    times: static + reserve + activation_budget may exceed ``memory_bytes``."""
+
     memory_bytes: int
     device: str
     static_bytes: int
@@ -47,7 +60,7 @@ class Plan:
     plain_peak_bytes: int
     plain_step_seconds: float
     blocks: list[BlockPlan]
-    prefetch_blocks: int = 2
+    prefetch_bytes: int | None = None   # swapped bytes brought back ahead of use at most (None: budget allows)
     min_swap_bytes: int = 64 * 1024
     static_breakdown: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

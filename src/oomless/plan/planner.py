@@ -8,7 +8,8 @@ profile) + activation budget (saved activations, the ledger's domain).
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
-from oomless.plan.simulate import simulate
+from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, loss_other_bytes, phases,
+                                   simulate)
 from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes
@@ -26,26 +27,53 @@ def static_breakdown(profile: Profile) -> dict[str, int]:
 def _transient_bytes(block) -> int:
     """Bytes a block needs beyond saved activations while it runs, as the profiling step measured
     them; where not measured, its output and the gradients through it, about two of its largest
-    tensors each way. Measured backward transients are the rise less all the block's saved bytes,
-    matching the simulator, which holds them all until the block's backward ends."""
+    tensors each way (used by the pipeline partitioner's per-stage memory)."""
     if block.forward_transient_bytes is None or block.backward_transient_bytes is None:
         return 2 * block.output_bytes + 2 * block.largest_saved_bytes
     return max(block.forward_transient_bytes, block.backward_transient_bytes, block.output_bytes)
 
 
-# Resident memory on CPU is measured with page granularity and allocator reuse; a second profile
-# of the same step reads up to ~15 % differently. The reserve carries that much on top.
-MEASUREMENT_MARGIN = 0.2
+# The reserve is measured (`profile.recorder`), exactly, at each change of the ledger; what varies
+# between two profiles of the same step on CPU (heap pages glibc keeps, page granularity) is carried
+# by this share of it on top. Profiles with estimated bytes (meta tensors) carry 20 %.
+MEASURED_MARGIN = 0.05
+ESTIMATED_MARGIN = 0.2
+
+
+def _worst_other_bytes(profile: Profile) -> int:
+    """The largest "other" bytes of any block's forward or backward or of the loss: held tensors
+    such as U-Net skips, gradients in flight, op workspaces, the loss's own tensors."""
+    others = [forward_other_bytes(profile, block) for block in profile.blocks]
+    others += [backward_other_bytes(profile, block) for block in profile.blocks]
+    return max(others + [loss_other_bytes(profile)])
+
+
+def _least_other_bytes(profile: Profile) -> int:
+    """The smallest working memory of any phase: where saved activations have the most room."""
+    others = [forward_other_bytes(profile, block) for block in profile.blocks]
+    others += [backward_other_bytes(profile, block) for block in profile.blocks]
+    return min(others + [loss_other_bytes(profile)])
+
+
+def _margin_bytes(profile: Profile) -> int:
+    measured = all(block.forward_other_bytes is not None and block.backward_other_bytes is not None
+                   for block in profile.blocks) and profile.loss_other_bytes is not None
+    return int(_worst_other_bytes(profile) * (MEASURED_MARGIN if measured else ESTIMATED_MARGIN))
 
 
 def reserve_bytes(profile: Profile) -> int:
-    """Bytes on top of saved activations, at the worst block: what the forward holds across blocks
-    (U-Net skips) or the gradients alive in backward, plus that block's own transients, plus the
-    model's output and the loss's own saved tensors, plus the measurement margin."""
-    per_block = max((max(block.held_forward_bytes, block.held_backward_bytes) + _transient_bytes(block)
-                     for block in profile.blocks), default=0)
-    final_output = profile.blocks[-1].output_bytes if profile.blocks else 0
-    return int((per_block + 2 * final_output) * (1 + MEASUREMENT_MARGIN))
+    """Bytes on top of saved activations at the worst phase of the step, plus the measurement margin."""
+    return _worst_other_bytes(profile) + _margin_bytes(profile)
+
+
+def _worst_phase_block(profile: Profile) -> str | None:
+    """The block whose forward or backward holds the most beyond saved activations (None: the loss)."""
+    worst, name = loss_other_bytes(profile), None
+    for block in profile.blocks:
+        held = max(forward_other_bytes(profile, block), backward_other_bytes(profile, block)) + block.largest_saved_bytes
+        if held > worst:
+            worst, name = held, block.name
+    return name
 
 
 def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, solver: str) -> str:
@@ -64,56 +92,100 @@ def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, 
             f"({copy_ms:.1f} ms copy back)")
 
 
+COORDINATE_SEARCH_MAX_BLOCKS = 40  # single-block moves are tried up to here: O(n) simulations a round
+
+
+def _frugal_plan(profile: Profile, max_pending_out_bytes: int | None) -> tuple[list[str], Timeline]:
+    """The plan with the smallest simulated peak beyond static memory: swapped tensors come back only when
+    backward needs them (prefetch window 0). The best of the uniform plans (all swap, all
+    recompute, all keep: on a slow link swaps free nothing before the peak, and recompute holds
+    inputs) and of recomputing exactly the blocks whose input is smaller than what they save, then
+    (up to COORDINATE_SEARCH_MAX_BLOCKS blocks) single-block moves while they lower the peak."""
+    run = simulator_for(profile, 0, max_pending_out_bytes, None)
+    count = len(profile.blocks)
+    starts = [[option] * count for option in DECISIONS]
+    starts.append(["recompute" if block.input_bytes < block.saved_bytes else "swap" for block in profile.blocks])
+    decisions = min(starts, key=lambda start: run(start).total_peak_bytes)
+    timeline = run(decisions)
+    improved, rounds = count <= COORDINATE_SEARCH_MAX_BLOCKS, 0
+    while improved and rounds < 4:
+        improved, rounds = False, rounds + 1
+        for index in range(count):
+            for option in DECISIONS:
+                if option == decisions[index]:
+                    continue
+                trial = decisions[:index] + [option] + decisions[index + 1:]
+                candidate = run(trial)
+                if candidate.total_peak_bytes < timeline.total_peak_bytes:
+                    decisions, timeline, improved = trial, candidate, True
+    return decisions, timeline
+
+
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
-    """The smallest budget one of the uniform plans (all swap, all recompute, or all keep: on a slow
-    link swaps free nothing before the peak, and recompute holds inputs) fits, for this profile."""
+    """The smallest budget any plan fits, for this profile (without the margin PlanError adds)."""
     if profile.link.kind == "disk" and max_pending_out_bytes is None:
         max_pending_out_bytes = 256 * 2**20
-    frugal_peak = min(simulate(profile, [option] * len(profile.blocks), 1, max_pending_out_bytes).activation_peak_bytes
-                      for option in ("swap", "recompute", "keep"))
-    return sum(static_breakdown(profile).values()) + reserve_bytes(profile) + frugal_peak
+    _, timeline = _frugal_plan(profile, max_pending_out_bytes)
+    return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
 
 
 def _with_margin(num_bytes: int) -> int:
-    """``num_bytes`` plus 5 % (at least 1 MiB), rounded up to whole MiB."""
-    padded = num_bytes + max(num_bytes // 20, 2**20)
+    """``num_bytes`` plus 2 % (at least 1 MiB), rounded up to whole MiB: planning again with the
+    named budget measures the step again, a little differently."""
+    padded = num_bytes + max(num_bytes // 50, 2**20)
     return -(-padded // 2**20) * 2**20
+
+
+def _prefetch_windows(profile: Profile, budget: int) -> list[int | None]:
+    """Prefetch windows the planner tries: none ahead (the most frugal), a few tensors ahead, a
+    quarter of the budget, and as far as the budget allows."""
+    largest = max((block.largest_saved_bytes for block in profile.blocks), default=0)
+    return [0, 4 * largest, max(budget // 4, 0), None]
 
 
 def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | None = None,
               max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024,
               solver: str = "auto") -> Plan:
-    """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given)."""
+    """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given).
+
+    Memory = static bytes + the measurement margin + what the step holds beyond static bytes at its
+    worst moment: saved activations on the ledger plus the running phase's working memory, as the
+    simulator replays the plan (`plan.simulate`)."""
     static = static_breakdown(profile)
     static_bytes = sum(static.values())
-    reserve = reserve_bytes(profile)
-    budget = memory_bytes - static_bytes - reserve
+    margin = _margin_bytes(profile)
+    worst_other = _worst_other_bytes(profile)
+    budget = memory_bytes - static_bytes - margin     # beyond static bytes, for the whole step
     names = [block.name for block in profile.blocks]
     if profile.link.kind == "disk" and max_pending_out_bytes is None:
         max_pending_out_bytes = 256 * 2**20
-    plain = simulate(profile, ["keep"] * len(names), 1, max_pending_out_bytes)
-    exact_minimum = smallest_memory(profile, max_pending_out_bytes)
-    # Transient bytes are measured, and a second profile of the same step differs a little:
-    # the smallest budget reported carries a margin so that planning again with it succeeds.
+    plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
+    frugal, frugal_timeline = _frugal_plan(profile, max_pending_out_bytes)
+    exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
+    # A second profile of the same step measures a little differently: the smallest budget
+    # reported carries a margin so that planning again with it succeeds.
     minimum = _with_margin(exact_minimum)
     if memory_bytes < exact_minimum and decisions is None:
-        limiting = max(profile.blocks, key=lambda b: b.saved_bytes + b.input_bytes, default=None)
-        limiting_name = limiting.name if limiting is not None and static_bytes + reserve < memory_bytes else None
-        why = (f"block {limiting_name} must hold its {format_bytes(limiting.saved_bytes)} of saved tensors "
-               "during its own backward" if limiting_name else
-               f"static bytes ({format_bytes(static_bytes)}) and the transient reserve "
-               f"({format_bytes(reserve)}) alone exceed it")
+        limiting_name = _worst_phase_block(profile) if static_bytes + margin < memory_bytes else None
+        if limiting_name is not None:
+            block = profile.blocks[names.index(limiting_name)]
+            working = max(forward_other_bytes(profile, block), backward_other_bytes(profile, block))
+            why = (f"block {limiting_name} sets it: {format_bytes(working)} of working memory beyond saved "
+                   f"tensors while it runs (held tensors, gradients, op workspaces), with its saved tensors "
+                   f"(the largest {format_bytes(block.largest_saved_bytes)}) brought back one at a time")
+        else:
+            why = f"static bytes ({format_bytes(static_bytes)}) alone exceed it"
         raise PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                         f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
-                        "a smaller batch, or finer blocks (blocks=...)",
+                        "or a smaller batch",
                         minimum_bytes=minimum, limiting_block=limiting_name)
 
     if solver not in ("auto", "greedy", "exact"):
         raise InputError(f"solver must be 'auto', 'greedy' or 'exact', got {solver!r}")
     use_exact = solver == "exact" or (solver == "auto" and len(names) <= EXACT_MAX_BLOCKS)
     best = None
-    for prefetch in (1, 2, 3):
-        run = simulator_for(profile, prefetch, max_pending_out_bytes)
+    for window in _prefetch_windows(profile, budget - worst_other):
+        run = simulator_for(profile, window, max_pending_out_bytes, budget)
         candidates = []
         if decisions:
             candidates.append(("given", [decisions[name] for name in names]))
@@ -126,33 +198,39 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                     candidates.append(("exact", relax(run, profile, budget, found)))
             # When the greedy stalls (no move lowers the peak), relaxing the most frugal plans back
             # towards keep still finds a fitting plan.
-            if not any(run(chosen).activation_peak_bytes <= budget for _, chosen in candidates):
-                candidates += [("relaxed", relax(run, profile, budget, [option] * len(names)))
-                               for option in ("swap", "recompute")]
+            if not any(run(chosen).total_peak_bytes <= budget for _, chosen in candidates):
+                candidates += [("relaxed", relax(run, profile, budget, start))
+                               for start in (frugal, ["swap"] * len(names), ["recompute"] * len(names))]
         for solver_name, chosen in candidates:
             timeline = run(chosen)
-            fits = timeline.activation_peak_bytes <= budget
-            key = (not fits, timeline.step_seconds if fits else timeline.activation_peak_bytes)
+            fits = timeline.total_peak_bytes <= budget
+            key = (not fits, timeline.step_seconds if fits else timeline.total_peak_bytes)
             if best is None or key < best[0]:
-                best = (key, prefetch, chosen, timeline, solver_name)
-    _, prefetch, chosen, timeline, solver_name = best
-    if timeline.activation_peak_bytes > budget and decisions is None:
+                best = (key, window, chosen, timeline, solver_name)
+    _, window, chosen, timeline, solver_name = best
+    if timeline.total_peak_bytes > budget and decisions is None:
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "
-                        f"{format_bytes(static_bytes + reserve + timeline.activation_peak_bytes)}",
-                        minimum_bytes=_with_margin(static_bytes + reserve + timeline.activation_peak_bytes))
+                        f"{format_bytes(static_bytes + margin + timeline.total_peak_bytes)}",
+                        minimum_bytes=_with_margin(static_bytes + margin + timeline.total_peak_bytes))
+    forward_phases, _, backward_phases = phases(profile, chosen)
     blocks = [BlockPlan(block.name, chosen[i], _reason(profile, i, chosen[i], timeline, budget, solver_name),
-                        block.saved_bytes, block.forward_seconds, block.backward_seconds)
+                        block.saved_bytes, block.forward_seconds, block.backward_seconds,
+                        forward_limit_bytes=budget - forward_phases[i].other,
+                        backward_limit_bytes=budget - backward_phases[i].other)
               for i, block in enumerate(profile.blocks)]
-    notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, prefetch distance {prefetch})"]
-    if decisions is not None and timeline.activation_peak_bytes > budget:
-        notes.append(f"the given decisions are predicted to exceed the activation budget by "
-                     f"{format_bytes(timeline.activation_peak_bytes - budget)}")
+    ahead = "as far as the budget allows" if window is None else format_bytes(window)
+    notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, swapped tensors brought back "
+                                   f"ahead of use: {ahead})"]
+    if decisions is not None and timeline.total_peak_bytes > budget:
+        notes.append(f"the given decisions are predicted to exceed the budget by "
+                     f"{format_bytes(timeline.total_peak_bytes - budget)}")
     return Plan(
-        memory_bytes=memory_bytes, device=profile.device, static_bytes=static_bytes, reserve_bytes=reserve,
-        activation_budget=budget, predicted_peak_bytes=static_bytes + reserve + timeline.activation_peak_bytes,
+        memory_bytes=memory_bytes, device=profile.device, static_bytes=static_bytes,
+        reserve_bytes=worst_other + margin, activation_budget=budget - _least_other_bytes(profile),
+        predicted_peak_bytes=static_bytes + margin + timeline.total_peak_bytes,
         predicted_activation_peak_bytes=timeline.activation_peak_bytes,
         predicted_step_seconds=timeline.step_seconds,
-        plain_peak_bytes=static_bytes + reserve + plain.activation_peak_bytes,
-        plain_step_seconds=plain.step_seconds, blocks=blocks, prefetch_blocks=prefetch,
+        plain_peak_bytes=static_bytes + margin + plain.total_peak_bytes,
+        plain_step_seconds=plain.step_seconds, blocks=blocks, prefetch_bytes=window,
         min_swap_bytes=min_swap_bytes,
         static_breakdown=static, notes=notes)

@@ -1,46 +1,162 @@
-"""Timeline simulator: replay one training step under a plan and return its peak saved-activation
-bytes and its duration.
+"""Timeline simulator: replay one training step under a plan, saved tensor by saved tensor, and
+return its peak bytes and its duration. It does what the runtime (`runtime/saved.py`) does.
 
-Streams modelled (as in the CUDA runtime): one compute stream, a copy-out stream for swaps in
-forward and a copy-in stream for prefetches in backward. A swapped block's bytes leave the ledger
-when its copy-out ends and return when its prefetch starts (the destination is allocated then).
-Prefetch of block i is issued when backward reaches block i + distance. A recompute block holds its
-inputs from forward to backward and re-runs its forward before its backward. With the disk tier
-(compute on CPU) transfers share the cores with compute, so their time is added to the step.
+Streams modelled (as in the CUDA runtime): one compute stream, a copy-out stream for swaps in forward
+and a copy-in stream for prefetches in backward.
+- Forward: a block's saved tensors (its profiled storages, in order) appear evenly over its forward.
+  A kept one stays until backward uses it; a swapped one leaves when its copy out ends (copies queue
+  on one stream, in order); a recompute block holds only its inputs.
+- Backward: blocks in reverse; a block's tensors are used evenly over its backward, last saved first,
+  and each leaves right after its use. Swapped tensors are asked back in that order, ahead of their
+  use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
+  in time stalls compute until its copy lands. A recompute block re-runs its forward first and holds
+  all its saved bytes until its backward ends.
+- With the disk tier (compute on CPU) transfers share the cores with compute: their time is added to
+  the step (the conservative reading: fully serialised).
+- Besides the ledger (saved activations), each phase holds "other" bytes: measured per block forward
+  and backward and for the loss (`profile.recorder`), else estimated from held and tensor sizes.
 """
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from oomless.profile.profile import Profile
+from oomless.profile.profile import BlockProfile, Profile
 
 
 @dataclass
 class Timeline:
-    activation_peak_bytes: int
+    activation_peak_bytes: int      # the ledger's peak: saved activations resident on the device
     step_seconds: float
     forward_end_bytes: int
     stall_seconds: float
     curve: list[tuple[float, int]]  # (seconds, resident activation bytes) after each event
-    peak_seconds: float = 0.0       # when the peak is first reached
-    block_stall_seconds: list[float] | None = None  # per block: backward waiting for its prefetch
+    peak_seconds: float = 0.0       # when the ledger's peak is first reached
+    block_stall_seconds: list[float] | None = None  # per block: backward waiting for its tensors
     forward_seconds: float = 0.0    # when the forward (and loss) ended
+    total_peak_bytes: int = 0       # the peak of saved activations plus the phases' other bytes
 
 
-def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
-             max_pending_out_bytes: int | None = None, keep_curve: bool = False) -> Timeline:
+def entry_sizes(block: BlockProfile) -> list[int]:
+    """The block's saved storages in the order saved: as profiled, or (profiles made by hand) its
+    saved bytes in pieces of its largest storage."""
+    if block.saved_sizes:
+        return block.saved_sizes
+    if block.saved_bytes <= 0:
+        return []
+    piece = max(block.largest_saved_bytes, 1)
+    whole, rest = divmod(block.saved_bytes, piece)
+    return [piece] * whole + ([rest] if rest else [])
+
+
+def _estimated_transient(block: BlockProfile) -> int:
+    return 2 * block.output_bytes + 2 * block.largest_saved_bytes
+
+
+def forward_other_bytes(profile: Profile, block: BlockProfile) -> int:
+    """Bytes beyond static memory and the ledger while ``block``'s forward runs."""
+    if block.forward_other_bytes is not None:
+        return block.forward_other_bytes
+    transient = block.forward_transient_bytes if block.forward_transient_bytes is not None \
+        else _estimated_transient(block)
+    return block.held_forward_bytes + transient + profile.unassigned_saved_bytes
+
+
+def backward_other_bytes(profile: Profile, block: BlockProfile) -> int:
+    """Bytes beyond static memory and the ledger while ``block``'s backward runs."""
+    if block.backward_other_bytes is not None:
+        return block.backward_other_bytes
+    transient = block.backward_transient_bytes if block.backward_transient_bytes is not None \
+        else _estimated_transient(block)
+    return block.held_backward_bytes + max(transient, block.output_bytes) + profile.unassigned_saved_bytes
+
+
+def loss_other_bytes(profile: Profile) -> int:
+    """Bytes beyond static memory and the ledger from the end of the forward to the first backward:
+    measured, or the model's output and as much again for the loss's own tensors."""
+    if profile.loss_other_bytes is not None:
+        return profile.loss_other_bytes
+    final_output = profile.blocks[-1].output_bytes if profile.blocks else 0
+    return 2 * final_output + profile.unassigned_saved_bytes
+
+
+@dataclass
+class Phase:
+    """What a phase of the step holds beyond static memory: ``other`` bytes on top of the ledger;
+    where measured, ``peak``: the most at one time of those and the ledger in the profiling step,
+    which swapped every block's tensors (written out as saved, brought back only when used)."""
+
+    block: int          # -1: the loss
+    other: int
+    peak: int | None
+
+
+def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, list[Phase]]:
+    """(forward phase per block, the loss, backward phase per block). A recomputed block's backward
+    re-runs its forward first, so it holds the larger of the two."""
+    forward, backward = [], []
+    for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
+        forward.append(Phase(i, forward_other_bytes(profile, block), block.forward_peak_bytes))
+        other, peak = backward_other_bytes(profile, block), block.backward_peak_bytes
+        if decision == "recompute":
+            other = max(other, forward[-1].other)
+            peak = None if peak is None or block.forward_peak_bytes is None else max(peak, block.forward_peak_bytes)
+        backward.append(Phase(i, other, peak))
+    return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes), backward
+
+
+SWAPPED, HELD, AHEAD = 0, 1, 2
+
+
+class _Entry:
+    __slots__ = ("size", "block", "out_end", "issued", "ready")
+
+    def __init__(self, size: int, block: int):
+        self.size, self.block = size, block
+        self.out_end = 0.0
+        self.issued = False
+        self.ready = 0.0
+
+
+def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None = None,
+             max_pending_out_bytes: int | None = None, keep_curve: bool = False,
+             budget_bytes: int | None = None) -> Timeline:
+    """Replay one step under ``decisions``. ``prefetch_bytes``: swapped bytes brought back ahead of
+    use at most (None: no limit); ``budget_bytes``: the bytes beyond static memory the step may use
+    (None: no limit): each backward phase leaves its own other bytes out of it, and prefetches fit
+    in what is left until the phase that uses them."""
     blocks = profile.blocks
     out_rate, in_rate = profile.link.out_bytes_per_second, profile.link.in_bytes_per_second
-    # The disk tier's workers copy on the same CPU cores compute runs on: its transfers do not hide
-    # behind compute, they take their time from it (the conservative reading: fully serialised).
     contended = profile.link.kind == "disk"
-    events: list[tuple[float, int]] = []  # (time, +/- bytes)
+    window = float("inf") if prefetch_bytes is None else prefetch_bytes
+    forward_phases, loss_phase, backward_phases = phases(profile, decisions)
+    limits = [float("inf") if budget_bytes is None else budget_bytes - phase.other for phase in backward_phases]
+    # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
+    # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too).
+    events: list[tuple[float, int, int, Phase | None]] = []
+    copy_outs: list[tuple[float, int, int]] = []   # heap of (copy end, bytes, block) still on the ledger
+    ledger = 0                                      # the ledger as of `now`, copy-outs applied lazily
+
+    def add(time: float, delta: int, kind: int) -> None:
+        events.append((time, delta, kind, None))
+
+    def enter(time: float, phase: Phase) -> None:
+        events.append((time, 0, HELD, phase))
+
+    def settle(time: float) -> None:
+        nonlocal ledger
+        while copy_outs and copy_outs[0][0] <= time:
+            ledger -= heapq.heappop(copy_outs)[1]
+
     now, copy_out_free, stall = 0.0, 0.0, 0.0
-    out_end = [0.0] * len(blocks)
-    pending_out: deque[tuple[float, int]] = deque()  # (copy end, bytes) not yet written, in copy order
+    pending_out: deque[tuple[float, int]] = deque()
     pending_bytes = 0
+    per_block: list[list[_Entry]] = []
+    swapped: list[_Entry] = []
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
-        if max_pending_out_bytes is not None:
+        sizes = entry_sizes(block)
+        per_block.append([_Entry(size, i) for size in sizes] if decision != "recompute" else [])
+        if max_pending_out_bytes is not None and decision == "swap":
             # The disk tier makes the forward wait when too many bytes are still unwritten.
             while pending_out and pending_out[0][0] <= now:
                 pending_bytes -= pending_out.popleft()[1]
@@ -49,67 +165,145 @@ def simulate(profile: Profile, decisions: list[str], prefetch_blocks: int = 1,
                 pending_bytes -= size
                 stall += max(waited_until - now, 0.0)
                 now = max(now, waited_until)
-        now += block.forward_seconds
+        start = now
+        enter(start, forward_phases[i])
         if decision == "recompute":
-            events.append((now - block.forward_seconds, block.input_bytes))
-            continue
-        events.append((now, block.saved_bytes))
-        if decision == "swap":
-            start = max(copy_out_free, now - block.forward_seconds)
-            copy_out_free = out_end[i] = max(start + block.saved_bytes / out_rate, now)
-            if contended:
-                now += block.saved_bytes / out_rate
-            events.append((out_end[i], -block.saved_bytes))
-            pending_out.append((out_end[i], block.saved_bytes))
-            pending_bytes += block.saved_bytes
+            add(start, block.input_bytes, HELD)
+            ledger += block.input_bytes
+        kind = SWAPPED if decision == "swap" else HELD
+        for k, entry in enumerate(per_block[i]):
+            saved_at = start + block.forward_seconds * (k + 1) / len(sizes)
+            add(saved_at, entry.size, kind)
+            ledger += entry.size
+            if decision == "swap":
+                copy_start = max(copy_out_free, saved_at)
+                copy_out_free = entry.out_end = copy_start + entry.size / out_rate
+                add(entry.out_end, -entry.size, SWAPPED)
+                heapq.heappush(copy_outs, (entry.out_end, entry.size, i))
+                pending_out.append((entry.out_end, entry.size))
+                pending_bytes += entry.size
+                swapped.append(entry)
+        now = start + block.forward_seconds
+        if decision == "swap" and contended:
+            now += block.saved_bytes / out_rate
+    enter(now, loss_phase)
     now += profile.loss_seconds
     forward_end = now
-    forward_end_bytes = sum(delta for time, delta in events if time <= forward_end)
+    settle(forward_end)
+    forward_end_ledger = ledger
 
     copy_in_free = 0.0
-    ready = [0.0] * len(blocks)
-    swapped = [i for i, decision in enumerate(decisions) if decision == "swap"]
-
-    def issue_prefetch(index: int, at: float) -> None:
-        nonlocal copy_in_free
-        start = max(copy_in_free, at, out_end[index])
-        copy_in_free = ready[index] = start + blocks[index].saved_bytes / in_rate
-        events.append((start, blocks[index].saved_bytes))
-
-    block_stall = [0.0] * len(blocks)
-    # Swapped blocks in descending order; prefetches are issued in that order as backward reaches
-    # block j + distance, so one pointer walks them (the simulator stays O(n log n)).
     next_prefetch = len(swapped) - 1
-    for i in range(len(blocks) - 1, -1, -1):
-        while next_prefetch >= 0 and swapped[next_prefetch] >= i - prefetch_blocks:
-            issue_prefetch(swapped[next_prefetch], now)
-            next_prefetch -= 1
-        block, decision = blocks[i], decisions[i]
-        if decision == "swap" and ready[i] > now:
-            stall += ready[i] - now
-            block_stall[i] = ready[i] - now
-            now = ready[i]
-        if decision == "swap" and contended:
-            now += block.saved_bytes / in_rate
-        if decision == "recompute":
-            events.append((now, block.saved_bytes))
-            now += block.forward_seconds
-        now += block.backward_seconds
-        events.append((now, -block.saved_bytes))
-        if decision == "recompute":
-            events.append((now, -block.input_bytes))
+    prefetched_unused = 0
+    block_stall = [0.0] * len(blocks)
 
-    # Additions before removals at equal times: the conservative reading of simultaneous events.
-    # (Sorting (time, -delta) pairs natively: a key function would dominate the planner's time.)
-    events = [(time, -delta) for time, delta in events]
-    events.sort()
-    resident, peak, curve = profile.unassigned_saved_bytes, profile.unassigned_saved_bytes, []
-    peak_seconds = 0.0
-    for time, negative_delta in events:
-        resident -= negative_delta
-        if resident > peak:
-            peak, peak_seconds = resident, time
+    def issue(entry: _Entry, at: float, ahead: bool) -> None:
+        nonlocal copy_in_free, prefetched_unused, ledger
+        entry.issued = True
+        prefetched_unused += entry.size
+        start = max(copy_in_free, at, entry.out_end)
+        copy_in_free = entry.ready = start + entry.size / in_rate
+        if ahead:
+            add(at, entry.size, AHEAD)
+        if at < entry.out_end:
+            # Asked back before its copy out ended: its bytes never left the ledger.
+            copy_outs.remove((entry.out_end, entry.size, entry.block))
+            heapq.heapify(copy_outs)
+            add(entry.out_end, entry.size, SWAPPED)
+        else:
+            add(at, entry.size, SWAPPED)
+            ledger += entry.size
+
+    def prefetch(at: float, current: int) -> None:
+        nonlocal next_prefetch
+        settle(at)
+        while next_prefetch >= 0:
+            entry = swapped[next_prefetch]
+            if entry.issued:
+                next_prefetch -= 1
+                continue
+            if prefetched_unused + entry.size > window:
+                return
+            # It stays until its block's backward: it must fit every phase until then.
+            room = min(limits[entry.block:current + 1])
+            if at >= entry.out_end and ledger + entry.size > room:
+                return
+            issue(entry, at, ahead=True)
+            next_prefetch -= 1
+
+    for i in range(len(blocks) - 1, -1, -1):
+        block, decision = blocks[i], decisions[i]
+        enter(now, backward_phases[i])
+        if decision == "recompute":
+            add(now, block.saved_bytes, HELD)
+            ledger += block.saved_bytes
+            now += block.forward_seconds
+        entries = per_block[i][::-1]
+        step = block.backward_seconds / len(entries) if entries else 0.0
+        for entry in entries:
+            if decision == "swap":
+                if entry.issued:
+                    add(now, -entry.size, AHEAD)
+                else:
+                    issue(entry, now, ahead=False)
+                prefetched_unused -= entry.size
+                prefetch(now, i)
+                if contended:
+                    now += entry.size / in_rate
+                elif entry.ready > now:
+                    block_stall[i] += entry.ready - now
+                    stall += entry.ready - now
+                    now = entry.ready
+            elif next_prefetch >= 0:
+                prefetch(now, i)
+            now += step
+            add(now, -entry.size, SWAPPED if decision == "swap" else HELD)
+            settle(now)
+            ledger -= entry.size
+        if not entries:
+            if next_prefetch >= 0:
+                prefetch(now, i)
+            now += block.backward_seconds
+        if decision == "recompute":
+            add(now, -block.saved_bytes - block.input_bytes, HELD)
+            ledger -= block.saved_bytes + block.input_bytes
+        if next_prefetch >= 0:
+            prefetch(now, i)
+    enter(now, Phase(-1, 0, None))
+    peak, peak_seconds, total_peak, curve = _sweep(events, keep_curve)
+    return Timeline(peak, now, forward_end_ledger, stall, curve, peak_seconds, block_stall, forward_end,
+                    total_peak)
+
+
+def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list]:
+    """Walk the events in time order: the ledger's peak (and when), and the peak of all bytes beyond
+    static memory. Where the running phase's peak was measured, the profiling step had on its
+    ledger what this plan's swapped tensors are (written out as saved, back when used): those are
+    inside the measured peak, and what this plan holds besides (kept tensors, recompute inputs and
+    recomputed tensors, tensors prefetched ahead of use) comes on top. Elsewhere, the phase's other
+    bytes come on top of the whole ledger."""
+    # Additions before phase changes before removals at equal times: the conservative reading of
+    # simultaneous events. (Sorting plain tuples natively: a key function would dominate.)
+    ordered = sorted((time, -delta, index) for index, (time, delta, _, _) in enumerate(events))
+    resident, held, ahead, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0.0, 0, []
+    phase = Phase(-1, 0, None)
+    for time, _, index in ordered:
+        _, delta, kind, entered = events[index]
+        if entered is not None:
+            phase = entered
+        elif kind == AHEAD:
+            ahead += delta
+        else:
+            resident += delta
+            if kind == HELD:
+                held += delta
+            if resident > peak:
+                peak, peak_seconds = resident, time
+        if phase.peak is not None:
+            total = phase.peak + held + ahead
+        else:
+            total = resident + phase.other
+        total_peak = max(total_peak, total)
         if keep_curve:
             curve.append((time, resident))
-    return Timeline(peak, now, forward_end_bytes + profile.unassigned_saved_bytes, stall, curve,
-                    peak_seconds, block_stall, forward_end)
+    return peak, peak_seconds, total_peak, curve

@@ -10,14 +10,17 @@ plan; the solvers differ in how they search.
   its answer then checked by the simulator and, if the simulator disagrees, solved again with the
   budget tightened by the overshoot. For up to a few hundred blocks.
 
-The separable model (blocks in execution order, prefetch distance 1). While block j's backward runs,
-resident activation bytes are: the unassigned saves; for every earlier block i < j, its saved bytes
-if kept, its input if recomputed, nothing if swapped; block j's own saved bytes (kept, fetched back
-or recomputed; plus its input if recomputed); and block j-1's saved bytes if it is swapped (its
-prefetch runs meanwhile). Every such sum must fit the budget. Added seconds: a recompute re-runs the
-block's forward; a swap costs its prefetch time beyond the backward of the block after it. Bytes
-are counted in units of budget / bins, rounded up, so a model solution never exceeds the budget.
-Tests check the DP against brute force over all 3^n plans of this model (tests/test_solvers.py).
+The separable model (blocks in execution order). Bytes beyond static memory while block j's backward
+runs: for every earlier block i < j, its saved bytes if kept, its input if recomputed, nothing if
+swapped; plus block j's own phase: its saved bytes and working memory if kept; its saved bytes,
+input and the larger of its forward and backward working memory if recomputed; if swapped, its
+measured peak with its tensors brought back one by one (`runtime/saved.py`). While its forward
+runs: what earlier blocks hold, what it holds itself, and its forward working memory; at the end of
+the forward, everything held and the loss's working memory. Every such sum must fit the budget.
+Added seconds: a recompute re-runs the block's forward; a swap costs its prefetch time beyond the
+backward of the block after it. Bytes are counted in units of budget / bins, rounded up, so a model
+solution never exceeds the budget. Tests check the DP against brute force over all 3^n plans of
+this model (tests/test_solvers.py).
 """
 
 import itertools
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oomless.plan.simulate import Timeline, simulate
+from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, loss_other_bytes,
+                                   simulate)
 from oomless.profile.profile import Profile
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
@@ -36,8 +40,10 @@ _TIE_SECONDS = 1e-9  # a free swap still loses to keep: the plan moves nothing i
 
 @dataclass
 class SeparableModel:
-    saved_units: list[int]
-    input_units: list[int]
+    held_units: dict[str, list[int]]       # per decision: what a block holds for later blocks' phases
+    backward_units: dict[str, list[int]]   # per decision: its own backward phase, beyond earlier blocks'
+    forward_units: dict[str, list[int]]    # per decision: its forward phase, beyond earlier blocks'
+    final_units: int                       # the loss's working memory, on top of everything held
     added_seconds: dict[str, list[float]]
     budget_units: int
 
@@ -50,44 +56,58 @@ def swap_added_seconds(profile: Profile, index: int) -> float:
 
 
 def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None) -> SeparableModel:
+    """The separable model of ``profile`` for ``budget_bytes`` beyond static memory."""
     blocks = profile.blocks
     bins = bins or min(max(4096, 32 * len(blocks)), 65536)
-    usable = budget_bytes - profile.unassigned_saved_bytes
     unit = max(budget_bytes / bins, 1.0)
+
+    def units(num_bytes: int) -> int:
+        return math.ceil(max(num_bytes, 0) / unit)
+
+    forward_other = [forward_other_bytes(profile, block) for block in blocks]
+    backward_other = [backward_other_bytes(profile, block) for block in blocks]
+    largest = [min(block.largest_saved_bytes, block.saved_bytes) for block in blocks]
+    swap_backward = [block.backward_peak_bytes if block.backward_peak_bytes is not None else b + big
+                     for block, b, big in zip(blocks, backward_other, largest)]
+    swap_forward = [block.forward_peak_bytes if block.forward_peak_bytes is not None else f + big
+                    for block, f, big in zip(blocks, forward_other, largest)]
     return SeparableModel(
-        saved_units=[math.ceil(block.saved_bytes / unit) for block in blocks],
-        input_units=[math.ceil(block.input_bytes / unit) for block in blocks],
+        held_units={KEEP: [units(block.saved_bytes) for block in blocks], SWAP: [0] * len(blocks),
+                    RECOMPUTE: [units(block.input_bytes) for block in blocks]},
+        backward_units={KEEP: [units(block.saved_bytes + b) for block, b in zip(blocks, backward_other)],
+                        SWAP: [units(value) for value in swap_backward],
+                        RECOMPUTE: [units(block.saved_bytes + block.input_bytes + max(f, b))
+                                    for block, f, b in zip(blocks, forward_other, backward_other)]},
+        forward_units={KEEP: [units(block.saved_bytes + f) for block, f in zip(blocks, forward_other)],
+                       SWAP: [units(value) for value in swap_forward],
+                       RECOMPUTE: [units(block.input_bytes + f) for block, f in zip(blocks, forward_other)]},
+        final_units=units(loss_other_bytes(profile)),
         added_seconds={KEEP: [0.0] * len(blocks),
                        SWAP: [swap_added_seconds(profile, i) + _TIE_SECONDS for i in range(len(blocks))],
                        RECOMPUTE: [block.forward_seconds + 2 * _TIE_SECONDS for block in blocks]},
-        budget_units=math.floor(usable / unit) if usable >= 0 else -1,
+        budget_units=math.floor(budget_bytes / unit) if budget_bytes >= 0 else -1,
     )
 
 
-def _held_units(model: SeparableModel, index: int, decision: str) -> int:
-    """What block ``index`` keeps resident for the backwards of the blocks after it."""
-    return {KEEP: model.saved_units[index], SWAP: 0, RECOMPUTE: model.input_units[index]}[decision]
-
-
-def _own_units(model: SeparableModel, index: int, decision: str) -> int:
-    """What block ``index`` holds during its own backward."""
-    return model.saved_units[index] + (model.input_units[index] if decision == RECOMPUTE else 0)
+def _phase_units(model: SeparableModel, index: int, decision: str) -> int:
+    """The most block ``index``'s own phases need on top of what earlier blocks hold."""
+    return max(model.backward_units[decision][index], model.forward_units[decision][index])
 
 
 def evaluate(model: SeparableModel, decisions) -> tuple[bool, float]:
     """(fits, added seconds) of ``decisions`` in the separable model."""
     held, fits = 0, True
     for j, decision in enumerate(decisions):
-        window = model.saved_units[j - 1] if j > 0 and decisions[j - 1] == SWAP else 0
-        fits &= held + _own_units(model, j, decision) + window <= model.budget_units
-        held += _held_units(model, j, decision)
+        fits &= held + _phase_units(model, j, decision) <= model.budget_units
+        held += model.held_units[decision][j]
+    fits &= held + model.final_units <= model.budget_units
     return fits, sum(model.added_seconds[d][j] for j, d in enumerate(decisions))
 
 
 def brute_force(model: SeparableModel) -> tuple[list[str] | None, float]:
     """The cheapest fitting plan by enumerating all 3^n (tests only)."""
     best, best_seconds = None, math.inf
-    for decisions in itertools.product(_CHOICES, repeat=len(model.saved_units)):
+    for decisions in itertools.product(_CHOICES, repeat=len(model.added_seconds[KEEP])):
         fits, seconds = evaluate(model, decisions)
         if fits and seconds < best_seconds:
             best, best_seconds = list(decisions), seconds
@@ -95,56 +115,52 @@ def brute_force(model: SeparableModel) -> tuple[list[str] | None, float]:
 
 
 def solve_separable(model: SeparableModel) -> tuple[list[str] | None, float]:
-    """Exact DP: state (bytes held so far in units, whether the previous block is swapped)."""
-    n, capacity = len(model.saved_units), model.budget_units
+    """Exact DP over the bytes held so far (in units)."""
+    n, capacity = len(model.added_seconds[KEEP]), model.budget_units
     if capacity < 0:
         return None, math.inf
-    cost = np.full((2, capacity + 1), np.inf)
-    cost[0, 0] = 0.0
-    choices = []  # per block: (decision index, previous flag) that reached each new state
+    cost = np.full(capacity + 1, np.inf)
+    cost[0] = 0.0
+    choices = []  # per block: the decision index that reached each new state
     for j in range(n):
-        new_cost = np.full((2, capacity + 1), np.inf)
-        new_choice = np.full((2, capacity + 1), -1, dtype=np.int8)
-        for flag in (0, 1):
-            window = model.saved_units[j - 1] if flag else 0
-            for d, decision in enumerate(_CHOICES):
-                limit = capacity - _own_units(model, j, decision) - window
-                if limit < 0:
-                    continue
-                shift = _held_units(model, j, decision)
-                candidate = cost[flag, :limit + 1] + model.added_seconds[decision][j]
-                new_flag = 1 if decision == SWAP else 0
-                target = new_cost[new_flag, shift:shift + limit + 1]
-                better = candidate < target
-                target[better] = candidate[better]
-                new_choice[new_flag, shift:shift + limit + 1][better] = d * 2 + flag
+        new_cost = np.full(capacity + 1, np.inf)
+        new_choice = np.full(capacity + 1, -1, dtype=np.int8)
+        for d, decision in enumerate(_CHOICES):
+            shift = model.held_units[decision][j]
+            top = min(capacity - _phase_units(model, j, decision), capacity - shift)
+            if top < 0:
+                continue
+            candidate = cost[:top + 1] + model.added_seconds[decision][j]
+            target = new_cost[shift:shift + top + 1]
+            better = candidate < target
+            target[better] = candidate[better]
+            new_choice[shift:shift + top + 1][better] = d
         cost, choices = new_cost, choices + [new_choice]
-    flag, held = np.unravel_index(np.argmin(cost), cost.shape)
-    if not np.isfinite(cost[flag, held]):
+    cost[max(capacity - model.final_units + 1, 0):] = np.inf
+    held = int(np.argmin(cost))
+    if not np.isfinite(cost[held]):
         return None, math.inf
-    best_seconds = float(cost[flag, held])
+    best_seconds = float(cost[held])
     decisions = []
     for j in range(n - 1, -1, -1):
-        code = int(choices[j][flag, held])
-        d, previous_flag = divmod(code, 2)
+        d = int(choices[j][held])
         decisions.append(_CHOICES[d])
-        held -= _held_units(model, j, _CHOICES[d])
-        flag = previous_flag
+        held -= model.held_units[_CHOICES[d]][j]
     return decisions[::-1], best_seconds
 
 
 def exact(run, profile: Profile, budget_bytes: int, attempts: int = 4) -> list[str] | None:
     """The separable model's optimum, re-solved with a tighter budget while the simulator says it
-    does not fit (the model ignores copy-stream contention and prefetch distances above 1)."""
+    does not fit (the model ignores copy-stream contention and what prefetches hold)."""
     target = budget_bytes
     for _ in range(attempts):
         decisions, _ = solve_separable(separable_model(profile, target))
         if decisions is None:
             return None
         timeline = run(decisions)
-        if timeline.activation_peak_bytes <= budget_bytes:
+        if timeline.total_peak_bytes <= budget_bytes:
             return decisions
-        target -= timeline.activation_peak_bytes - budget_bytes
+        target -= timeline.total_peak_bytes - budget_bytes
     return None
 
 
@@ -180,9 +196,9 @@ def greedy(run, profile: Profile, budget_bytes: int, start: list[str], max_round
     decisions = list(start)
     current = run(decisions)
     for _ in range(max_rounds):
-        if current.activation_peak_bytes <= budget_bytes:
+        if current.total_peak_bytes <= budget_bytes:
             break
-        deficit = current.activation_peak_bytes - budget_bytes
+        deficit = current.total_peak_bytes - budget_bytes
         moves = _move_estimates(profile, decisions, _resident_at_peak(profile, decisions, current))
         trial, expected, moved = list(decisions), 0, set()
         for _, freed, _, index, option in moves:
@@ -194,7 +210,7 @@ def greedy(run, profile: Profile, budget_bytes: int, start: list[str], max_round
             if expected >= deficit:
                 break
         timeline = run(trial)
-        if timeline.activation_peak_bytes < current.activation_peak_bytes:
+        if timeline.total_peak_bytes < current.total_peak_bytes:
             decisions, current = trial, timeline
             continue
         # The estimates were wrong (copies not finishing in time, a peak elsewhere): try the
@@ -203,7 +219,7 @@ def greedy(run, profile: Profile, budget_bytes: int, start: list[str], max_round
         for _, _, _, index, option in moves[:16]:
             single = decisions[:index] + [option] + decisions[index + 1:]
             timeline = run(single)
-            gained = current.activation_peak_bytes - timeline.activation_peak_bytes \
+            gained = current.total_peak_bytes - timeline.total_peak_bytes \
                 + 0.01 * (current.forward_end_bytes - timeline.forward_end_bytes)
             if gained > 0:
                 score = gained / (max(timeline.step_seconds - current.step_seconds, 0.0) + 1e-6)
@@ -224,12 +240,12 @@ def relax(run, profile: Profile, budget_bytes: int, decisions: list[str], max_tr
         max_trials = min(400, max(16, 20000 // max(len(profile.blocks), 1)))
     decisions = list(decisions)
     base = run(decisions)
-    limit = max(budget_bytes, base.activation_peak_bytes)
+    limit = max(budget_bytes, base.total_peak_bytes)
     trials = 0
     improved = True
     while improved and trials < max_trials:
         improved = False
-        slack = limit - base.activation_peak_bytes
+        slack = limit - base.total_peak_bytes
         undo = []
         for i, decision in enumerate(decisions):
             block = profile.blocks[i]
@@ -244,19 +260,21 @@ def relax(run, profile: Profile, budget_bytes: int, decisions: list[str], max_tr
             trials += 1
             trial = decisions[:i] + [option] + decisions[i + 1:]
             timeline = run(trial)
-            if timeline.activation_peak_bytes <= limit and timeline.step_seconds < base.step_seconds - 1e-12:
+            if timeline.total_peak_bytes <= limit and timeline.step_seconds < base.step_seconds - 1e-12:
                 decisions, base, improved = trial, timeline, True
                 break
     return decisions
 
 
-def simulator_for(profile: Profile, prefetch_blocks: int, max_pending_out_bytes: int | None):
-    """A memoised ``run(decisions) -> Timeline`` for one prefetch distance."""
+def simulator_for(profile: Profile, prefetch_bytes: int | None, max_pending_out_bytes: int | None,
+                  budget_bytes: int | None = None):
+    """A memoised ``run(decisions) -> Timeline`` for one prefetch window and activation budget."""
     cache: dict[tuple, Timeline] = {}
 
     def run(decisions) -> Timeline:
         key = tuple(decisions)
         if key not in cache:
-            cache[key] = simulate(profile, list(decisions), prefetch_blocks, max_pending_out_bytes)
+            cache[key] = simulate(profile, list(decisions), prefetch_bytes, max_pending_out_bytes,
+                                  budget_bytes=budget_bytes)
         return cache[key]
     return run

@@ -11,6 +11,7 @@ class BlockProfile:
     backward_seconds: float = 0.0
     saved_bytes: int = 0            # storages this block saved first (views / repeats counted once)
     largest_saved_bytes: int = 0    # its largest single storage
+    saved_sizes: list[int] = field(default_factory=list)  # each of those storages, in the order saved
     input_bytes: int = 0
     output_bytes: int = 0
     parameter_bytes: int = 0
@@ -20,9 +21,17 @@ class BlockProfile:
     # no swap or recompute of saved tensors can free.
     held_forward_bytes: int = 0
     held_backward_bytes: int = 0
-    # Measured transient bytes of the block's forward / backward: the rise of device memory (RSS on
-    # CPU) while it ran in the profiling step, less the saved bytes it produced (forward) or the
-    # swapped bytes brought back meanwhile (backward). None where not measured (fake tensors).
+    # Measured memory beyond static bytes and saved activations while the block's forward / backward
+    # ran (see `profile.recorder`): held tensors, gradients flowing, op workspaces, saves outside
+    # every block. None where not measured (fake tensors): the planner then estimates it.
+    forward_other_bytes: int | None = None
+    backward_other_bytes: int | None = None
+    # The most memory beyond static bytes (saved activations on the ledger plus the above) at one
+    # time while the block's forward / backward ran with every saved tensor swapped and brought
+    # back only when used: a swapped block's own tensors in use are inside it. None: not measured.
+    forward_peak_bytes: int | None = None
+    backward_peak_bytes: int | None = None
+    # The part of those beyond the held bytes (the block's own workspaces); None where not measured.
     forward_transient_bytes: int | None = None
     backward_transient_bytes: int | None = None
 
@@ -50,6 +59,10 @@ class Profile:
     link: LinkProfile
     notes: list[str] = field(default_factory=list)
     measured_peak_bytes: int | None = None   # highest absolute reading while profiling (RSS on CPU)
+    # Measured memory beyond static bytes and saved activations from the end of the forward to the
+    # first block's backward: the model's output, the loss's own saved tensors and their gradients.
+    loss_other_bytes: int | None = None
+    loss_peak_bytes: int | None = None       # the most of those plus the ledger at one time; None: not measured
 
     @property
     def activation_bytes(self) -> int:

@@ -15,7 +15,7 @@ from oomless.profile.blocks import children_as_blocks, find_blocks
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
-from oomless.profile.rss import return_freed_memory_to_the_system
+from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -55,8 +55,8 @@ def loss_of(output, loss_fn):
     return loss
 
 
-def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None
-                  ) -> tuple[Recorder, float]:
+def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None,
+                  base_bytes: int = 0) -> tuple[Recorder, float]:
     """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per block."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
@@ -66,10 +66,10 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     # so the memory rise measured there is the block's own transient.
     measuring = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
                      predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
-                     plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_blocks=0, min_swap_bytes=0,
+                     plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_bytes=0, min_swap_bytes=0,
                      blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
                              for name in names])
-    recorder = Recorder(names, device)
+    recorder = Recorder(names, device, base_bytes, parameters=model.parameters())
     install_plan(model, measuring, device, recorder=recorder)
     tier = installed_state(model).tier
     if tier is not None:
@@ -91,6 +91,7 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                 block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
         del output, loss
     finally:
+        recorder.close()
         uninstall_plan(model)
     return recorder, loss_seconds
 
@@ -109,6 +110,25 @@ def _timing_decisions(sized: Profile, memory_bytes: int | None) -> dict[str, str
         return make_plan(sized, memory_bytes).decisions
     except PlanError:
         return None
+
+
+def _merge_timing_step(sized: Profile, timer: Recorder, timing: dict[str, str]) -> None:
+    """Times come from the timing step. Memory beyond saved activations is the larger of the two
+    steps' readings: the first step of a process allocates some of it once (kernel caches), the
+    second holds what the first left behind. A block the timing step recomputed re-ran its forward
+    in its backward: its backward reading does not describe keeping or swapping it, and is left out."""
+    times = {block.name: block for block in timer.blocks.values()}
+    for block in sized.blocks:
+        measured = times[block.name]
+        block.forward_seconds = measured.forward_seconds
+        block.backward_seconds = measured.backward_seconds
+        for field in ("forward_other_bytes", "backward_other_bytes"):
+            if field == "backward_other_bytes" and timing.get(block.name) == "recompute":
+                continue
+            if getattr(measured, field) is not None and getattr(block, field) is not None:
+                setattr(block, field, max(getattr(block, field), getattr(measured, field)))
+    if sized.loss_other_bytes is not None:
+        sized.loss_other_bytes = max(sized.loss_other_bytes, timer.loss_other_bytes)
 
 
 def _refined(found, recorder) -> list | None:
@@ -149,13 +169,18 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
+    # Memory beyond static bytes is measured against what the process held before the first step:
+    # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
+    # memory the training steps will hold too.
+    base_bytes = MemoryProbe(device).current()
+
     def measure(decisions: dict[str, str] | None = None):
         for p in parameters:
             p.grad = None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        return _measure_step(model, example_inputs, loss_fn, found, device, decisions)
+        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, base_bytes)
 
     try:
         recorder, loss_seconds = measure()
@@ -168,10 +193,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         if timing is not None:
             timer, sized.loss_seconds = measure(timing)
             sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
-            times = {block.name: block for block in timer.blocks.values()}
-            for block in sized.blocks:
-                block.forward_seconds = times[block.name].forward_seconds
-                block.backward_seconds = times[block.name].backward_seconds
+            _merge_timing_step(sized, timer, timing)
     finally:
         with torch.no_grad():
             for p, grad in zip(parameters, saved_grads):
@@ -208,4 +230,6 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         link=recorder.link or measure_link(str(device)),
         notes=notes,
         measured_peak_bytes=recorder.probe.highest_bytes,
+        loss_other_bytes=recorder.loss_other_bytes,
+        loss_peak_bytes=recorder.loss_peak_bytes,
     )

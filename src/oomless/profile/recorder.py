@@ -1,7 +1,16 @@
 """The recorder: the runtime's callbacks during the profiling step, turned into per-block numbers.
 
-Times come from the clock at block boundaries (synchronising CUDA: profiling only); memory from a
-`MemoryProbe` marked at each boundary; sizes from the storages the runtime reports as saved.
+Times come from the clock at block boundaries (waiting for the compute stream on CUDA: profiling
+only); sizes from the storages the runtime reports as saved, in the order it saves them.
+
+Memory beyond saved activations ("other" bytes) is measured exactly where the runtime's ledger
+changes: between two changes the ledger is constant, so the peak of device memory in that interval
+(the allocator's peak on CUDA, the kernel's peak resident mark on CPU, reset at each reading), less
+the ledger, less what the step started with, less the gradients accumulated so far, is what the
+step held beyond saved activations then: outputs the forward still references (U-Net skips),
+gradients flowing in backward, op workspaces, saves outside every block, and the loss's own tensors.
+Each interval's reading goes to the phase that ran: a block's forward, the loss (from the end of the
+forward to the first block's backward), or a block's backward.
 """
 
 import time
@@ -13,11 +22,18 @@ from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
 from oomless.profile.tensors import storage_bytes, tensors_in
 
+_LOSS = -1  # the phase between the end of the forward and the first block's backward
+
 
 class Recorder:
-    """Receives the runtime's callbacks during the profiling step and keeps per-block numbers."""
+    """Receives the runtime's callbacks during the profiling step and keeps per-block numbers.
 
-    def __init__(self, names: list[str], device: torch.device):
+    ``base_bytes``: device memory before the profiling steps (parameters, buffers, inputs, optimizer
+    state if any); ``parameters``: the model's, to count gradients as they are accumulated;
+    ``measure_memory`` turns the per-interval memory readings off."""
+
+    def __init__(self, names: list[str], device: torch.device, base_bytes: int, parameters=(),
+                 measure_memory: bool = True):
         self.names = names
         self.device = device
         self.tier_stall_source = lambda: 0.0
@@ -31,11 +47,32 @@ class Recorder:
         self.live_gradients: dict[tuple, tuple[StorageWeakRef, int]] = {}
         self.resident: set[tuple] = set()
         self.probe = MemoryProbe(device)
-        self.backward_block: int | None = None
         self.in_backward = False
         self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
-        self.interval_saved_bytes = 0
-        self.interval_fetched_bytes = 0
+        self.measure_memory = measure_memory
+        self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
+        self.ledger_bytes = 0
+        self.base_bytes = base_bytes
+        self.gradient_bytes = 0
+        self.loss_other_bytes = 0
+        self.loss_peak_bytes = 0
+        self._gradient_hooks = []
+        self._counted_gradients: set[int] = set()
+        if measure_memory:
+            for parameter in dict.fromkeys(parameters):
+                if parameter.requires_grad:
+                    self._gradient_hooks.append(parameter.register_post_accumulate_grad_hook(self._gradient_done))
+
+    def close(self) -> None:
+        self.probe.close()
+        for handle in self._gradient_hooks:
+            handle.remove()
+        self._gradient_hooks.clear()
+
+    def _gradient_done(self, parameter: torch.Tensor) -> None:
+        if id(parameter) not in self._counted_gradients and parameter.grad is not None:
+            self._counted_gradients.add(id(parameter))
+            self.gradient_bytes += parameter.grad.untyped_storage().nbytes()
 
     def tier_stall(self) -> float:
         """Seconds waited on the swap tier so far: taken out of measured backward times."""
@@ -44,8 +81,45 @@ class Recorder:
 
     def now(self) -> float:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # profiling only: exact per-block times
+            # Profiling only: exact per-block times. The compute stream, not the device: a device
+            # synchronisation would also wait for the swap tier's copy streams and bill their
+            # transfers to the block that happens to be running.
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
+
+    # Memory beyond saved activations, per phase.
+
+    def _read_interval(self) -> None:
+        """Attribute the peak since the last reading to the running phase, then start a new interval."""
+        if not self.measure_memory or self.phase is None:
+            return
+        above_static = max(self.probe.peak_and_mark() - self.base_bytes - self.gradient_bytes, 0)
+        other = max(above_static - self.ledger_bytes, 0)
+        kind, index = self.phase
+        if kind == "loss":
+            self.loss_other_bytes = max(self.loss_other_bytes, other)
+            self.loss_peak_bytes = max(self.loss_peak_bytes, above_static)
+        elif kind == "forward":
+            block = self.blocks[index]
+            block.forward_other_bytes = max(block.forward_other_bytes or 0, other)
+            block.forward_peak_bytes = max(block.forward_peak_bytes or 0, above_static)
+        else:
+            block = self.blocks[index]
+            block.backward_other_bytes = max(block.backward_other_bytes or 0, other)
+            block.backward_peak_bytes = max(block.backward_peak_bytes or 0, above_static)
+
+    def _enter(self, phase: tuple[str, int] | None) -> None:
+        self._read_interval()
+        if self.measure_memory and self.phase is None:
+            self.probe.mark()
+        self.phase = phase
+
+    def ledger_changing(self, resident_bytes: int) -> None:
+        """Called by the ledger before each change: the interval at the old value ends here."""
+        self._read_interval()
+        self.ledger_bytes = resident_bytes
+
+    # The runtime's callbacks.
 
     def forward_started(self, resident_storages):
         self.resident = resident_storages
@@ -66,18 +140,18 @@ class Recorder:
         return sum(num_bytes for _, num_bytes in live.values())
 
     def forward_finished(self, output):
-        pass
+        self._enter(("loss", _LOSS))
 
     def unassigned(self, num_bytes):
         self.unassigned_saved_bytes += num_bytes
 
     def fetched(self, num_bytes):
-        self.interval_fetched_bytes += num_bytes
+        pass
 
     def saved(self, block_index, num_bytes):
-        self.interval_saved_bytes += num_bytes
         block = self.blocks[block_index]
         block.saved_bytes += num_bytes
+        block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
 
     def block_started(self, index, args):
@@ -89,16 +163,13 @@ class Recorder:
         block.calls += 1
         block.input_bytes += storage_bytes(tensors_in(args))
         block.held_forward_bytes = max(block.held_forward_bytes, self._alive_bytes(self.live_outputs))
+        self._enter(("forward", index))
         self.started[index] = self.now()
-        self.interval_saved_bytes = 0
-        self.probe.mark()
 
     def block_finished(self, index, output):
         if self.in_backward:
             return
         block = self.blocks[index]
-        transient = max(self.probe.peak_since_mark() - self.interval_saved_bytes, 0)
-        block.forward_transient_bytes = max(block.forward_transient_bytes or 0, transient)
         block.forward_seconds += self.now() - self.started.pop(index)
         outputs = tensors_in(output)
         block.output_bytes += storage_bytes(outputs)
@@ -110,10 +181,7 @@ class Recorder:
 
     def _backward_mark(self, index):
         def hook(grad):
-            self.backward_finished()
-            self.backward_block = index
-            self.interval_fetched_bytes = 0
-            self.probe.mark()
+            self._enter(("backward", index))
             self.backward_marks.append((self.now() - self.tier_stall(), index))
             self._track(self.live_gradients, [grad])
             block = self.blocks[index]
@@ -121,12 +189,13 @@ class Recorder:
         return hook
 
     def backward_finished(self) -> None:
-        """The block whose backward was running is done (the next one started, or backward ended)."""
-        if self.backward_block is not None:
-            block = self.blocks[self.backward_block]
-            transient = max(self.probe.peak_since_mark() - self.interval_fetched_bytes, 0)
-            block.backward_transient_bytes = max(block.backward_transient_bytes or 0, transient)
-            self.backward_block = None
+        """Backward has ended: close the last interval and fill the derived transient fields."""
+        self._enter(None)
+        for block in self.blocks.values():
+            if block.forward_other_bytes is not None:
+                block.forward_transient_bytes = max(block.forward_other_bytes - block.held_forward_bytes, 0)
+            if block.backward_other_bytes is not None:
+                block.backward_transient_bytes = max(block.backward_other_bytes - block.held_backward_bytes, 0)
 
     def assign_backward_seconds(self, backward_end: float) -> None:
         # A block's backward runs from the moment the gradient of its output is ready until the

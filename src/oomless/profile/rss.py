@@ -7,6 +7,7 @@ On CPU the truth for the memory budget is the process's resident memory (DESIGN.
 import ctypes
 import ctypes.util
 import functools
+import os
 import resource
 import sys
 
@@ -66,13 +67,33 @@ def return_freed_memory_to_the_system() -> bool:
 
 class MemoryProbe:
     """Peak memory between marks: the caching allocator's counters on CUDA, the kernel's peak
-    resident mark on CPU (which `mark` resets: a process-wide side effect while profiling)."""
+    resident mark on CPU (which `mark` resets: a process-wide side effect while profiling).
+
+    `peak_and_mark` is the cheap form the profiler calls at every change of the ledger: on CPU one
+    read of /proc/self/status through a descriptor kept open and one write to clear_refs (tens of
+    microseconds, against hundreds for opening the files each time)."""
 
     def __init__(self, device):
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.start_bytes = 0
         self.highest_bytes = 0  # the highest absolute reading seen, across marks
+        self._status = self._clear_refs = None
+        if not self.is_cuda:
+            try:
+                self._status = os.open("/proc/self/status", os.O_RDONLY)
+                self._clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        for descriptor in (self._status, self._clear_refs):
+            if descriptor is not None:
+                os.close(descriptor)
+        self._status = self._clear_refs = None
+
+    def __del__(self):
+        self.close()
 
     def current(self) -> int:
         if self.is_cuda:
@@ -80,20 +101,43 @@ class MemoryProbe:
             return torch.cuda.memory_allocated(self.device)
         return current_rss_bytes()
 
-    def mark(self) -> None:
+    def _peak(self) -> int:
+        if self.is_cuda:
+            import torch
+            return torch.cuda.max_memory_allocated(self.device)
+        if self._status is not None:
+            status = os.pread(self._status, 4096, 0)
+            at = status.find(b"VmHWM:")
+            if at >= 0:
+                return int(status[at + 6:status.index(b"kB", at)]) * 1024
+        return peak_rss_bytes()
+
+    def _reset(self) -> None:
         if self.is_cuda:
             import torch
             torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._clear_refs is not None:
+            try:
+                os.write(self._clear_refs, b"5")
+            except OSError:
+                reset_peak_rss()
         else:
             reset_peak_rss()
+
+    def mark(self) -> None:
+        self._reset()
         self.start_bytes = self.current()
 
     def peak_since_mark(self) -> int:
         """Bytes above the reading at the last mark, at the highest point since."""
-        if self.is_cuda:
-            import torch
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = peak_rss_bytes()
+        peak = self._peak()
         self.highest_bytes = max(self.highest_bytes, peak)
         return max(peak - self.start_bytes, 0)
+
+    def peak_and_mark(self) -> int:
+        """The highest absolute reading since the last mark; then marks again (without reading the
+        current value: after a reset the peak mark is the current value)."""
+        peak = self._peak()
+        self.highest_bytes = max(self.highest_bytes, peak)
+        self._reset()
+        return peak

@@ -32,10 +32,13 @@ class InstalledPlan:
         self.plan = plan
         self.device = device
         self.ledger = Ledger()
+        if recorder is not None and recorder.measure_memory:
+            self.ledger.observer = recorder.ledger_changing
         self.tier = make_tier(device) if SWAP in plan.decisions.values() or recorder else None
         budget = plan.activation_budget if plan.activation_budget > 0 else None
-        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_blocks, plan.min_swap_bytes, budget,
-                                        device)
+        self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_bytes, plan.min_swap_bytes, budget,
+                                        device, [block.forward_limit_bytes for block in plan.blocks],
+                                        [block.backward_limit_bytes for block in plan.blocks])
         self.engine.recorder = recorder
         self.engine.recompute_bytes = {index: block.saved_bytes for index, block in enumerate(plan.blocks)}
         self.recorder = recorder

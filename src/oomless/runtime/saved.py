@@ -7,6 +7,7 @@ where they are (kept, exactly as plain PyTorch would).
 """
 
 import time
+from collections import deque
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -18,7 +19,7 @@ class _Entry:
     """One saved storage: kept on the device, or moved to a tier and brought back for backward."""
 
     __slots__ = ("registry", "block_index", "num_bytes", "decision", "weak", "device_data",
-                 "ticket", "handles", "on_ledger", "fetched")
+                 "ticket", "handles", "on_ledger", "fetch_issued", "fetched")
 
     def __init__(self, registry, block_index: int, storage, decision: str):
         self.registry = registry
@@ -30,7 +31,8 @@ class _Entry:
         self.ticket = None
         self.handles = 0
         self.on_ledger = False
-        self.fetched = False
+        self.fetch_issued = False   # its copy back to the device has been asked for
+        self.fetched = False        # backward has taken it
 
 
 class _Handle:
@@ -58,13 +60,25 @@ class _Handle:
 
 
 class ForwardRegistry:
-    """The entries of one forward pass, indexed by storage while that storage may still be alive."""
+    """The entries of one forward pass, indexed by storage while that storage may still be alive.
+
+    Swapped entries come back in backward one by one, in the reverse of the order they were saved:
+    backward runs the ops in reverse, and each op unpacks what it saved (in the models of the tests
+    a tensor's first use is at most one place away from that order). Each unpack asks for the next
+    entries in that order as far as the activation budget's free bytes and the plan's prefetch
+    window allow, whatever the blocks between are doing (kept, recomputed or swapped); an entry
+    asked for out of order is fetched on demand. Each entry leaves the ledger when autograd drops
+    its last saved tensor, right after the op that used it.
+    """
 
     def __init__(self, engine):
         self.engine = engine
         self.by_storage: dict[tuple, _Entry] = {}
-        self.swapped_by_block: dict[int, list[_Entry]] = {}
+        self.swapped: list[_Entry] = []
+        self.next_prefetch = -1          # index in `swapped` of the next entry to bring back
+        self.prefetched_unused_bytes = 0
         self.backward_started = False
+        self.backward_block = len(engine.backward_limits) - 1   # the lowest block backward has reached
 
     def entry_for(self, tensor: torch.Tensor, block_index: int, decision: str) -> _Entry:
         storage = tensor.untyped_storage()
@@ -79,7 +93,7 @@ class ForwardRegistry:
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
-        self.engine.make_room(entry.num_bytes)
+        self.engine.make_room(entry.num_bytes, block_index)
         ledger = self.engine.ledger
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
@@ -89,43 +103,64 @@ class ForwardRegistry:
             data = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             entry.ticket = self.engine.tier.put(data)
             ledger.offloaded_bytes += entry.num_bytes
-            self.swapped_by_block.setdefault(block_index, []).append(entry)
+            self.swapped.append(entry)
+            self.next_prefetch = len(self.swapped) - 1
             self.engine.pending_out.append(entry)
         else:
             entry.device_data = tensor
         return entry
 
+    def reached(self, block_index: int) -> None:
+        """Backward is in block ``block_index``'s backward (it goes down the blocks)."""
+        if block_index < self.backward_block:
+            self.backward_block = block_index
+
     def fetch(self, entry: _Entry) -> torch.Tensor:
         engine = self.engine
         engine.poll()
+        self.reached(entry.block_index)
         if not entry.fetched:
-            self._prefetch_ahead(entry.block_index)
+            if not entry.fetch_issued:
+                self._issue(entry)   # needed now: asked for ahead of the prefetches below
+            self.prefetched_unused_bytes -= entry.num_bytes
+            self.prefetch()
             entry.device_data = engine.tier.get(entry.ticket)
             entry.fetched = True
-            if not entry.on_ledger:
-                entry.on_ledger = True
-                engine.ledger.add(entry.num_bytes)
-                if engine.recorder is not None:
-                    engine.recorder.fetched(entry.num_bytes)
         return entry.device_data
 
-    def _prefetch_ahead(self, block_index: int) -> None:
-        # Backward visits blocks in reverse: bring back this block and the next `distance` ones
-        # below it while compute works on this one.
-        distance = self.engine.prefetch_blocks
-        for index in range(block_index, block_index - distance - 1, -1):
-            for entry in self.swapped_by_block.get(index, ()):
-                if not entry.fetched and entry.ticket is not None and not entry.on_ledger:
-                    if not self.engine.has_room(entry.num_bytes) and index != block_index:
-                        return  # the budget is full: the rest is fetched when backward needs it
-                    self.engine.tier.prefetch(entry.ticket)
-                    if not entry.on_ledger:
-                        entry.on_ledger = True
-                        self.engine.ledger.add(entry.num_bytes)
-                        if self.engine.recorder is not None:
-                            self.engine.recorder.fetched(entry.num_bytes)
+    def _issue(self, entry: _Entry) -> None:
+        entry.fetch_issued = True
+        self.prefetched_unused_bytes += entry.num_bytes
+        self.engine.tier.prefetch(entry.ticket)
+        if not entry.on_ledger:
+            entry.on_ledger = True
+            self.engine.ledger.add(entry.num_bytes)
+            if self.engine.recorder is not None:
+                self.engine.recorder.fetched(entry.num_bytes)
+
+    def prefetch(self) -> None:
+        """Ask for the next swapped entries in backward's order while they fit the budget's free
+        bytes and the prefetch window. The budget is full: the rest waits for the next unpack or
+        release (each frees room), or is fetched on demand."""
+        self.backward_started = True
+        engine = self.engine
+        while self.next_prefetch >= 0:
+            entry = self.swapped[self.next_prefetch]
+            if entry.ticket is None or entry.fetch_issued:   # released, or already on its way back
+                self.next_prefetch -= 1
+                continue
+            if self.prefetched_unused_bytes + entry.num_bytes > engine.prefetch_bytes:
+                return
+            # It stays until its block's backward: it must fit the limit of every phase until then.
+            if not entry.on_ledger and not engine.has_room(
+                    entry.num_bytes, engine.backward_limit(entry.block_index, self.backward_block)):
+                return
+            self._issue(entry)
+            self.next_prefetch -= 1
 
     def release(self, entry: _Entry) -> None:
+        if entry.fetch_issued and not entry.fetched:
+            self.prefetched_unused_bytes -= entry.num_bytes
         if entry.on_ledger:
             self.engine.ledger.remove(entry.num_bytes)
             entry.on_ledger = False
@@ -133,20 +168,30 @@ class ForwardRegistry:
             self.engine.tier.release(entry.ticket)
             entry.ticket = None
         entry.device_data = None
+        if self.backward_started and self.next_prefetch >= 0:
+            self.prefetch()   # room was freed: bring the next entries back while compute goes on
 
 
 class SavedTensorEngine:
     """pack/unpack for one installed model."""
 
-    def __init__(self, ledger, tier, prefetch_blocks: int, min_swap_bytes: int, budget_bytes: int | None = None,
-                 device: torch.device | None = None):
+    def __init__(self, ledger, tier, prefetch_bytes: int | None, min_swap_bytes: int, budget_bytes: int | None = None,
+                 device: torch.device | None = None, forward_limits: list | None = None,
+                 backward_limits: list | None = None):
         self.ledger = ledger
         self.device = device
+        # Saved-activation bytes allowed on the device: per block and phase where the plan says
+        # (the budget less that phase's own working memory), else ``budget_bytes``; None: no limit.
         self.budget_bytes = budget_bytes
+        self.forward_limits = [budget_bytes if limit is None else limit for limit in forward_limits or []]
+        self.backward_limits = [budget_bytes if limit is None else limit for limit in backward_limits or []]
         self.tier = tier
-        self.prefetch_blocks = prefetch_blocks
+        # Bytes brought back ahead of their use at most (None: as many as the budget has room for).
+        self.prefetch_bytes = float("inf") if prefetch_bytes is None else prefetch_bytes
         self.min_swap_bytes = min_swap_bytes
-        self.pending_out: list[_Entry] = []
+        # Swapped entries whose copy out may still run, in the order the copies were queued (one
+        # copy-out stream, one disk writer: they finish in that order).
+        self.pending_out: deque[_Entry] = deque()
         self.resident_storages: set[tuple] = set()
         self.registry: ForwardRegistry | None = None
         self.block_index: int | None = None
@@ -159,6 +204,8 @@ class SavedTensorEngine:
         """Put a recomputed block's saved bytes (known from the profile) on the ledger: they live
         inside torch's checkpoint frame where no hook of ours sees them."""
         self.backward_moved()
+        if self.registry is not None:
+            self.registry.reached(block_index)
         self._recomputed_on_ledger = self.recompute_bytes.get(block_index, 0)
         # The last recomputed block has no later unpack to take it off: the end of backward does.
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_moved)
@@ -188,35 +235,49 @@ class SavedTensorEngine:
         self.resident_storages = resident_storages
         self.registry = ForwardRegistry(self)
 
-    def has_room(self, num_bytes: int) -> bool:
-        return self.budget_bytes is None or self.ledger.resident_activation_bytes + num_bytes <= self.budget_bytes
+    def forward_limit(self, block_index: int) -> int | None:
+        if block_index < len(self.forward_limits):
+            return self.forward_limits[block_index]
+        return self.budget_bytes
 
-    def make_room(self, num_bytes: int) -> None:
+    def backward_limit(self, first: int, last: int) -> int | None:
+        """The tightest limit of the backward phases of blocks ``first`` to ``last``."""
+        limits = [limit for limit in self.backward_limits[first:last + 1] if limit is not None]
+        if not self.backward_limits:
+            return self.budget_bytes
+        return min(limits) if limits else None
+
+    def has_room(self, num_bytes: int, limit: int | None) -> bool:
+        return limit is None or self.ledger.resident_activation_bytes + num_bytes <= limit
+
+    def make_room(self, num_bytes: int, block_index: int) -> None:
         """Before a saved storage goes on the ledger: if that would pass the activation budget,
         wait for earlier swaps' copies to finish. The plan predicts this never happens; when copies
         fall behind the prediction, waiting keeps the budget a promise (on CUDA this is a host
         synchronisation, the only one the runtime makes, and only in that case)."""
         self.poll()
-        while not self.has_room(num_bytes) and self.pending_out:
+        limit = self.forward_limit(block_index)
+        while not self.has_room(num_bytes, limit) and self.pending_out:
             entry = self.pending_out[0]
             started = time.perf_counter()
-            self.tier.wait_out(entry.ticket)
+            if entry.ticket is not None:
+                self.tier.wait_out(entry.ticket)
             self.ledger.stall_seconds += time.perf_counter() - started
             self.poll()
 
     def poll(self) -> None:
-        """Take swapped-out storages off the ledger once their copy has completed (no waiting)."""
-        still_pending = []
-        for entry in self.pending_out:
-            if entry.ticket is None:
-                continue
-            if self.tier.is_out(entry.ticket):
-                if entry.on_ledger and not entry.fetched:
-                    entry.on_ledger = False
-                    self.ledger.remove(entry.num_bytes)
-            else:
-                still_pending.append(entry)
-        self.pending_out = still_pending
+        """Take swapped-out storages off the ledger once their copy has completed (no waiting).
+        Copies finish in the order they were queued, so this stops at the first one still running."""
+        pending = self.pending_out
+        while pending:
+            entry = pending[0]
+            if entry.ticket is not None and not self.tier.is_out(entry.ticket):
+                return
+            pending.popleft()
+            # An entry already asked back for backward stays on the ledger: its copy back is resident.
+            if entry.ticket is not None and entry.on_ledger and not entry.fetch_issued:
+                entry.on_ledger = False
+                self.ledger.remove(entry.num_bytes)
 
     def pack(self, tensor: torch.Tensor):
         registry, block_index = self.registry, self.block_index
@@ -233,7 +294,8 @@ class SavedTensorEngine:
             return tensor  # a parameter, buffer or forward input: resident anyway, never moved
         decision = self.decision
         movable = self._movable(tensor)
-        if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not movable):
+        # Never an empty storage: nothing to free, and an empty host buffer cannot be pinned.
+        if decision == SWAP and (storage.nbytes() < max(self.min_swap_bytes, 1) or not movable):
             decision = KEEP
         self.poll()
         # hold: the storage may already have a swap entry (saved earlier through a plain view);
@@ -254,9 +316,12 @@ class SavedTensorEngine:
             return packed
         if self._recomputed_on_ledger:
             self.backward_moved()
-        if packed.tensor is not None:
-            return packed.tensor
         entry = packed.entry
+        if packed.tensor is not None:
+            if entry is not None and entry.registry.next_prefetch >= 0:
+                entry.registry.reached(entry.block_index)
+                entry.registry.prefetch()   # backward is under way: bring swapped entries back
+            return packed.tensor
         data = entry.registry.fetch(entry)
         return torch.empty(0, dtype=packed.dtype, device=data.device).set_(
             data.untyped_storage(), packed.storage_offset, packed.size, packed.stride)

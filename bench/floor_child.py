@@ -1,0 +1,189 @@
+"""One training configuration in a fresh process: its peak memory and step time, as one JSON line.
+
+    python bench/floor_child.py '{"model": "unet3d", "side": 64, "batch": 2, "mode": "plain"}'
+
+Modes: ``plain`` (plain PyTorch), ``checkpoint`` (``torch.utils.checkpoint`` on every block of
+oomless's default block policy, the baseline users write by hand), ``save_on_cpu`` (PyTorch's
+offload of every saved tensor to host memory; on CUDA), ``oomless`` (``oomless.fit`` at
+``memory``; ``"memory": "floor"`` first asks the planner for its smallest budget, as a user reading
+the PlanError would, and plans again at that).
+
+The peak is the rise above a baseline taken after imports and a warm-up step of the same model at a
+small size (library start-up is not the step's memory): on CPU the process's resident set (glibc told
+to return freed memory), on CUDA ``torch.cuda.max_memory_allocated``. Everything after the baseline
+counts: the model, the optimizer's state, planning (its profiling steps) and ``steps`` training steps.
+Used by bench/bench_max_size.py and tests/test_floor.py.
+"""
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import oomless
+from oomless.errors import PlanError
+from oomless.profile.blocks import find_blocks
+from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
+
+
+def build(config: dict, device: torch.device, small: bool = False):
+    """(model, inputs, loss_fn) for ``config``, seeded; ``small`` is the warm-up's size."""
+    torch.manual_seed(0)
+    name = config["model"]
+    batch = config.get("batch", 1)
+    if name in ("unet3d", "monai-unet", "monai-basicunet", "monai-segresnet"):
+        side = 16 if small else config["side"]
+        channels = config.get("channels", 1)
+        volume = torch.randn(batch, channels, side, side, side, device=device)
+        labels = (volume[:, 0] > 0.5).long()
+        if name == "unet3d":
+            from oomless.models import UNet3D
+            model = UNet3D(in_channels=channels, base_channels=config.get("base_channels", 8),
+                           depth=config.get("depth", 3))
+        elif name == "monai-unet":
+            from monai.networks.nets import UNet
+            model = UNet(spatial_dims=3, in_channels=channels, out_channels=2, channels=(8, 16, 32, 64),
+                         strides=(2, 2, 2), num_res_units=2, dropout=0.1)
+        elif name == "monai-basicunet":
+            from monai.networks.nets import BasicUNet
+            model = BasicUNet(spatial_dims=3, in_channels=channels, out_channels=2, features=(8, 8, 16, 32, 64, 8))
+        else:
+            from monai.networks.nets import SegResNet
+            model = SegResNet(spatial_dims=3, in_channels=channels, out_channels=2, init_filters=8)
+        return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        length = 32 if small else config.get("length", 256)
+        settings = GPT2Config(n_layer=config.get("layers", 6), n_embd=config.get("dim", 256),
+                              n_head=config.get("heads", 4), vocab_size=config.get("vocab", 2000),
+                              n_positions=max(length, 1024), attn_implementation="eager",
+                              use_cache=False)  # training: no KV cache (recompute would append to it)
+        model = GPT2LMHeadModel(settings)
+        tokens = torch.randint(0, settings.vocab_size, (batch, length), device=device)
+        return (model.to(device), tokens,
+                lambda out: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()))
+    if name == "transformer":
+        from oomless.models import TinyTransformer
+        length = 32 if small else config.get("length", 512)
+        model = TinyTransformer(vocab_size=512, dim=config.get("dim", 256), depth=config.get("depth", 6),
+                                heads=8, max_len=max(length, 512), dropout=0.1)
+        tokens = torch.randint(0, 512, (batch, length), device=device)
+        return model.to(device), tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.flatten())
+    raise SystemExit(f"unknown model {name!r}")
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What a user checkpoints by hand: every item of the model's outermost ``nn.ModuleList``s (U-Net
+    stages, transformer layers); where the model has none, oomless's default blocks."""
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(name.startswith(outer + ".") for outer, _ in units):
+            units += [(f"{name}.{index}", item) for index, item in enumerate(module)]
+    return units or find_blocks(model)
+
+
+def checkpoint_every_block(model: nn.Module) -> list[str]:
+    """Wrap every checkpoint unit in torch.utils.checkpoint (in-place modules, which checkpoint cannot
+    take, stay plain); returns the wrapped names."""
+    wrapped = []
+    for name, block in checkpoint_units(model):
+        if getattr(block, "inplace", False) or not name:
+            continue
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, _Checkpointed(block))
+        wrapped.append(name)
+    return wrapped
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+
+
+def _current(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss_bytes()
+
+
+def run(config: dict) -> dict:
+    device = torch.device(config.get("device", "cpu"))
+    torch.set_num_threads(config.get("threads", 2))
+    return_freed_memory_to_the_system()
+    mode = config["mode"]
+    # Warm-up at a small size: kernels' caches and lazily imported library code are start-up.
+    model, inputs, loss_fn = build(config, device, small=True)
+    optimizer = torch.optim.Adam(model.parameters())
+    loss_fn(model(inputs)).backward()
+    optimizer.step()
+    del model, inputs, loss_fn, optimizer
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+    baseline = _current(device)
+    result = {"config": config}
+    model, inputs, loss_fn = build(config, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    planning_peak = 0
+    if mode == "checkpoint":
+        result["wrapped_blocks"] = len(checkpoint_every_block(model))
+    elif mode == "oomless":
+        memory = config["memory"]
+        if memory == "floor":
+            try:
+                oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer)
+            except PlanError as error:
+                memory = error.minimum_bytes
+            result["memory_bytes"] = memory
+        try:
+            profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory)
+            plan = oomless.plan(model, inputs, memory, profile=profile)
+        except PlanError as error:
+            result.update(fits=False, refused=str(error), minimum_bytes=error.minimum_bytes)
+            return result
+        planning_peak = profile.measured_peak_bytes or 0
+        oomless.apply(model, plan)
+        result.update(memory_bytes=plan.memory_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+                      decisions=sorted(set(plan.decisions.values())), reserve_bytes=plan.reserve_bytes,
+                      static_bytes=plan.static_bytes, activation_budget=plan.activation_budget)
+    step_seconds = []
+    for _ in range(config.get("steps", 2)):
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        if mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+                loss = loss_fn(model(inputs))
+        else:
+            loss = loss_fn(model(inputs))
+        loss.backward()
+        optimizer.step()
+        del loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_seconds.append(time.perf_counter() - started)
+    result["peak_bytes"] = max(_peak(device), planning_peak) - baseline
+    result["step_seconds"] = step_seconds
+    if mode == "oomless":
+        stats = oomless.stats(model)
+        result.update(ledger_peak_bytes=stats.peak_activation_bytes, offloaded_bytes=stats.offloaded_bytes,
+                      recomputed_blocks=stats.recomputed_blocks)
+        result["fits"] = result["peak_bytes"] <= result["memory_bytes"]
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))
