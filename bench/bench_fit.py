@@ -232,7 +232,7 @@ def summarise(variant: Variant, plain: Variant, inputs, device, link, warmup_ste
                       predicted_step_seconds=plan.predicted_step_seconds,
                       predicted_peak_bytes=plan.predicted_peak_bytes,
                       predicted_activation_peak_bytes=plan.predicted_activation_peak_bytes,
-                      decision_counts=counts, decisions=plan.decisions, prefetch_blocks=plan.prefetch_blocks)
+                      decision_counts=counts, decisions=plan.decisions, prefetch_bytes=plan.prefetch_bytes)
     if variant.applied:
         stats = asdict(oomless.stats(variant.model))
         steps = max(stats["steps"], 1)

@@ -12,6 +12,7 @@ The peak is the rise above a baseline taken after imports and a warm-up step of 
 small size (library start-up is not the step's memory): on CPU the process's resident set (glibc told
 to return freed memory), on CUDA ``torch.cuda.max_memory_allocated``. Everything after the baseline
 counts: the model, the optimizer's state, planning (its profiling steps) and ``steps`` training steps.
+``"report_floor": true`` also reports the smallest budget oomless plans for (``floor_bytes``).
 Used by bench/bench_max_size.py and tests/test_floor.py.
 """
 
@@ -133,6 +134,10 @@ def run(config: dict) -> dict:
     else:
         reset_peak_rss()
     baseline = _current(device)
+    if device.type == "cuda" and config.get("memory_limit_bytes"):
+        # The caching allocator refuses to grow past this: going over is an out-of-memory error.
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min((baseline + config["memory_limit_bytes"]) / total, 1.0), device)
     result = {"config": config}
     model, inputs, loss_fn = build(config, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -149,6 +154,12 @@ def run(config: dict) -> dict:
             result["memory_bytes"] = memory
         try:
             profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory)
+            if config.get("report_floor"):
+                # The smallest budget this profile plans for, as a user reads it from PlanError.
+                try:
+                    oomless.plan(model, inputs, 1, profile=profile)
+                except PlanError as error:
+                    result["floor_bytes"] = error.minimum_bytes
             plan = oomless.plan(model, inputs, memory, profile=profile)
         except PlanError as error:
             result.update(fits=False, refused=str(error), minimum_bytes=error.minimum_bytes)

@@ -104,7 +104,8 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
     ]
     max_size = {"name": "max_size", "writes": [], "command": None}
     if (BENCH_DIRECTORY / "bench_max_size.py").is_file():
-        memory = max_size_memory or (f"{int(0.9 * device['device_memory_bytes']) // 2**30}GiB" if cuda else "256MiB")
+        # 8 GiB on the GPU: large enough to show the ratios, small enough for the piece's time limit.
+        memory = max_size_memory or ("8GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
                                "--out", str(out / "max-size")] + ([] if cuda else ["--quick"])
     else:

@@ -7,6 +7,7 @@ import torch
 
 import oomless
 from oomless.models import SmallCNN
+from oomless.plan.planner import smallest_memory
 
 
 def _model_and_inputs():
@@ -44,8 +45,9 @@ def test_block_forcing_the_minimum_is_named_when_static_bytes_fit():
     model, inputs = _model_and_inputs()
     profile = oomless.profile(model, inputs, loss_fn=_loss)
     roomy = oomless.plan(model, inputs, "1GiB", profile=profile)
+    between = roomy.static_bytes + (smallest_memory(profile) - roomy.static_bytes) // 2   # static bytes fit, the step not
     with pytest.raises(oomless.PlanError) as error:
-        oomless.plan(model, inputs, roomy.static_bytes + roomy.reserve_bytes + 1024, profile=profile)
+        oomless.plan(model, inputs, between, profile=profile)
     assert error.value.limiting_block in [block.name for block in profile.blocks]
     assert error.value.limiting_block in str(error.value)
 

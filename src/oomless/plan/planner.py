@@ -66,14 +66,28 @@ def reserve_bytes(profile: Profile) -> int:
     return _worst_other_bytes(profile) + _margin_bytes(profile)
 
 
-def _worst_phase_block(profile: Profile) -> str | None:
-    """The block whose forward or backward holds the most beyond saved activations (None: the loss)."""
-    worst, name = loss_other_bytes(profile), None
-    for block in profile.blocks:
-        held = max(forward_other_bytes(profile, block), backward_other_bytes(profile, block)) + block.largest_saved_bytes
-        if held > worst:
-            worst, name = held, block.name
-    return name
+def _what_limits(profile: Profile, timeline: Timeline) -> tuple[str | None, str]:
+    """(block, why) of the smallest plan's peak: the block whose saved tensors fill most of the
+    device then (copies out that cannot keep up), else the phase that runs then."""
+    kind, index = timeline.peak_phase
+    holders = timeline.peak_holders or {}
+    holder = max(holders, key=holders.get, default=None)
+    if index >= 0:
+        block = profile.blocks[index]
+        working = forward_other_bytes(profile, block) if kind == "forward" else backward_other_bytes(profile, block)
+    else:
+        working = loss_other_bytes(profile)
+    if holder is not None and holders[holder] > working:
+        name = profile.blocks[holder].name
+        return name, (f"block {name}'s saved tensors ({format_bytes(holders[holder])}) are still on the device "
+                      f"then: its copies out take longer than the blocks after it")
+    if index < 0:
+        return None, (f"the loss sets it: the model's output, the loss's own tensors and their gradients "
+                      f"({format_bytes(working)})")
+    return block.name, (f"block {block.name}'s {kind} sets it: {format_bytes(working)} of working memory beyond "
+                        f"saved tensors (held tensors, gradients in flight, op workspaces), with saved tensors "
+                        f"brought back one at a time as it needs them (its largest "
+                        f"{format_bytes(block.largest_saved_bytes)})")
 
 
 def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, solver: str) -> str:
@@ -166,15 +180,9 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     # reported carries a margin so that planning again with it succeeds.
     minimum = _with_margin(exact_minimum)
     if memory_bytes < exact_minimum and decisions is None:
-        limiting_name = _worst_phase_block(profile) if static_bytes + margin < memory_bytes else None
-        if limiting_name is not None:
-            block = profile.blocks[names.index(limiting_name)]
-            working = max(forward_other_bytes(profile, block), backward_other_bytes(profile, block))
-            why = (f"block {limiting_name} sets it: {format_bytes(working)} of working memory beyond saved "
-                   f"tensors while it runs (held tensors, gradients, op workspaces), with its saved tensors "
-                   f"(the largest {format_bytes(block.largest_saved_bytes)}) brought back one at a time")
-        else:
-            why = f"static bytes ({format_bytes(static_bytes)}) alone exceed it"
+        limiting_name, why = _what_limits(profile, frugal_timeline)
+        if static_bytes + margin >= memory_bytes:
+            limiting_name, why = None, f"static bytes ({format_bytes(static_bytes)}) alone exceed it"
         raise PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                         f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
                         "or a smaller batch",

@@ -14,14 +14,16 @@ GiB = 2**30
 
 
 def memory_curves(profile: Profile, plan: Plan) -> dict[str, list[tuple[float, int]]]:
-    """{"plain": [(seconds, bytes)], "plan": [...]}: static + reserve + resident saved activations."""
-    base = plan.static_bytes + plan.reserve_bytes
+    """{"plain": [(seconds, bytes)], "plan": [...]}: static bytes and what the step holds beyond them
+    (saved activations and the running phase's working memory); the planner's margin is not drawn."""
+    base = plan.static_bytes
     curves = {}
-    for label, decisions, prefetch in (("plain", ["keep"] * len(profile.blocks), 1),
-                                       ("plan", [block.decision for block in plan.blocks], plan.prefetch_blocks)):
-        timeline = simulate(profile, decisions, prefetch, keep_curve=True)
-        start = [(0.0, base + profile.unassigned_saved_bytes)]
-        curves[label] = start + [(seconds, base + resident) for seconds, resident in timeline.curve]
+    budget = plan.memory_bytes - plan.static_bytes
+    for label, decisions, prefetch in (("plain", ["keep"] * len(profile.blocks), None),
+                                       ("plan", [block.decision for block in plan.blocks], plan.prefetch_bytes)):
+        timeline = simulate(profile, decisions, prefetch, keep_curve=True, budget_bytes=budget)
+        start = [(0.0, base)]
+        curves[label] = start + [(seconds, base + held) for seconds, held in timeline.curve]
     return curves
 
 

@@ -30,11 +30,13 @@ class Timeline:
     step_seconds: float
     forward_end_bytes: int
     stall_seconds: float
-    curve: list[tuple[float, int]]  # (seconds, resident activation bytes) after each event
+    curve: list[tuple[float, int]]  # (seconds, bytes beyond static memory) after each event
     peak_seconds: float = 0.0       # when the ledger's peak is first reached
     block_stall_seconds: list[float] | None = None  # per block: backward waiting for its tensors
     forward_seconds: float = 0.0    # when the forward (and loss) ended
     total_peak_bytes: int = 0       # the peak of saved activations plus the phases' other bytes
+    peak_phase: tuple[str, int] = ("forward", -1)  # (kind, block index) of the phase at that peak
+    peak_holders: dict[int, int] | None = None      # block index -> its saved bytes on the device then
 
 
 def entry_sizes(block: BlockProfile) -> list[int]:
@@ -89,6 +91,7 @@ class Phase:
     block: int          # -1: the loss
     other: int
     peak: int | None
+    kind: str = "forward"   # "forward", "backward" or "loss"
 
 
 def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, list[Phase]]:
@@ -96,13 +99,15 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
     re-runs its forward first, so it holds the larger of the two."""
     forward, backward = [], []
     for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
-        forward.append(Phase(i, forward_other_bytes(profile, block), block.forward_peak_bytes))
-        other, peak = backward_other_bytes(profile, block), block.backward_peak_bytes
+        # Where a block is kept or recomputed, its own tensors are on the ledger as what the plan
+        # holds: the profiling step's peak, which had them swapped, does not describe it.
+        swapped = decision == "swap"
+        forward.append(Phase(i, forward_other_bytes(profile, block), block.forward_peak_bytes if swapped else None))
+        other = backward_other_bytes(profile, block)
         if decision == "recompute":
             other = max(other, forward[-1].other)
-            peak = None if peak is None or block.forward_peak_bytes is None else max(peak, block.forward_peak_bytes)
-        backward.append(Phase(i, other, peak))
-    return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes), backward
+        backward.append(Phase(i, other, block.backward_peak_bytes if swapped else None, "backward"))
+    return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes, "loss"), backward
 
 
 SWAPPED, HELD, AHEAD = 0, 1, 2
@@ -133,15 +138,15 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     limits = [float("inf") if budget_bytes is None else budget_bytes - phase.other for phase in backward_phases]
     # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
     # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too).
-    events: list[tuple[float, int, int, Phase | None]] = []
+    events: list[tuple[float, int, int, Phase | None, int]] = []
     copy_outs: list[tuple[float, int, int]] = []   # heap of (copy end, bytes, block) still on the ledger
     ledger = 0                                      # the ledger as of `now`, copy-outs applied lazily
 
-    def add(time: float, delta: int, kind: int) -> None:
-        events.append((time, delta, kind, None))
+    def add(time: float, delta: int, kind: int, block: int) -> None:
+        events.append((time, delta, kind, None, block))
 
     def enter(time: float, phase: Phase) -> None:
-        events.append((time, 0, HELD, phase))
+        events.append((time, 0, HELD, phase, phase.block))
 
     def settle(time: float) -> None:
         nonlocal ledger
@@ -168,17 +173,17 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         start = now
         enter(start, forward_phases[i])
         if decision == "recompute":
-            add(start, block.input_bytes, HELD)
+            add(start, block.input_bytes, HELD, i)
             ledger += block.input_bytes
         kind = SWAPPED if decision == "swap" else HELD
         for k, entry in enumerate(per_block[i]):
             saved_at = start + block.forward_seconds * (k + 1) / len(sizes)
-            add(saved_at, entry.size, kind)
+            add(saved_at, entry.size, kind, i)
             ledger += entry.size
             if decision == "swap":
                 copy_start = max(copy_out_free, saved_at)
                 copy_out_free = entry.out_end = copy_start + entry.size / out_rate
-                add(entry.out_end, -entry.size, SWAPPED)
+                add(entry.out_end, -entry.size, SWAPPED, i)
                 heapq.heappush(copy_outs, (entry.out_end, entry.size, i))
                 pending_out.append((entry.out_end, entry.size))
                 pending_bytes += entry.size
@@ -204,14 +209,14 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         start = max(copy_in_free, at, entry.out_end)
         copy_in_free = entry.ready = start + entry.size / in_rate
         if ahead:
-            add(at, entry.size, AHEAD)
+            add(at, entry.size, AHEAD, entry.block)
         if at < entry.out_end:
             # Asked back before its copy out ended: its bytes never left the ledger.
             copy_outs.remove((entry.out_end, entry.size, entry.block))
             heapq.heapify(copy_outs)
-            add(entry.out_end, entry.size, SWAPPED)
+            add(entry.out_end, entry.size, SWAPPED, entry.block)
         else:
-            add(at, entry.size, SWAPPED)
+            add(at, entry.size, SWAPPED, entry.block)
             ledger += entry.size
 
     def prefetch(at: float, current: int) -> None:
@@ -235,7 +240,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         block, decision = blocks[i], decisions[i]
         enter(now, backward_phases[i])
         if decision == "recompute":
-            add(now, block.saved_bytes, HELD)
+            add(now, block.saved_bytes, HELD, i)
             ledger += block.saved_bytes
             now += block.forward_seconds
         entries = per_block[i][::-1]
@@ -243,7 +248,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         for entry in entries:
             if decision == "swap":
                 if entry.issued:
-                    add(now, -entry.size, AHEAD)
+                    add(now, -entry.size, AHEAD, i)
                 else:
                     issue(entry, now, ahead=False)
                 prefetched_unused -= entry.size
@@ -257,7 +262,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             elif next_prefetch >= 0:
                 prefetch(now, i)
             now += step
-            add(now, -entry.size, SWAPPED if decision == "swap" else HELD)
+            add(now, -entry.size, SWAPPED if decision == "swap" else HELD, i)
             settle(now)
             ledger -= entry.size
         if not entries:
@@ -265,17 +270,17 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 prefetch(now, i)
             now += block.backward_seconds
         if decision == "recompute":
-            add(now, -block.saved_bytes - block.input_bytes, HELD)
+            add(now, -block.saved_bytes - block.input_bytes, HELD, i)
             ledger -= block.saved_bytes + block.input_bytes
         if next_prefetch >= 0:
             prefetch(now, i)
-    enter(now, Phase(-1, 0, None))
-    peak, peak_seconds, total_peak, curve = _sweep(events, keep_curve)
+    enter(now, Phase(-1, 0, None, "end"))
+    peak, peak_seconds, total_peak, curve, peak_phase, holders = _sweep(events, keep_curve)
     return Timeline(peak, now, forward_end_ledger, stall, curve, peak_seconds, block_stall, forward_end,
-                    total_peak)
+                    total_peak, peak_phase, holders)
 
 
-def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list]:
+def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, int], dict[int, int]]:
     """Walk the events in time order: the ledger's peak (and when), and the peak of all bytes beyond
     static memory. Where the running phase's peak was measured, the profiling step had on its
     ledger what this plan's swapped tensors are (written out as saved, back when used): those are
@@ -284,11 +289,13 @@ def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list]:
     bytes come on top of the whole ledger."""
     # Additions before phase changes before removals at equal times: the conservative reading of
     # simultaneous events. (Sorting plain tuples natively: a key function would dominate.)
-    ordered = sorted((time, -delta, index) for index, (time, delta, _, _) in enumerate(events))
+    ordered = sorted((time, -delta, index) for index, (time, delta, _, _, _) in enumerate(events))
     resident, held, ahead, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0.0, 0, []
     phase = Phase(-1, 0, None)
-    for time, _, index in ordered:
-        _, delta, kind, entered = events[index]
+    peak_phase = (phase.kind, phase.block)
+    peak_position = 0
+    for position, (time, _, index) in enumerate(ordered):
+        _, delta, kind, entered, _ = events[index]
         if entered is not None:
             phase = entered
         elif kind == AHEAD:
@@ -303,7 +310,18 @@ def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list]:
             total = phase.peak + held + ahead
         else:
             total = resident + phase.other
-        total_peak = max(total_peak, total)
+        if total > total_peak:
+            total_peak, peak_phase, peak_position = total, (phase.kind, phase.block), position
         if keep_curve:
-            curve.append((time, resident))
-    return peak, peak_seconds, total_peak, curve
+            curve.append((time, total))
+    return peak, peak_seconds, total_peak, curve, peak_phase, _holders(events, ordered[:peak_position + 1])
+
+
+def _holders(events, ordered) -> dict[int, int]:
+    """Ledger bytes per block after the events in ``ordered`` (those up to the peak)."""
+    holders: dict[int, int] = {}
+    for _, _, index in ordered:
+        _, delta, kind, entered, block = events[index]
+        if entered is None and kind != AHEAD:
+            holders[block] = holders.get(block, 0) + delta
+    return {block: held for block, held in holders.items() if held > 0}

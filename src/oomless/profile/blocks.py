@@ -69,9 +69,21 @@ def _selected_blocks(model: nn.Module, spec: Iterable) -> list[tuple[str, nn.Mod
     return chosen
 
 
+def _first_names(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """One entry per module: a module registered under several names (MONAI's SegResNet keeps its
+    activation as ``act_mod`` and inside ``conv_final``) is one block, under its first name, the
+    one ``model.named_modules()`` gives."""
+    seen, unique = set(), []
+    for name, module in found:
+        if id(module) not in seen:
+            seen.add(id(module))
+            unique.append((name, module))
+    return unique
+
+
 def find_blocks(model: nn.Module, blocks: Iterable | None = None) -> list[tuple[str, nn.Module]]:
     """Return ``[(qualified name, module)]`` in registration order; blocks never nest."""
-    found = _default_blocks(model) if blocks is None else _selected_blocks(model, list(blocks))
+    found = _first_names(_default_blocks(model) if blocks is None else _selected_blocks(model, list(blocks)))
     if not found:
         raise InputError("the model has no child modules to use as blocks; pass blocks=[...] "
                          "naming the modules whose activations should be planned")

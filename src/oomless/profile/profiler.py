@@ -17,6 +17,7 @@ from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
+from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
                            "RMSprop": 1, "Adadelta": 2}
@@ -69,7 +70,9 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                      plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_bytes=0, min_swap_bytes=0,
                      blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
                              for name in names])
-    recorder = Recorder(names, device, base_bytes, parameters=model.parameters())
+    # Memory is read at every ledger change in the sizing step (no ``decisions``) only: the timing
+    # step's block times must not pay for the readings.
+    recorder = Recorder(names, device, base_bytes, parameters=model.parameters(), measure_memory=decisions is None)
     install_plan(model, measuring, device, recorder=recorder)
     tier = installed_state(model).tier
     if tier is not None:
@@ -112,23 +115,18 @@ def _timing_decisions(sized: Profile, memory_bytes: int | None) -> dict[str, str
         return None
 
 
-def _merge_timing_step(sized: Profile, timer: Recorder, timing: dict[str, str]) -> None:
-    """Times come from the timing step. Memory beyond saved activations is the larger of the two
-    steps' readings: the first step of a process allocates some of it once (kernel caches), the
-    second holds what the first left behind. A block the timing step recomputed re-ran its forward
-    in its backward: its backward reading does not describe keeping or swapping it, and is left out."""
+# A first step that keeps more than a quarter of its own peak rise is a fresh process starting up.
+COLD_START_SHARE = 4
+
+
+def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
+    """Times come from the timing step. Memory comes from the sizing step only: the timing step runs
+    another plan (kept and recomputed blocks hold differently), and a code path it takes for the
+    first time (checkpointing) allocates its start-up there."""
     times = {block.name: block for block in timer.blocks.values()}
     for block in sized.blocks:
-        measured = times[block.name]
-        block.forward_seconds = measured.forward_seconds
-        block.backward_seconds = measured.backward_seconds
-        for field in ("forward_other_bytes", "backward_other_bytes"):
-            if field == "backward_other_bytes" and timing.get(block.name) == "recompute":
-                continue
-            if getattr(measured, field) is not None and getattr(block, field) is not None:
-                setattr(block, field, max(getattr(block, field), getattr(measured, field)))
-    if sized.loss_other_bytes is not None:
-        sized.loss_other_bytes = max(sized.loss_other_bytes, timer.loss_other_bytes)
+        block.forward_seconds = times[block.name].forward_seconds
+        block.backward_seconds = times[block.name].backward_seconds
 
 
 def _refined(found, recorder) -> list | None:
@@ -172,7 +170,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     # Memory beyond static bytes is measured against what the process held before the first step:
     # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
     # memory the training steps will hold too.
-    base_bytes = MemoryProbe(device).current()
+    probe = MemoryProbe(device)
+    baseline = {"bytes": probe.current()}
 
     def measure(decisions: dict[str, str] | None = None):
         for p in parameters:
@@ -180,10 +179,25 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, base_bytes)
+        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline["bytes"])
+
+    def measure_sizes():
+        recorder, loss_seconds = measure()
+        for p in parameters:
+            p.grad = None
+        kept = probe.current() - baseline["bytes"]
+        if kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20):
+            # The first step of a process loads libraries and initialises kernels and thread pools,
+            # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
+            # step treats it). Measured again, from what the process holds now.
+            notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
+                         "sizes measured again on a second step")
+            baseline["bytes"] = probe.current()
+            recorder, loss_seconds = measure()
+        return recorder, loss_seconds
 
     try:
-        recorder, loss_seconds = measure()
+        recorder, loss_seconds = measure_sizes()
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
             found = refined
@@ -193,7 +207,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         if timing is not None:
             timer, sized.loss_seconds = measure(timing)
             sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
-            _merge_timing_step(sized, timer, timing)
+            _merge_timing_step(sized, timer)
     finally:
         with torch.no_grad():
             for p, grad in zip(parameters, saved_grads):

@@ -56,6 +56,7 @@ class Recorder:
         self.gradient_bytes = 0
         self.loss_other_bytes = 0
         self.loss_peak_bytes = 0
+        self.highest_above_static_bytes = 0
         self._gradient_hooks = []
         self._counted_gradients: set[int] = set()
         if measure_memory:
@@ -94,6 +95,7 @@ class Recorder:
         if not self.measure_memory or self.phase is None:
             return
         above_static = max(self.probe.peak_and_mark() - self.base_bytes - self.gradient_bytes, 0)
+        self.highest_above_static_bytes = max(self.highest_above_static_bytes, above_static)
         other = max(above_static - self.ledger_bytes, 0)
         kind, index = self.phase
         if kind == "loss":

@@ -7,6 +7,8 @@
 The state lives on the model as ``model._oomless`` and `remove` restores the model exactly.
 """
 
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -50,6 +52,7 @@ class InstalledPlan:
             raise ApplyError(f"the plan names blocks {missing[:5]} that this model does not have; "
                              "make the plan for this model (oomless.plan(model, ...))")
         self.block_modules = [(index, name, modules[name]) for index, name in enumerate(plan.decisions)]
+        self.recomputes = RECOMPUTE in plan.decisions.values()
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
@@ -75,6 +78,7 @@ class InstalledPlan:
             return
         if self._hooks_context is not None:
             return  # re-entrant call of the model inside its own forward
+        kwargs = self._without_cache(model, kwargs)
         resident = _storage_keys(model.parameters()) | _storage_keys(model.buffers())
         resident |= _storage_keys(tensors_in((args, kwargs)))
         self.engine.begin_forward(resident)
@@ -85,6 +89,23 @@ class InstalledPlan:
         self._hooks_context.__enter__()
         if self.recorder is not None:
             self.recorder.forward_started(resident)
+        return args, kwargs
+
+    def _without_cache(self, model, kwargs):
+        """A recomputed block must compute what it computed in the forward. A Hugging Face model that
+        fills a key/value cache (``config.use_cache``, on by default) appends to it each time a layer
+        runs, so the recomputed layer would attend to its keys twice: wrong gradients, silently. As
+        Hugging Face's own gradient checkpointing does, training with recompute runs without the
+        cache: this call gets ``use_cache=False`` (the model and its config are left as they are)."""
+        if not self.recomputes or not getattr(getattr(model, "config", None), "use_cache", False):
+            return kwargs
+        if "use_cache" not in inspect.signature(model.forward).parameters:
+            return kwargs
+        if kwargs.get("use_cache"):
+            raise ApplyError("use_cache=True was passed to a model with recomputed blocks: a recomputed layer "
+                             "would append its keys to the cache a second time; train with use_cache=False, or "
+                             "plan without recompute (decisions= keep or swap)")
+        return {**kwargs, "use_cache": False}
 
     def _model_post_hook(self, model, args, output):
         if self._hooks_context is None:

@@ -1,0 +1,52 @@
+"""The floor guarantee (issue 15): wherever PyTorch's own checkpointing of every block trains, oomless
+plans too, and its smallest budget is below what checkpointing needs.
+
+For each model, in fresh processes (bench/floor_child.py: one step's peak resident memory above a
+warm-up baseline, glibc told to return freed memory; the model, Adam's state and planning count):
+``torch.utils.checkpoint`` on every block (U-Net stages, transformer layers) measures its peak C;
+oomless is then asked for exactly C. It must accept it, its measured peak must stay within C, and
+the smallest budget it names (PlanError's, with its margin) must be below C. The measured figures
+print with -s.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2**20
+
+MODELS = {
+    "unet3d": {"model": "unet3d", "side": 48, "batch": 2},
+    "transformer": {"model": "transformer", "batch": 4, "length": 256, "dim": 128, "depth": 4},
+    "gpt2": {"model": "gpt2", "batch": 4, "length": 128, "dim": 128, "layers": 4, "heads": 4, "vocab": 2000},
+}
+
+
+def _child(config: dict) -> dict:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
+    completed = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "floor_child.py"), json.dumps(config)],
+                               capture_output=True, text=True, env=environment, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_oomless_plans_wherever_checkpointing_every_block_trains(name):
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+    config = MODELS[name]
+    checkpointed = _child({**config, "mode": "checkpoint"})
+    memory = checkpointed["peak_bytes"]
+    planned = _child({**config, "mode": "oomless", "memory": memory, "report_floor": True})
+    print(f"{name}: checkpoint every block {memory / MiB:.0f} MiB; oomless at that memory measured "
+          f"{planned.get('peak_bytes', 0) / MiB:.0f} MiB (predicted {planned.get('predicted_peak_bytes', 0) / MiB:.0f}), "
+          f"decisions {planned.get('decisions')}; smallest budget oomless plans for "
+          f"{planned.get('floor_bytes', 0) / MiB:.0f} MiB")
+    assert "refused" not in planned, planned.get("refused")
+    assert planned["peak_bytes"] <= memory
+    assert planned["floor_bytes"] < memory
