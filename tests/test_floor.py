@@ -21,8 +21,9 @@ MiB = 2**20
 
 MODELS = {
     "unet3d": {"model": "unet3d", "side": 48, "batch": 2},
-    "transformer": {"model": "transformer", "batch": 4, "length": 256, "dim": 128, "depth": 4},
-    "gpt2": {"model": "gpt2", "batch": 4, "length": 128, "dim": 128, "layers": 4, "heads": 4, "vocab": 2000},
+    "transformer": {"model": "transformer", "batch": 8, "length": 128, "dim": 256, "depth": 4},
+    # The configuration: 6 layers, 256 dims, batch 8 x 256 tokens, vocabulary 2000.
+    "gpt2": {"model": "gpt2", "batch": 8, "length": 256, "dim": 256, "layers": 6, "heads": 4, "vocab": 2000},
 }
 
 
