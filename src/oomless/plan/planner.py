@@ -215,6 +215,8 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
             key = (not fits, timeline.step_seconds if fits else timeline.total_peak_bytes)
             if best is None or key < best[0]:
                 best = (key, window, chosen, timeline, solver_name)
+        if not best[0][0] and best[3].stall_seconds <= 1e-9:
+            break   # nothing waits for a transfer: a wider window has nothing to hide, only bytes to add
     _, window, chosen, timeline, solver_name = best
     if timeline.total_peak_bytes > budget and decisions is None:
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "

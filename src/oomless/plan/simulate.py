@@ -19,7 +19,7 @@ and a copy-in stream for prefetches in backward.
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oomless.profile.profile import BlockProfile, Profile
 
@@ -36,7 +36,16 @@ class Timeline:
     forward_seconds: float = 0.0    # when the forward (and loss) ended
     total_peak_bytes: int = 0       # the peak of saved activations plus the phases' other bytes
     peak_phase: tuple[str, int] = ("forward", -1)  # (kind, block index) of the phase at that peak
-    peak_holders: dict[int, int] | None = None      # block index -> its saved bytes on the device then
+    # The simulation's arguments, to replay it when asked which blocks hold bytes at that peak.
+    _replay: tuple | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def peak_holders(self) -> dict[int, int]:
+        """Block index -> its saved bytes on the device at the total peak. Replayed when asked (error
+        messages ask): keeping every simulation's events for it would cost the solvers gigabytes."""
+        if self._replay is None:
+            return {}
+        return simulate(*self._replay, holders=True)
 
 
 def entry_sizes(block: BlockProfile) -> list[int]:
@@ -125,17 +134,19 @@ class _Entry:
 
 def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None = None,
              max_pending_out_bytes: int | None = None, keep_curve: bool = False,
-             budget_bytes: int | None = None) -> Timeline:
+             budget_bytes: int | None = None, holders: bool = False) -> Timeline:
     """Replay one step under ``decisions``. ``prefetch_bytes``: swapped bytes brought back ahead of
     use at most (None: no limit); ``budget_bytes``: the bytes beyond static memory the step may use
     (None: no limit): each backward phase leaves its own other bytes out of it, and prefetches fit
-    in what is left until the phase that uses them."""
+    in what is left until the phase that uses them. ``holders``: return instead the ledger bytes per
+    block at the total peak (`Timeline.peak_holders`)."""
     blocks = profile.blocks
     out_rate, in_rate = profile.link.out_bytes_per_second, profile.link.in_bytes_per_second
     contended = profile.link.kind == "disk"
     window = float("inf") if prefetch_bytes is None else prefetch_bytes
     forward_phases, loss_phase, backward_phases = phases(profile, decisions)
-    limits = [float("inf") if budget_bytes is None else budget_bytes - phase.other for phase in backward_phases]
+    room_between = _RangeMin([float("inf") if budget_bytes is None else budget_bytes - phase.other
+                              for phase in backward_phases])
     # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
     # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too).
     events: list[tuple[float, int, int, Phase | None, int]] = []
@@ -230,7 +241,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             if prefetched_unused + entry.size > window:
                 return
             # It stays until its block's backward: it must fit every phase until then.
-            room = min(limits[entry.block:current + 1])
+            room = room_between(entry.block, current)
             if at >= entry.out_end and ledger + entry.size > room:
                 return
             issue(entry, at, ahead=True)
@@ -275,26 +286,48 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         if next_prefetch >= 0:
             prefetch(now, i)
     enter(now, Phase(-1, 0, None, "end"))
-    peak, peak_seconds, total_peak, curve, peak_phase, holders = _sweep(events, keep_curve)
+    peak, peak_seconds, total_peak, curve, peak_phase, up_to_peak = _sweep(events, keep_curve)
+    if holders:
+        return _holders(events, up_to_peak)
     return Timeline(peak, now, forward_end_ledger, stall, curve, peak_seconds, block_stall, forward_end,
-                    total_peak, peak_phase, holders)
+                    total_peak, peak_phase,
+                    (profile, decisions, prefetch_bytes, max_pending_out_bytes, False, budget_bytes))
 
 
-def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, int], dict[int, int]]:
+class _RangeMin:
+    """min(values[first:last + 1]) in constant time (a sparse table): the prefetch asks it for the
+    room of every phase between now and a tensor's use, thousands of times per simulation."""
+
+    def __init__(self, values: list[float]):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            below = self.levels[-1]
+            self.levels.append([min(below[i], below[i + width]) for i in range(len(below) - width)])
+            width *= 2
+
+    def __call__(self, first: int, last: int) -> float:
+        level = (last - first + 1).bit_length() - 1
+        row = self.levels[level]
+        return min(row[first], row[last - (1 << level) + 1])
+
+
+def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, int], list]:
     """Walk the events in time order: the ledger's peak (and when), and the peak of all bytes beyond
     static memory. Where the running phase's peak was measured, the profiling step had on its
     ledger what this plan's swapped tensors are (written out as saved, back when used): those are
     inside the measured peak, and what this plan holds besides (kept tensors, recompute inputs and
     recomputed tensors, tensors prefetched ahead of use) comes on top. Elsewhere, the phase's other
     bytes come on top of the whole ledger."""
-    # Additions before phase changes before removals at equal times: the conservative reading of
-    # simultaneous events. (Sorting plain tuples natively: a key function would dominate.)
-    ordered = sorted((time, -delta, index) for index, (time, delta, _, _, _) in enumerate(events))
+    # At equal times, events in the order the replay made them: the runtime's order (a tensor used
+    # is freed before the prefetch that its room allows). Sorting plain tuples natively: a key
+    # function would dominate.
+    ordered = sorted((time, index) for index, (time, _, _, _, _) in enumerate(events))
     resident, held, ahead, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0.0, 0, []
     phase = Phase(-1, 0, None)
     peak_phase = (phase.kind, phase.block)
     peak_position = 0
-    for position, (time, _, index) in enumerate(ordered):
+    for position, (time, index) in enumerate(ordered):
         _, delta, kind, entered, _ = events[index]
         if entered is not None:
             phase = entered
@@ -314,13 +347,13 @@ def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, 
             total_peak, peak_phase, peak_position = total, (phase.kind, phase.block), position
         if keep_curve:
             curve.append((time, total))
-    return peak, peak_seconds, total_peak, curve, peak_phase, _holders(events, ordered[:peak_position + 1])
+    return peak, peak_seconds, total_peak, curve, peak_phase, ordered[:peak_position + 1]
 
 
 def _holders(events, ordered) -> dict[int, int]:
     """Ledger bytes per block after the events in ``ordered`` (those up to the peak)."""
     holders: dict[int, int] = {}
-    for _, _, index in ordered:
+    for _, index in ordered:
         _, delta, kind, entered, block = events[index]
         if entered is None and kind != AHEAD:
             holders[block] = holders.get(block, 0) + delta
