@@ -21,7 +21,12 @@ def test_ledger_peak_stays_within_the_activation_budget(model_name, share):
         loss_fn(model(inputs)).backward()
         optimizer.step()
     stats = oomless.stats(model)
-    assert stats.peak_activation_bytes <= plan.activation_budget
+    # Prefetches and kept tensors wait for room under the phase limits; only what the running backward
+    # op needs now is fetched whatever the room (the plan's total peak counts it with the phase's
+    # measured working memory, which is smaller at that moment than the least phase's).
+    needed_now = max(block.saved_bytes for block in plan.blocks)
+    assert stats.peak_activation_bytes <= plan.activation_budget + needed_now
+    assert stats.peak_activation_bytes <= plan.memory_bytes - plan.static_bytes
     assert stats.resident_activation_bytes == 0, "every saved tensor leaves the ledger after backward"
     if share != 1.0 and memory < plan.plain_peak_bytes:
         assert stats.offloaded_bytes > 0 or stats.recomputed_blocks > 0
