@@ -39,8 +39,8 @@ def test_a_roomy_budget_keeps_the_update_after_backward(profiled):
     model, inputs, loss_fn = _case()
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.Adam(model.parameters()),
                         profile=profile)
-    assert not plan.update_in_backward
-    assert "update in backward: off (the step fits with every block kept" in _notes(plan)
+    assert not plan.update_in_backward and not plan.offload_optimizer_state
+    assert "update in backward: off, optimizer state on the device, parameters on the device (the step fits with every block kept" in _notes(plan)
     gradients = {part.name: part for part in plan.static_parts}["gradients"]
     assert gradients.device_bytes == gradients.total_bytes == profile.gradient_bytes and gradients.where == "device"
     assert plan.static_bytes == sum(part.device_bytes for part in plan.static_parts)
@@ -54,13 +54,15 @@ def test_the_planner_steps_in_backward_when_only_that_fits_and_training_is_uncha
     model, inputs, loss_fn = _case()
     reference = copy.deepcopy(model)
     optimizer, reference_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
-    with pytest.raises(PlanError):              # forced off, it does not fit
+    with pytest.raises(PlanError):              # all on the device, it does not fit
         oomless.plan(model, inputs, memory, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
-                     update_in_backward=False)
+                     update_in_backward=False, offload_optimizer_state=False)
     oomless.fit(model, inputs, memory, loss_fn=loss_fn, optimizer=optimizer, profile=profile)
     plan = oomless.installed_plan(model)
-    assert plan.update_in_backward
-    assert "update in backward: on" in _notes(plan) and "without it no plan fits" in _notes(plan)
+    # Moving the state too would fit, but its copies cost time: only the gradients move.
+    assert plan.update_in_backward and not plan.offload_optimizer_state
+    assert "update in backward: on, optimizer state on the device, parameters on the device (predicted step" in _notes(plan)
+    assert "no plan fits with update in backward: off, optimizer state on the device, parameters on the device" in _notes(plan)
     gradients = {part.name: part for part in plan.static_parts}["gradients"]
     assert gradients.device_bytes == largest_module_bytes and gradients.total_bytes == profile.gradient_bytes
     assert "update in backward" in gradients.where
@@ -69,6 +71,7 @@ def test_the_planner_steps_in_backward_when_only_that_fits_and_training_is_uncha
     printed = str(plan)
     assert "gradients 1.00 MiB of 8.02 MiB (device, one module's at a time" in printed
     assert "update in backward: on" in printed
+    assert "optimizer state 16.03 MiB" in printed      # on the device, all of it
 
     for batch in range(3):
         for trained, trained_optimizer in ((reference, reference_optimizer), (model, optimizer)):
@@ -79,16 +82,20 @@ def test_the_planner_steps_in_backward_when_only_that_fits_and_training_is_uncha
         assert torch.equal(expected, actual)
 
 
-def test_the_smallest_memory_reported_counts_the_step_in_backward(profiled):
+def test_the_smallest_memory_reported_counts_what_can_move(profiled):
     profile, without_minimum, with_minimum = profiled
     model, inputs, loss_fn = _case()
     optimizer = torch.optim.Adam(model.parameters())
-    with pytest.raises(PlanError, match="optimizer step in backward frees") as refused:
+    with pytest.raises(PlanError, match="counting update in backward: on, optimizer state off the device, "
+                                        "parameters off the device") as refused:
         oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer, profile=profile)
-    assert with_minimum <= refused.value.minimum_bytes < without_minimum
+    assert refused.value.minimum_bytes < with_minimum < without_minimum
     plan = oomless.plan(model, inputs, refused.value.minimum_bytes, loss_fn=loss_fn, optimizer=optimizer,
                         profile=profile)
-    assert plan.update_in_backward
+    assert plan.update_in_backward and plan.offload_optimizer_state and plan.offload_parameters
+    with pytest.raises(PlanError):              # forced to keep the state on the device, it does not fit
+        oomless.plan(model, inputs, refused.value.minimum_bytes, loss_fn=loss_fn, optimizer=optimizer,
+                     profile=profile, offload_optimizer_state=False)
 
 
 def test_forced_on_at_a_roomy_budget_and_saved_as_json(profiled):
@@ -97,7 +104,7 @@ def test_forced_on_at_a_roomy_budget_and_saved_as_json(profiled):
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                         profile=profile, update_in_backward=True, accumulation_steps=2)
     assert plan.update_in_backward and plan.accumulation_steps == 2
-    assert "update in backward: on (given by the user)" in _notes(plan)
+    assert "update in backward: on, optimizer state on the device, parameters on the device (the step fits with every block kept" in _notes(plan)
     # With accumulation every gradient is alive in the last micro-batch: counted at full size.
     gradients = {part.name: part for part in plan.static_parts}["gradients"]
     assert gradients.device_bytes == gradients.total_bytes

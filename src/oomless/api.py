@@ -28,7 +28,8 @@ def sum_of_outputs(output) -> torch.Tensor:
 def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None, target=None,
          blocks=None, decisions: dict[str, str] | None = None, min_swap_bytes: int = 64 * 1024,
          profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto",
-         update_in_backward: bool | None = None, max_grad_norm: float | None = None,
+         update_in_backward: bool | None = None, offload_optimizer_state: bool | None = None,
+         offload_parameters: bool | None = None, max_grad_norm: float | None = None,
          accumulation_steps: int = 1) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
@@ -42,13 +43,18 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     inputs may be on the meta device; ``dtype`` then casts floating-point parameters and inputs.
     ``solver`` is "greedy", "exact" or "auto" (exact up to a few hundred blocks, see `plan.solvers`).
 
-    ``update_in_backward``: True steps ``optimizer`` per parameter during backward and frees each
-    gradient at once (`oomless.runtime.update_in_backward`), False never, None lets the planner decide.
+    Static bytes (`oomless.plan.static`), each True/False to force, None to let the planner decide:
+    ``update_in_backward`` steps ``optimizer`` per parameter during backward and frees each gradient
+    at once (`oomless.runtime.update_in_backward`); ``offload_optimizer_state`` keeps the optimizer's
+    state in pinned host memory (CUDA) or on disk (CPU) between updates (`oomless.runtime.offload_state`);
+    ``offload_parameters`` keeps each block's parameters there between uses (with the update in
+    backward; `oomless.runtime.offload_parameters`).
     The loop's ``max_grad_norm`` (clipping by global norm) and ``accumulation_steps`` (micro-batches
-    per optimizer step) decide whether it can.
+    per optimizer step) decide what is possible.
     """
     memory_bytes = parse_bytes(memory)
-    request = StaticRequest(update_in_backward, max_grad_norm, accumulation_steps)
+    request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
+                            accumulation_steps)
     request.check()
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
                                   profile, dtype, target, solver)
@@ -92,17 +98,27 @@ def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, bloc
 
 def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged. A plan
-    that updates in backward needs the ``optimizer`` it steps."""
+    that updates in backward or offloads the optimizer state needs the ``optimizer`` it steps."""
     check_model(model, "apply")
     if not isinstance(plan, Plan):
         raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
-    if plan.update_in_backward and optimizer is None:
-        raise ApplyError("this plan updates the parameters in backward: pass the optimizer it steps, "
-                         "oomless.apply(model, plan, optimizer=optimizer)")
+    per_parameter = plan.update_in_backward or plan.offload_optimizer_state or plan.offload_parameters
+    if per_parameter and optimizer is None:
+        raise ApplyError("this plan updates the parameters in backward or keeps optimizer state or parameters "
+                         "off the device: pass the optimizer it steps, oomless.apply(model, plan, optimizer=optimizer)")
     install_plan(model, plan, model_device(model))
-    if plan.update_in_backward:
+    if per_parameter:
         try:
-            apply_update_in_backward(model, optimizer, plan.accumulation_steps)
+            modules = dict(model.named_modules())
+            update = apply_update_in_backward(
+                model, optimizer, plan.accumulation_steps, in_backward=plan.update_in_backward,
+                offload_state=plan.offload_optimizer_state,
+                offload_blocks=[(name, modules[name]) for name in plan.decisions] if plan.offload_parameters else None)
+            if update.parameters_off is not None:
+                # Brought-in parameters are resident, never saved activations to count or swap (the
+                # saved-tensor engine takes the parameters' storages at the model's forward, before them).
+                engine = installed_state(model).engine
+                update.parameters_off.on_brought_in = lambda keys: engine.resident_storages.update(keys)
         except Exception:
             uninstall_plan(model)           # all or nothing: the model is left as it was
             raise

@@ -68,6 +68,11 @@ class Plan:
     # with gradient accumulation, at its accumulation_steps-th gradient.
     update_in_backward: bool = False
     accumulation_steps: int = 1
+    # The optimizer state between updates in pinned host memory (CUDA) or on disk (CPU), brought in
+    # around each parameter's update (runtime/offload_state.py).
+    offload_optimizer_state: bool = False
+    # Each block's own parameters in the same tier between uses (runtime/offload_parameters.py).
+    offload_parameters: bool = False
     static_parts: list[StaticPart] = field(default_factory=list)
 
     @property

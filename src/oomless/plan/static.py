@@ -1,21 +1,33 @@
 """Static bytes (parameters, gradients, optimizer state, buffers, inputs): how many, where each
-lives, and the decisions that move them. Today one decision: the optimizer step in backward, which
-frees each gradient as soon as its parameter is updated (`oomless.runtime.update_in_backward`), so
-the device holds the gradients of one module at a time instead of all of them.
+lives, and the decisions that move them off the device:
 
-The planner decides it for the budget, or the user forces it (``update_in_backward=True/False``):
-- off when the loop needs every gradient first (clipping by global norm), when there is no
-  optimizer to step, or with an optimizer that steps all parameters at once (LBFGS);
-- off when the plain step (every block kept) fits without it: nothing to gain, and one optimizer
-  call per parameter costs more than one over all of them;
-- otherwise the activation plan is made both ways and the faster one that fits is chosen: the bytes
-  the gradients free are room for activations (fewer swaps and recomputes), against the measured
-  cost of the extra optimizer calls;
-- with gradient accumulation over k > 1 micro-batches every gradient is alive during the last
-  micro-batch anyway: the planner never chooses it (forced, it still works and is counted at full size).
+- the optimizer step in backward (`oomless.runtime.update_in_backward`): each gradient is freed as
+  soon as its parameter is updated, so the device holds one module's gradients, not all of them;
+- the optimizer state off the device (`oomless.runtime.offload_state`): each parameter's state lives
+  in pinned host memory (CUDA) or the disk tier (CPU) between its updates, so the device holds the
+  states of the few parameters being updated; the step streams them in and out;
+- the parameters off the device (`oomless.runtime.offload_parameters`, with the update in backward):
+  each block's own parameters live in the same tier between uses, brought in before its forward and
+  its backward (prefetched one block ahead) and written out after their update, so the device holds
+  a few blocks' parameters and those shared across blocks.
 
-The activation planner (`plan.planner.make_plan`) is given the profile as the device sees it under
-these decisions (`device_view`): the same step with fewer static bytes on the device.
+Each is forced by the user (``update_in_backward=``, ``offload_optimizer_state=``,
+``offload_parameters=``: True/False) or decided here for the budget (None), with the reason in the
+plan's notes:
+- neither is possible without an optimizer, with an optimizer that steps all parameters at once
+  (LBFGS), or under data parallel (each gradient is averaged across ranks before any update);
+- the step in backward is not possible when the loop clips by global norm (every gradient is needed
+  before the first update), and saves nothing with gradient accumulation (every gradient is alive in
+  the last micro-batch): never chosen then (forced with accumulation, it works and is counted full);
+- when the step fits with every block kept and everything on the device, nothing moves;
+- otherwise the activation plan is made for each possible placement, and the fastest that fits is
+  chosen: its predicted step plus what the placement adds (the measured cost of one optimizer call
+  per parameter; the bytes moved over the tier's measured link, not assumed hidden: the state out
+  and in, the parameters in twice and out once).
+  Freed static bytes are room for activations, so moving them can also buy fewer swaps and recomputes.
+
+The activation planner (`plan.planner.make_plan`) is given the profile as the device sees it under a
+placement (`device_view`): the same step with fewer static bytes on the device.
 """
 
 import collections
@@ -33,74 +45,142 @@ from oomless.sizes import format_bytes
 
 ON_DEVICE = "device"
 IN_BACKWARD = "device, one module's at a time (update in backward)"
+# Parameters whose state is on the device at once when it is offloaded: the one being updated, the
+# prefetched one (OffloadedState's prefetch_parameters=1) and one still being copied out.
+STATE_PARAMETERS_IN_FLIGHT = 3
+# Blocks whose parameters are on the device at once when they are offloaded: the running one, the
+# prefetched one, and one whose updated parameters are still being copied out.
+PARAMETER_BLOCKS_IN_FLIGHT = 3
 
 
 @dataclasses.dataclass
 class StaticRequest:
     """What the user asked for and what the loop does, for the static decisions."""
 
-    update_in_backward: bool | None = None     # True/False forces it; None lets the planner decide
-    max_grad_norm: float | None = None         # the loop clips by global norm
-    accumulation_steps: int = 1                # micro-batches per optimizer step
+    update_in_backward: bool | None = None       # True/False forces it; None lets the planner decide
+    offload_optimizer_state: bool | None = None  # idem
+    offload_parameters: bool | None = None       # idem
+    max_grad_norm: float | None = None           # the loop clips by global norm
+    accumulation_steps: int = 1                  # micro-batches per optimizer step
 
     def check(self) -> None:
-        if self.update_in_backward not in (None, True, False):
-            raise InputError(f"update_in_backward must be True, False or None (the planner decides), "
-                             f"got {self.update_in_backward!r}")
+        for name in ("update_in_backward", "offload_optimizer_state", "offload_parameters"):
+            if getattr(self, name) not in (None, True, False):
+                raise InputError(f"{name} must be True, False or None (the planner decides), got {getattr(self, name)!r}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and self.max_grad_norm > 0):
+            raise InputError(f"max_grad_norm is the loop's clipping norm, a positive number (or None: no "
+                             f"clipping), got {self.max_grad_norm!r}")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise InputError(f"accumulation_steps must be a positive int (micro-batches per optimizer step), "
                              f"got {self.accumulation_steps!r}")
 
 
-def why_not_in_backward(optimizer, max_grad_norm: float | None) -> str | None:
-    """The reason the step cannot run in backward, or None."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    update_in_backward: bool = False
+    offload_optimizer_state: bool = False
+    offload_parameters: bool = False
+
+    def describe(self) -> str:
+        return (f"update in backward: {'on' if self.update_in_backward else 'off'}, optimizer state "
+                f"{'off the device' if self.offload_optimizer_state else 'on the device'}, parameters "
+                f"{'off the device' if self.offload_parameters else 'on the device'}")
+
+
+def why_not_per_parameter(optimizer) -> str | None:
+    """Why no update can be split per parameter (in backward or with offloaded state), or None."""
     if optimizer is None:
-        return "it steps the optimizer, and none was given (pass optimizer=)"
+        return "no optimizer was given (pass optimizer=)"
     if isinstance(optimizer, NOT_SLICEABLE):
         return f"{type(optimizer).__name__} steps every parameter at once"
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         return ("under data parallel each gradient must be averaged across ranks before the update "
                 "(oomless.parallel's overlapped update steps each bucket after its all-reduce)")
-    if max_grad_norm is not None:
-        return ("clipping by global norm (max_grad_norm) needs every gradient before the first update, and in "
-                "backward each parameter is updated as soon as its own gradient is ready")
     return None
 
 
-def gradient_bytes_in_backward(model: nn.Module, profile: Profile) -> int:
-    """Gradient bytes alive at once when each is freed after its update: a module's own parameters'.
+def why_not_in_backward(optimizer, max_grad_norm: float | None) -> str | None:
+    """The reason the step cannot run in backward, or None."""
+    blocker = why_not_per_parameter(optimizer)
+    if blocker is None and max_grad_norm is not None:
+        return ("clipping by global norm (max_grad_norm) needs every gradient before the first update, and in "
+                "backward each parameter is updated as soon as its own gradient is ready")
+    return blocker
 
-    Autograd runs a parameter's AccumulateGrad as soon as its gradient is complete (those nodes go
-    first in its ready queue), so the gradients alive together are those one node produced: a
-    module's own parameters (a Linear's weight and bias). Scaled to the profile's gradient bytes, so
-    a target's dtype applies."""
+
+def _largest_module_share(model: nn.Module) -> float:
+    """The largest share of the trainable elements one module registers itself (a Linear's weight and
+    bias): autograd runs a parameter's AccumulateGrad as soon as its gradient is complete (those nodes
+    go first in its ready queue), so the gradients alive together are those one node produced."""
     trainable = {id(param): param for param in model.parameters() if param.requires_grad}
-    total_elements = sum(param.numel() for param in trainable.values())
-    if not total_elements:
-        return 0
+    total = sum(param.numel() for param in trainable.values())
+    if not total:
+        return 0.0
     largest = max((sum(param.numel() for param in module.parameters(recurse=False) if param.requires_grad)
                    for module in model.modules()), default=0)
-    return -(-profile.gradient_bytes * largest // total_elements)
+    return largest / total
 
 
-def device_view(profile: Profile, gradient_device_bytes: int) -> Profile:
+def gradient_bytes_in_backward(model: nn.Module, profile: Profile) -> int:
+    """Gradient bytes alive at once when each is freed after its update (scaled to the profile's bytes,
+    so a target's dtype applies)."""
+    return int(-(-profile.gradient_bytes * _largest_module_share(model) // 1))
+
+
+def state_bytes_offloaded(model: nn.Module, profile: Profile) -> int:
+    """Optimizer-state bytes on the device at once when it is offloaded."""
+    share = min(1.0, _largest_module_share(model) * STATE_PARAMETERS_IN_FLIGHT)
+    return int(-(-profile.optimizer_state_bytes * share // 1))
+
+
+def parameter_bytes_offloaded(model: nn.Module, profile: Profile) -> int:
+    """Parameter bytes on the device at once when the blocks' own parameters are offloaded: those
+    no single block owns, and a few blocks' (scaled to the profile's bytes: a target's dtype applies)."""
+    from oomless.runtime.offload_parameters import parameters_owned_by_blocks
+
+    modules = dict(model.named_modules())
+    blocks = [(block.name, modules[block.name]) for block in profile.blocks if block.name in modules]
+    owned = [sum(param.numel() for param in params) for params in parameters_owned_by_blocks(model, blocks)]
+    total = sum(param.numel() for param in dict.fromkeys(model.parameters()))
+    if not total or not owned:
+        return profile.parameter_bytes
+    on_device = total - sum(owned) + PARAMETER_BLOCKS_IN_FLIGHT * max(owned)
+    return min(profile.parameter_bytes, int(-(-profile.parameter_bytes * on_device // total)))
+
+
+def device_view(profile: Profile, gradient_device_bytes: int, state_device_bytes: int | None = None,
+                parameter_device_bytes: int | None = None) -> Profile:
     """The profile with only the static bytes the device holds."""
-    return dataclasses.replace(profile, gradient_bytes=gradient_device_bytes)
+    state = profile.optimizer_state_bytes if state_device_bytes is None else state_device_bytes
+    parameters = profile.parameter_bytes if parameter_device_bytes is None else parameter_device_bytes
+    return dataclasses.replace(profile, gradient_bytes=gradient_device_bytes, optimizer_state_bytes=state,
+                               parameter_bytes=parameters)
 
 
-def static_parts(profile: Profile, gradient_device_bytes: int) -> list[StaticPart]:
+def _state_tier(profile: Profile) -> str:
+    return "pinned host memory" if profile.device.startswith("cuda") else "disk"
+
+
+def static_parts(profile: Profile, gradient_device_bytes: int, state_device_bytes: int,
+                 parameter_device_bytes: int) -> list[StaticPart]:
     gradients_where = ON_DEVICE if gradient_device_bytes >= profile.gradient_bytes else IN_BACKWARD
-    return [StaticPart("parameters", profile.parameter_bytes, profile.parameter_bytes, ON_DEVICE),
+    state_where = ON_DEVICE if state_device_bytes >= profile.optimizer_state_bytes else \
+        f"{_state_tier(profile)}; on the device around each parameter's update"
+    parameters_where = ON_DEVICE if parameter_device_bytes >= profile.parameter_bytes else \
+        f"{_state_tier(profile)}; each block's on the device around its forward, backward and update"
+    return [StaticPart("parameters", profile.parameter_bytes, parameter_device_bytes, parameters_where),
             StaticPart("gradients", profile.gradient_bytes, min(gradient_device_bytes, profile.gradient_bytes),
                        gradients_where),
-            StaticPart("optimizer state", profile.optimizer_state_bytes, profile.optimizer_state_bytes, ON_DEVICE),
+            StaticPart("optimizer state", profile.optimizer_state_bytes,
+                       min(state_device_bytes, profile.optimizer_state_bytes), state_where),
             StaticPart("buffers", profile.buffer_bytes, profile.buffer_bytes, ON_DEVICE),
             StaticPart("inputs", profile.input_bytes, profile.input_bytes, ON_DEVICE)]
 
 
 def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:
-    """The fixed cost of one optimizer call (the update in backward makes one per parameter where the
+    """The fixed cost of one optimizer call (a per-parameter update makes one per parameter where the
     plain step makes one), measured on a one-element parameter on the parameters' device; None where
     it cannot run (meta parameters of a target)."""
     device = next((param.device for group in optimizer.param_groups for param in group["params"]),
@@ -125,71 +205,145 @@ def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:
         return None
 
 
+class _Candidates:
+    """The activation plan and the added seconds of each placement, made on demand."""
+
+    def __init__(self, profile, model, optimizer, request, plan_activations):
+        self.profile, self.optimizer, self.request = profile, optimizer, request
+        self.plan_activations = plan_activations
+        accumulating = request.accumulation_steps > 1
+        self.gradients_in_backward = profile.gradient_bytes if accumulating else \
+            gradient_bytes_in_backward(model, profile)
+        self.state_offloaded = state_bytes_offloaded(model, profile)
+        self.parameters_offloaded = parameter_bytes_offloaded(model, profile)
+        self.results: dict[Placement, Plan | PlanError] = {}
+        self._per_call_seconds = None
+
+    def device_bytes(self, placement: Placement) -> tuple[int, int, int]:
+        """(gradients, optimizer state, parameters) on the device at once."""
+        gradients = self.gradients_in_backward if placement.update_in_backward else self.profile.gradient_bytes
+        state = self.state_offloaded if placement.offload_optimizer_state else self.profile.optimizer_state_bytes
+        parameters = self.parameters_offloaded if placement.offload_parameters else self.profile.parameter_bytes
+        return gradients, state, parameters
+
+    def plan(self, placement: Placement) -> Plan | PlanError:
+        if placement not in self.results:
+            try:
+                self.results[placement] = self.plan_activations(device_view(self.profile, *self.device_bytes(placement)))
+            except PlanError as refused:
+                self.results[placement] = refused
+        return self.results[placement]
+
+    def added_seconds(self, placement: Placement) -> tuple[float, str]:
+        """Seconds a placement adds to the activation plan's step, and how they were counted."""
+        if placement == Placement():
+            return 0.0, ""
+        if self._per_call_seconds is None:
+            self._per_call_seconds = per_parameter_step_seconds(self.optimizer) or 0.0
+        calls = sum(1 for group in self.optimizer.param_groups for param in group["params"] if param.requires_grad)
+        seconds = self._per_call_seconds * calls
+        parts = [f"{calls} optimizer calls {seconds * 1e3:.1f} ms"]
+        if placement.offload_optimizer_state:
+            link = self.profile.link
+            moved = self.profile.optimizer_state_bytes
+            copies = moved / link.out_bytes_per_second + moved / link.in_bytes_per_second
+            seconds += copies
+            parts.append(f"state out and in {format_bytes(moved)} each way {copies * 1e3:.1f} ms")
+        if placement.offload_parameters:
+            link = self.profile.link
+            moved = self.profile.parameter_bytes
+            copies = 2 * moved / link.in_bytes_per_second + moved / link.out_bytes_per_second
+            seconds += copies
+            parts.append(f"parameters in twice and out once, {format_bytes(moved)} each, {copies * 1e3:.1f} ms")
+        return seconds, ", ".join(parts)
+
+
 def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, request: StaticRequest,
                                plan_activations) -> Plan:
     """Decide the static placements, make the activation plan for them with
     ``plan_activations(device_profile) -> Plan`` and record both in the returned plan."""
     request.check()
-    blocker = why_not_in_backward(optimizer, request.max_grad_norm)
-    if request.update_in_backward is True and blocker is not None:
-        raise InputError(f"update_in_backward=True is not possible: {blocker}; use update_in_backward=None "
-                         "(the planner then keeps the update after backward) or False")
-    full_gradients = profile.gradient_bytes
-    in_backward_gradients = full_gradients if request.accumulation_steps > 1 else \
-        gradient_bytes_in_backward(model, profile)
+    per_parameter_blocker = why_not_per_parameter(optimizer)
+    in_backward_blocker = why_not_in_backward(optimizer, request.max_grad_norm)
+    parameters_blocker = in_backward_blocker or (
+        "they are written out after their update in backward, which gradient accumulation delays"
+        if request.accumulation_steps > 1 else None)
+    if request.update_in_backward is False and request.offload_parameters is True:
+        raise InputError("offload_parameters=True needs the update in backward (each parameter is written out "
+                         "after its update); drop update_in_backward=False")
+    for name, blocker in (("update_in_backward", in_backward_blocker),
+                          ("offload_optimizer_state", per_parameter_blocker),
+                          ("offload_parameters", parameters_blocker)):
+        if getattr(request, name) is True and blocker is not None:
+            raise InputError(f"{name}=True is not possible: {blocker}; use {name}=None (the planner then "
+                             "keeps it off) or False")
 
-    def attempt(in_backward: bool):
-        gradient_bytes = in_backward_gradients if in_backward else full_gradients
-        try:
-            return plan_activations(device_view(profile, gradient_bytes)), gradient_bytes
-        except PlanError as refused:
-            return refused, gradient_bytes
+    def options(requested, possible: bool) -> list[bool]:
+        return [requested] if requested is not None else [False] + ([True] if possible else [])
 
-    if request.update_in_backward is not None or blocker is not None:
-        in_backward = bool(request.update_in_backward)
-        reason = ("given by the user" if request.update_in_backward is not None else blocker)
-        chosen, gradient_bytes = attempt(in_backward)
-    else:
-        in_backward, chosen, gradient_bytes, reason = _decide(profile, optimizer, request, attempt,
-                                                              full_gradients, in_backward_gradients)
-    if isinstance(chosen, PlanError):
-        raise chosen
-    chosen.update_in_backward, chosen.accumulation_steps = in_backward, request.accumulation_steps
-    chosen.static_parts = static_parts(profile, gradient_bytes)
+    forced_in_backward = True if request.offload_parameters else request.update_in_backward
+    placements = [Placement(in_backward, offload_state, offload_parameters)
+                  for in_backward in options(forced_in_backward,
+                                             in_backward_blocker is None and request.accumulation_steps == 1)
+                  for offload_state in options(request.offload_optimizer_state,
+                                               per_parameter_blocker is None and profile.optimizer_state_bytes > 0)
+                  for offload_parameters in options(request.offload_parameters, parameters_blocker is None)
+                  if in_backward or not offload_parameters]
+    placements.sort(key=lambda placement: (placement.offload_parameters, placement.offload_optimizer_state,
+                                           placement.update_in_backward))
+    candidates = _Candidates(profile, model, optimizer, request, plan_activations)
+    placement, reason = _choose(candidates, placements)
+    unavailable = {"update in backward": in_backward_blocker if request.update_in_backward is None else None,
+                   "optimizer state off the device": per_parameter_blocker
+                   if request.offload_optimizer_state is None else None,
+                   "parameters off the device": parameters_blocker if request.offload_parameters is None else None}
+    if request.accumulation_steps > 1 and request.update_in_backward is None and in_backward_blocker is None:
+        unavailable["update in backward"] = (f"with {request.accumulation_steps} micro-batches per step every "
+                                             "gradient is alive in the last one: nothing to gain")
+    reason += "".join(f"; {name} not possible: {why}" for name, why in unavailable.items() if why)
+    chosen = candidates.plan(placement)
+    chosen.update_in_backward = placement.update_in_backward
+    chosen.offload_optimizer_state = placement.offload_optimizer_state
+    chosen.offload_parameters = placement.offload_parameters
+    chosen.accumulation_steps = request.accumulation_steps
+    chosen.static_parts = static_parts(profile, *candidates.device_bytes(placement))
     # The activation planner saw the device's static bytes; plain PyTorch holds all of them.
     chosen.plain_peak_bytes += sum(part.total_bytes - part.device_bytes for part in chosen.static_parts)
-    chosen.notes.append(f"update in backward: {'on' if in_backward else 'off'} ({reason})")
+    chosen.notes.append(f"{placement.describe()} ({reason})")
     return chosen
 
 
-def _decide(profile, optimizer, request, attempt, full_gradients, in_backward_gradients):
-    """(in backward?, plan or PlanError, device gradient bytes, reason) when the planner decides."""
-    without, without_bytes = attempt(False)
-    if isinstance(without, Plan) and set(without.decisions.values()) <= {"keep"}:
-        return False, without, without_bytes, "the step fits with every block kept: nothing to gain"
-    if request.accumulation_steps > 1:
-        return False, without, without_bytes, (f"with {request.accumulation_steps} micro-batches per step every "
-                                                "gradient is alive in the last one: nothing to gain")
-    freed = f"{format_bytes(full_gradients - in_backward_gradients)} of {format_bytes(full_gradients)} gradients freed"
-    with_it, with_bytes = attempt(True)
-    if isinstance(with_it, PlanError):
-        if isinstance(without, Plan):
-            return False, without, without_bytes, "the plan fits only without it"
-        # The smallest memory reported is the one with the step in backward: planning again with it
-        # (and update_in_backward=None) chooses it and fits.
-        refused = PlanError(f"{with_it} (counting the gradients the optimizer step in backward frees, {freed}; "
-                            "with update_in_backward=False the minimum is higher)",
-                            minimum_bytes=with_it.minimum_bytes, limiting_block=with_it.limiting_block)
-        return False, refused, without_bytes, "no plan fits either way"
-    if isinstance(without, PlanError):
-        return True, with_it, with_bytes, f"{freed}: without it no plan fits"
-    per_call = per_parameter_step_seconds(optimizer)
-    calls_seconds = (per_call or 0.0) * sum(
-        1 for group in optimizer.param_groups for param in group["params"] if param.requires_grad)
-    with_seconds = with_it.predicted_step_seconds + calls_seconds
-    calls = "not measured here" if per_call is None else f"{calls_seconds * 1e3:.1f} ms"
-    comparison = (f"{freed}; predicted step {with_seconds * 1e3:.1f} ms with it (per-parameter optimizer "
-                  f"calls {calls}) against {without.predicted_step_seconds * 1e3:.1f} ms without")
-    if with_seconds < without.predicted_step_seconds:
-        return True, with_it, with_bytes, comparison
-    return False, without, without_bytes, comparison
+def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Placement, str]:
+    """The placement to use and why; raises the PlanError of the most frugal one when none fits."""
+    if len(placements) == 1:
+        only = placements[0]
+        if isinstance(candidates.plan(only), PlanError):
+            raise candidates.plan(only)
+        return only, "the only placement given or possible"
+    first = placements[0]
+    first_plan = candidates.plan(first)
+    if isinstance(first_plan, Plan) and set(first_plan.decisions.values()) <= {"keep"}:
+        return first, "the step fits with every block kept: nothing to gain"
+    scored = []
+    for placement in placements:
+        result = candidates.plan(placement)
+        if isinstance(result, Plan):
+            added, how = candidates.added_seconds(placement)
+            scored.append((result.predicted_step_seconds + added, placement, how))
+    if not scored:
+        frugal = placements[-1]
+        refused = candidates.plan(frugal)
+        raise PlanError(f"{refused} (counting {frugal.describe()}, the least the device can hold; "
+                        "the minimum with anything kept on the device is higher)",
+                        minimum_bytes=refused.minimum_bytes, limiting_block=refused.limiting_block)
+    scored.sort(key=lambda item: item[0])
+    seconds, best, how = scored[0]
+    others = "; ".join(f"{placement.describe()}: {total * 1e3:.1f} ms" for total, placement, _ in scored[1:])
+    unfit = [placement.describe() for placement in placements if isinstance(candidates.plan(placement), PlanError)]
+    reason = f"predicted step {seconds * 1e3:.1f} ms" + (f" with {how}" if how else "")
+    if others:
+        reason += f"; against {others}"
+    if unfit:
+        reason += f"; no plan fits with {' / '.join(unfit)}"
+    return best, reason
+

@@ -140,6 +140,12 @@ class PinnedHostTier:
         ticket.device.record_stream(compute_stream)
         return ticket.device
 
+    def drop_copy_in(self, ticket: _CudaTicket) -> None:
+        """Forget the device copy `get` returned (the host copy stays for the next `get`): for bytes
+        that are read again unchanged, such as parameters offloaded between uses. ``in_done`` stays,
+        so `release` still waits for that copy before the pool reuses the host buffer."""
+        ticket.device = None
+
     def release(self, ticket: _CudaTicket) -> None:
         if ticket.source is not None and not ticket.out_done.query():
             # Hazard: same as in `put`: never drop the storage while the copy may still read it.
@@ -261,6 +267,10 @@ class DiskTier:
         data = ticket.read.result()
         self.stall_seconds += time.perf_counter() - started
         return data
+
+    def drop_copy_in(self, ticket: _DiskTicket) -> None:
+        """Forget the bytes `get` returned (the file stays for the next `get`)."""
+        ticket.read = None
 
     def release(self, ticket: _DiskTicket) -> None:
         ticket.read = None

@@ -48,37 +48,80 @@ import torch
 from torch import nn
 
 from oomless.errors import ApplyError, InputError
+from oomless.runtime.offload_parameters import OffloadedParameters
+from oomless.runtime.offload_state import OffloadedState
 from oomless.runtime.optimizer_slices import OptimizerSlice, check_sliceable, group_index_of
 
 STATE_ATTRIBUTE = "_oomless_update_in_backward"
 
 
 class UpdateInBackward:
-    """Installed on a model by `apply_update_in_backward`; kept as ``model._oomless_update_in_backward``."""
+    """Per-parameter updates of ``optimizer`` over ``model``'s parameters; kept as
+    ``model._oomless_update_in_backward``.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1):
+    ``in_backward=True``: each parameter's step runs in its post-accumulate-grad hook (the module
+    docstring). ``in_backward=False`` (only with ``offload_state``: clipping needs all gradients first):
+    the steps run one parameter at a time inside the user's ``optimizer.step()`` (its step pre-hook),
+    each gradient consumed as ``zero_grad(set_to_none=True)`` would, so that the user's own step, which
+    runs after the hook, finds nothing left to do. ``offload_state``: the optimizer state lives off
+    the device between updates (`oomless.runtime.offload_state`). ``offload_blocks`` (name, module)
+    pairs: those blocks' parameters live off the device between uses (`oomless.runtime.offload_parameters`;
+    in backward only, each written out after its update)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1,
+                 in_backward: bool = True, offload_state: bool = False, min_offload_bytes: int = 64 * 1024,
+                 offload_blocks: list[tuple[str, nn.Module]] | None = None):
         check_sliceable(optimizer)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise InputError(f"accumulation_steps must be a positive int (micro-batches per optimizer step), "
                              f"got {accumulation_steps!r}")
+        if not in_backward and not offload_state:
+            raise InputError("a per-parameter update after backward is only for offloaded optimizer state; "
+                             "without it the optimizer's own step is the same and faster")
+        if offload_blocks and (not in_backward or accumulation_steps > 1):
+            raise InputError("parameters off the device are updated as soon as their gradients are ready (each "
+                             "is written out after its update): they need the update in backward, one backward "
+                             "per step (no gradient accumulation)")
         if getattr(optimizer, STATE_ATTRIBUTE, None) is not None:
-            raise ApplyError("this optimizer already updates in backward for a model; oomless.remove that model first")
+            raise ApplyError("this optimizer already updates per parameter for a model; oomless.remove that model first")
         self.model = model
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
+        self.in_backward = in_backward
         group_of = group_index_of(optimizer)
         self.names = {param: name for name, param in model.named_parameters()
                       if param.requires_grad and param in group_of}
         if not self.names:
             raise InputError("the optimizer holds none of the model's trainable parameters: nothing to update "
-                             "in backward (pass the optimizer that trains this model)")
+                             "per parameter (pass the optimizer that trains this model)")
         self.slices = {param: OptimizerSlice(optimizer, [param], group_of) for param in self.names}
         self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
         self.steps_in_backward = 0                              # counted for tests and stats
-        self.handles = [param.register_post_accumulate_grad_hook(self._gradient_accumulated)
-                        for param in self.names]
+        self.state = self.parameters_off = None
+        device = next(iter(self.names)).device
+        if offload_state:
+            self.state = OffloadedState(optimizer, list(self.names), device, min_offload_bytes)
+        if offload_blocks:
+            self.parameters_off = OffloadedParameters(model, offload_blocks, device)
+        self.handles = []
+        if in_backward:
+            self.handles += [param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+                             for param in self.names]
         self.handles.append(optimizer.register_step_pre_hook(self._before_user_step))
         setattr(optimizer, STATE_ATTRIBUTE, self)
+
+    def _update(self, param: nn.Parameter) -> None:
+        update = self.slices[param]
+        update.read_settings()
+        if self.state is not None:
+            self.state.bring_in(param)
+        update.step()
+        param.grad = None               # this gradient's memory is free for the rest of backward
+        if self.state is not None:
+            self.state.send_out(param)
+            self.state.prefetch_after(param)
+        if self.parameters_off is not None:
+            self.parameters_off.updated(param)
 
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
         seen = self.gradients_seen[param] + 1
@@ -89,15 +132,20 @@ class UpdateInBackward:
                 "pass(es). Call optimizer.step() once per step (it is a no-op for the parameters updated "
                 "in backward), and for gradient accumulation over k micro-batches pass accumulation_steps=k")
         self.gradients_seen[param] = seen
-        if seen < self.accumulation_steps:
-            return
-        update = self.slices[param]
-        update.read_settings()
-        update.step()
-        param.grad = None               # the point: this gradient's memory is free for the rest of backward
-        self.steps_in_backward += 1
+        if seen == self.accumulation_steps:
+            self._update(param)
+            self.steps_in_backward += 1
 
     def _before_user_step(self, optimizer, args, kwargs) -> None:
+        if not self.in_backward:
+            # The order of the last step's updates (backward's order) is the one prefetching follows.
+            order = self.state.order or list(reversed(self.names))
+            order += [param for param in self.names if param not in set(order)]
+            for param in order:
+                if param.grad is not None:
+                    self._update(param)
+            self.state.step_finished()
+            return
         partial = {self.names[param]: seen for param, seen in self.gradients_seen.items()
                    if 0 < seen < self.accumulation_steps}
         if partial:
@@ -107,22 +155,36 @@ class UpdateInBackward:
                              "gradients not yet applied); step after every k-th backward, or plan with the "
                              "accumulation_steps the loop uses")
         self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+        if self.state is not None:
+            self.state.step_finished()
+        if self.parameters_off is not None:
+            self.parameters_off.step_finished()
 
     def remove(self) -> None:
-        """Remove the hooks: from the next backward on, gradients stay for the user's step."""
+        """Remove the hooks (and bring offloaded state back): from the next backward on, gradients
+        stay for the user's step."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.state is not None:
+            self.state.remove()
+            self.state = None
+        if self.parameters_off is not None:
+            self.parameters_off.remove()
+            self.parameters_off = None
         if getattr(self.optimizer, STATE_ATTRIBUTE, None) is self:
             delattr(self.optimizer, STATE_ATTRIBUTE)
 
 
-def apply_update_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer,
-                             accumulation_steps: int = 1) -> UpdateInBackward:
+def apply_update_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1,
+                             in_backward: bool = True, offload_state: bool = False,
+                             min_offload_bytes: int = 64 * 1024,
+                             offload_blocks: list[tuple[str, nn.Module]] | None = None) -> UpdateInBackward:
     """Step ``optimizer`` per parameter during ``model``'s backward (see the module docstring)."""
     if getattr(model, STATE_ATTRIBUTE, None) is not None:
-        raise ApplyError("this model already updates in backward; oomless.remove(model) first")
-    update = UpdateInBackward(model, optimizer, accumulation_steps)
+        raise ApplyError("this model already updates per parameter; oomless.remove(model) first")
+    update = UpdateInBackward(model, optimizer, accumulation_steps, in_backward, offload_state, min_offload_bytes,
+                              offload_blocks)
     object.__setattr__(model, STATE_ATTRIBUTE, update)
     return update
 

@@ -100,11 +100,12 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     import oomless
 
     volumes, labels = example
-    # One process: the planner may step the optimizer in backward (not when the loop clips); under a
-    # parallel strategy the strategy steps after the gradients are averaged.
+    # One process: the planner may step the optimizer in backward (not when the loop clips) and keep its
+    # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
+    alone = None if config.parallel.mode == "none" else False
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
                         loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
-                        update_in_backward=None if config.parallel.mode == "none" else False)
+                        update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone)
     if strategy.ranks.world_size > 1:
         import torch.distributed as dist
 

@@ -1,0 +1,298 @@
+"""Memory beyond activations: the largest GPT-2-style model each method trains under the same memory,
+and its step time (issue 12).
+
+    python bench/bench_beyond.py --memory 256MiB                      # CPU: resident memory, child processes
+    python bench/bench_beyond.py --model hf:gpt2 --memory 256MiB      # Hugging Face GPT-2 (transformers)
+    python bench/bench_beyond.py --quick --out /tmp/beyond.json       # tiny ladder, seconds (CI runs it)
+
+Methods, each on the same model (blocks of width ``--dim``, depth from a ladder), Adam, batch and
+sequence fixed:
+- ``plain``: PyTorch as is;
+- ``checkpoint``: every block through ``torch.utils.checkpoint`` (non-reentrant; Hugging Face's
+  ``gradient_checkpointing_enable`` for hf models);
+- ``oomless-activations``: ``oomless.fit`` for the memory with every static byte kept on the device
+  (update_in_backward, offload_optimizer_state and offload_parameters False): activations only;
+- ``oomless``: ``oomless.fit`` for the memory, the planner deciding the update in backward and the
+  optimizer state and parameters off the device as well.
+Each (method, depth) runs in its own child process: the truth for memory on CPU is the process's peak
+resident memory (DESIGN.md section 3), here above the process before the model was built, over
+``--steps`` training steps. A method trains a depth when that peak is within the memory (oomless:
+and the planner accepted it); the ladder is searched by bisection from the smallest depth. Planning
+itself profiles the model whole on the device (one step without the optimizer's state), so its own
+peak is reported apart (``planning_peak_above_empty_bytes``): on a GPU, plan with ``target=`` on meta
+tensors instead. Step time in each child: the median of the steps after the first; the ratios to
+plain come from one more process where every method trains the deepest depth all of them fit, their
+steps interleaved (``interleaved_timing``: load from other work falls on all alike). CUDA: the same
+with ``torch.cuda.max_memory_allocated`` above the memory before the model (``--device cuda``).
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+METHODS = ("plain", "checkpoint", "oomless-activations", "oomless")
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class _Checkpointed(nn.Module):
+    """One block run through torch.utils.checkpoint (non-reentrant), as a user would wrap it."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+def build(model_name: str, depth: int, sizes: dict, device: torch.device):
+    """(model, tokens, loss_fn, block container) of a GPT-2-style model ``depth`` blocks deep."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
+    targets = tokens.roll(-1, 1).flatten()
+    if model_name == "transformer":
+        from oomless.models import TinyTransformer
+
+        model = TinyTransformer(vocab_size=sizes["vocab_size"], dim=sizes["dim"], depth=depth, heads=sizes["heads"],
+                                max_len=sizes["length"], dropout=0.0).to(device)
+        return model, tokens, (lambda out: F.cross_entropy(out.flatten(0, 1), targets)), model.blocks
+    from oomless.models import build_transformers_model
+
+    model = build_transformers_model(model_name.removeprefix("hf:"), n_layer=depth, n_embd=sizes["dim"],
+                                     n_head=sizes["heads"], vocab_size=sizes["vocab_size"],
+                                     n_positions=sizes["length"], resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0).to(device)
+    return (model, tokens, (lambda out: F.cross_entropy(out.logits.flatten(0, 1), targets)),
+            model.transformer.h)
+
+
+class _Memory:
+    """Peak bytes above a mark: the allocator's on CUDA, resident memory on CPU."""
+
+    def __init__(self, device: torch.device):
+        from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+        self.device = device
+        self._current, self._peak, self._reset = current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else self._current()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._reset()
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self._peak()
+
+
+def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_bytes: int, steps: int,
+              device: torch.device) -> dict:
+    """One method at one depth, in this (fresh) process."""
+    import oomless
+    from oomless.profile.rss import return_freed_memory_to_the_system
+
+    return_freed_memory_to_the_system()
+    probe = _Memory(device)
+    warm = nn.Linear(8, 8).to(device)           # library code of the optimizer and autograd: not the model's
+    torch.optim.Adam(warm.parameters()).step()
+    del warm
+    gc.collect()
+    empty = probe.current()
+    model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    record = {"method": method, "depth": depth, "parameters": sum(p.numel() for p in model.parameters()),
+              "parameter_bytes": sum(p.nbytes for p in model.parameters())}
+    if method == "checkpoint":
+        if model_name == "transformer":
+            for index, block in enumerate(blocks):
+                blocks[index] = _Checkpointed(block)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.startswith("oomless"):
+        moved = dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False) \
+            if method == "oomless-activations" else {}
+        probe.reset()
+        try:
+            oomless.fit(model, tokens, memory_bytes, loss_fn=loss_fn, optimizer=optimizer, **moved)
+        except oomless.PlanError as refused:
+            record.update(refused=str(refused), minimum_bytes=refused.minimum_bytes,
+                          planning_peak_above_empty_bytes=probe.peak() - empty)
+            return record
+        record["planning_peak_above_empty_bytes"] = probe.peak() - empty
+        plan = oomless.installed_plan(model)
+        record.update(decisions=sorted(set(plan.decisions.values())), update_in_backward=plan.update_in_backward,
+                      offload_optimizer_state=plan.offload_optimizer_state, offload_parameters=plan.offload_parameters,
+                      predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_seconds=plan.predicted_step_seconds)
+    model.train()
+    gc.collect()
+    probe.reset()
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(tokens)).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)      # the step's kernels belong to its time
+        seconds.append(time.perf_counter() - started)
+    record.update(peak_above_empty_bytes=probe.peak() - empty, step_seconds=statistics.median(seconds[1:] or seconds),
+                  step_seconds_all=seconds)
+    return record
+
+
+def run_timing(methods: list[str], model_name: str, depth: int, sizes: dict, memory_bytes: int, rounds: int,
+               device: torch.device) -> dict:
+    """Step time of every method at one depth, in one process, their steps interleaved round by round,
+    so that load from other work on the machine falls on all of them alike (ratios are what count)."""
+    import oomless
+
+    runs = {}
+    for method in methods:
+        model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        if method == "checkpoint":
+            if model_name == "transformer":
+                for index, block in enumerate(blocks):
+                    blocks[index] = _Checkpointed(block)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if method.startswith("oomless"):
+            moved = dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False) \
+                if method == "oomless-activations" else {}
+            try:
+                oomless.fit(model, tokens, memory_bytes, loss_fn=loss_fn, optimizer=optimizer, **moved)
+            except oomless.PlanError:
+                continue
+        runs[method] = (model, tokens, loss_fn, optimizer, [])
+    for _ in range(rounds):
+        for method, (model, tokens, loss_fn, optimizer, seconds) in runs.items():
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(tokens)).backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - started)
+    medians = {method: statistics.median(run[4][1:]) for method, run in runs.items()}
+    base = medians.get("plain")
+    return {"depth": depth, "rounds": rounds, "step_seconds": medians,
+            "relative_to_plain": {method: value / base for method, value in medians.items()} if base else None}
+
+
+def measure(method: str, depth: int, args, sizes: dict, memory_bytes: int) -> dict:
+    command = [sys.executable, __file__, "--child", method, str(depth), "--memory", str(memory_bytes),
+               "--model", args.model, "--steps", str(args.steps), "--device", args.device,
+               "--sizes", json.dumps(sizes), "--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.child_timeout)
+    if done.returncode != 0:
+        return {"method": method, "depth": depth, "error": done.stderr.strip().splitlines()[-1:]}
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record["fits"] = "refused" not in record and "error" not in record and \
+        record["peak_above_empty_bytes"] <= memory_bytes
+    print(f"  {method:20s} depth {depth:4d}: " + (
+        f"refused by the planner (minimum {record['minimum_bytes'] / 2**20:.0f} MiB)" if "refused" in record else
+        f"peak {record['peak_above_empty_bytes'] / 2**20:7.1f} MiB, step {record['step_seconds'] * 1e3:8.1f} ms"
+        f" -> {'fits' if record['fits'] else 'over'}"), flush=True)
+    return record
+
+
+def largest_depth(method: str, args, sizes: dict, memory_bytes: int, ladder: tuple[int, ...]) -> tuple[int | None, list]:
+    """The deepest ladder depth ``method`` trains within the memory (memory grows with depth)."""
+    runs, low, high = [], -1, len(ladder)      # ladder[low] fits, ladder[high] does not
+    while high - low > 1:
+        middle = (low + high) // 2 if low >= 0 else 0
+        record = measure(method, ladder[middle], args, sizes, memory_bytes)
+        runs.append(record)
+        if record.get("fits"):
+            low = middle
+        else:
+            high = middle
+    return (ladder[low] if low >= 0 else None), runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--memory", default="256MiB", help="the memory every method must train within")
+    parser.add_argument("--model", default="transformer", help="transformer (oomless's) or hf:gpt2")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a tiny ladder and model: seconds")
+    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every child")
+    parser.add_argument("--timing-rounds", type=int, default=5,
+                        help="interleaved steps per method at the deepest depth every method trains (0: none)")
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "DEPTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from oomless.sizes import parse_bytes
+
+    memory_bytes = parse_bytes(args.memory)
+    device = torch.device(args.device)
+    if args.child:
+        torch.set_num_threads(args.threads)
+        sizes = json.loads(args.sizes)
+        method, depth = args.child[0], int(args.child[1])
+        if method == "timing":
+            print(json.dumps(run_timing(args.methods.split(","), args.model, depth, sizes, memory_bytes,
+                                        args.timing_rounds, device)))
+        else:
+            print(json.dumps(run_child(method, args.model, depth, sizes, memory_bytes, args.steps, device)))
+        return
+    sizes = dict(dim=32, heads=2, vocab_size=128, batch=2, length=32) if args.quick else \
+        dict(dim=256, heads=8, vocab_size=8192, batch=2, length=128)
+    ladder = (1, 2) if args.quick else LADDER
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    print(f"{args.model} (dim {sizes['dim']}, batch {sizes['batch']} x {sizes['length']} tokens, Adam) "
+          f"under {args.memory} on {args.device}", flush=True)
+    results = {}
+    for method in methods:
+        depth, runs = largest_depth(method, args, sizes, memory_bytes, ladder)
+        best = next((run for run in runs if run.get("fits") and run["depth"] == depth), None)
+        results[method] = {"largest_depth": depth, "largest_parameters": best and best["parameters"],
+                           "step_seconds_at_largest": best and best["step_seconds"], "runs": runs}
+        print(f"{method}: largest depth {depth}" + (f" ({best['parameters'] / 1e6:.1f} M parameters, step "
+                                                   f"{best['step_seconds'] * 1e3:.0f} ms)" if best else ""), flush=True)
+    timing = None
+    common_depth = min((result["largest_depth"] for result in results.values()), default=None)
+    if args.timing_rounds and common_depth:
+        command = [sys.executable, __file__, "--child", "timing", str(common_depth), "--memory", str(memory_bytes),
+                   "--model", args.model, "--device", args.device, "--sizes", json.dumps(sizes),
+                   "--methods", ",".join(methods), "--timing-rounds", str(args.timing_rounds),
+                   "--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.child_timeout)
+        timing = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
+            {"error": done.stderr.strip().splitlines()[-1:]}
+        print(f"interleaved step time at depth {common_depth}: {timing.get('relative_to_plain') or timing}", flush=True)
+    record = {"provenance": common.provenance(device, threads=args.threads), "model": args.model, "sizes": sizes,
+              "memory_bytes": memory_bytes, "ladder": ladder, "steps": args.steps, "methods": results,
+              "interleaved_timing": timing,
+              "measured": ("peak resident memory above the process before the model (CPU) over the training "
+                           "steps; planning's own peak reported apart")}
+    stamp = time.strftime("%Y-%m-%d")
+    name = args.model.replace(":", "-")
+    out = args.out or common.BENCH_DIRECTORY / "results" / f"beyond-{args.device}-{name}-{stamp}.json"
+    common.write_result(out, record)
+
+
+if __name__ == "__main__":
+    main()
