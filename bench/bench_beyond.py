@@ -78,6 +78,22 @@ def build(model_name: str, depth: int, sizes: dict, device: torch.device):
             model.transformer.h)
 
 
+def prepare(method: str, model_name: str, model, tokens, loss_fn, optimizer, blocks, memory_bytes: int) -> None:
+    """Apply ``method`` to the built model; `oomless.PlanError` when the planner refuses the memory."""
+    import oomless
+
+    if method == "checkpoint":
+        if model_name == "transformer":
+            for index, block in enumerate(blocks):
+                blocks[index] = _Checkpointed(block)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.startswith("oomless"):
+        moved = dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False) \
+            if method == "oomless-activations" else {}
+        oomless.fit(model, tokens, memory_bytes, loss_fn=loss_fn, optimizer=optimizer, **moved)
+
+
 class _Memory:
     """Peak bytes above a mark: the allocator's on CUDA, resident memory on CPU."""
 
@@ -117,22 +133,15 @@ def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_byte
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     record = {"method": method, "depth": depth, "parameters": sum(p.numel() for p in model.parameters()),
               "parameter_bytes": sum(p.nbytes for p in model.parameters())}
-    if method == "checkpoint":
-        if model_name == "transformer":
-            for index, block in enumerate(blocks):
-                blocks[index] = _Checkpointed(block)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method.startswith("oomless"):
-        moved = dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False) \
-            if method == "oomless-activations" else {}
         probe.reset()
-        try:
-            oomless.fit(model, tokens, memory_bytes, loss_fn=loss_fn, optimizer=optimizer, **moved)
-        except oomless.PlanError as refused:
-            record.update(refused=str(refused), minimum_bytes=refused.minimum_bytes,
-                          planning_peak_above_empty_bytes=probe.peak() - empty)
-            return record
+    try:
+        prepare(method, model_name, model, tokens, loss_fn, optimizer, blocks, memory_bytes)
+    except oomless.PlanError as refused:
+        record.update(refused=str(refused), minimum_bytes=refused.minimum_bytes,
+                      planning_peak_above_empty_bytes=probe.peak() - empty)
+        return record
+    if method.startswith("oomless"):
         record["planning_peak_above_empty_bytes"] = probe.peak() - empty
         plan = oomless.installed_plan(model)
         record.update(decisions=sorted(set(plan.decisions.values())), update_in_backward=plan.update_in_backward,
@@ -165,19 +174,10 @@ def run_timing(methods: list[str], model_name: str, depth: int, sizes: dict, mem
     for method in methods:
         model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-        if method == "checkpoint":
-            if model_name == "transformer":
-                for index, block in enumerate(blocks):
-                    blocks[index] = _Checkpointed(block)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if method.startswith("oomless"):
-            moved = dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False) \
-                if method == "oomless-activations" else {}
-            try:
-                oomless.fit(model, tokens, memory_bytes, loss_fn=loss_fn, optimizer=optimizer, **moved)
-            except oomless.PlanError:
-                continue
+        try:
+            prepare(method, model_name, model, tokens, loss_fn, optimizer, blocks, memory_bytes)
+        except oomless.PlanError:
+            continue
         runs[method] = (model, tokens, loss_fn, optimizer, [])
     for _ in range(rounds):
         for method, (model, tokens, loss_fn, optimizer, seconds) in runs.items():
