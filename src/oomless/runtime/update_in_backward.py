@@ -28,6 +28,10 @@ Why the result is bit for bit the plain step's:
   ``torch.optim`` optimizer does): for the parameters updated here they are no-ops; parameters the
   hooks do not cover (frozen, not in this model) are stepped by the user's call as before.
 
+The same per-parameter update carries the optimizer state off the device (`offload_state`: brought
+in around each parameter's step, in backward or, with ``in_backward=False``, inside the user's
+``optimizer.step()``) and the blocks' parameters (`offload_parameters`: written out after their update).
+
 The loop's other habits:
 - LR schedulers and hand-changed settings work: the slices copy the user's param groups before each
   step, during backward; a scheduler stepped after ``optimizer.step()`` applies from the next backward,
@@ -139,8 +143,9 @@ class UpdateInBackward:
     def _before_user_step(self, optimizer, args, kwargs) -> None:
         if not self.in_backward:
             # The order of the last step's updates (backward's order) is the one prefetching follows.
-            order = self.state.order or list(reversed(self.names))
-            order += [param for param in self.names if param not in set(order)]
+            order = list(self.state.order) or list(reversed(self.names))
+            known = set(order)
+            order += [param for param in self.names if param not in known]
             for param in order:
                 if param.grad is not None:
                     self._update(param)
