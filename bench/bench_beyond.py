@@ -1,8 +1,9 @@
 """Memory beyond activations: the largest GPT-2-style model each method trains under the same memory,
 and its step time (issue 12).
 
-    python bench/bench_beyond.py --memory 256MiB                      # CPU: resident memory, child processes
-    python bench/bench_beyond.py --model hf:gpt2 --memory 256MiB      # Hugging Face GPT-2 (transformers)
+    python bench/bench_beyond.py --memory 128MiB                      # CPU: resident memory, child processes
+    python bench/bench_beyond.py --model hf:gpt2 --memory 128MiB      # Hugging Face GPT-2 (transformers)
+    python bench/bench_beyond.py --device cuda --dim 1024 --vocab-size 50257 --length 1024 --memory 16GiB
     python bench/bench_beyond.py --quick --out /tmp/beyond.json       # tiny ladder, seconds (CI runs it)
 
 Methods, each on the same model (blocks of width ``--dim``, depth from a ladder), Adam, batch and
@@ -227,9 +228,13 @@ def largest_depth(method: str, args, sizes: dict, memory_bytes: int, ladder: tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--memory", default="256MiB", help="the memory every method must train within")
+    parser.add_argument("--memory", default="128MiB", help="the memory every method must train within")
     parser.add_argument("--model", default="transformer", help="transformer (oomless's) or hf:gpt2")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dim", type=int, default=128, help="model width (heads of 32)")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tiny ladder and model: seconds")
@@ -256,7 +261,8 @@ def main() -> None:
             print(json.dumps(run_child(method, args.model, depth, sizes, memory_bytes, args.steps, device)))
         return
     sizes = dict(dim=32, heads=2, vocab_size=128, batch=2, length=32) if args.quick else \
-        dict(dim=256, heads=8, vocab_size=8192, batch=2, length=128)
+        dict(dim=args.dim, heads=max(1, args.dim // 32), vocab_size=args.vocab_size, batch=args.batch,
+             length=args.length)
     ladder = (1, 2) if args.quick else LADDER
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))

@@ -309,6 +309,9 @@ def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, re
     chosen.static_parts = static_parts(profile, *candidates.device_bytes(placement))
     # The activation planner saw the device's static bytes; plain PyTorch holds all of them.
     chosen.plain_peak_bytes += sum(part.total_bytes - part.device_bytes for part in chosen.static_parts)
+    # The activation simulator times the step without the placement's own work: add it.
+    added_seconds, _ = candidates.added_seconds(placement)
+    chosen.predicted_step_seconds += added_seconds
     chosen.notes.append(f"{placement.describe()} ({reason})")
     return chosen
 
