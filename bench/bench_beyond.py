@@ -18,7 +18,8 @@ sequence fixed:
 Each (method, depth) runs in its own child process: the truth for memory on CPU is the process's peak
 resident memory (DESIGN.md section 3), here above the process before the model was built, over
 ``--steps`` training steps. A method trains a depth when that peak is within the memory (oomless:
-and the planner accepted it); the ladder is searched by bisection from the smallest depth. Planning
+and the planner accepted it); the ladder is searched by bisection from the smallest depth, then
+climbed until two depths in a row do not fit (a planner's choices make fitting not monotonic in depth). Planning
 itself profiles the model whole on the device (one step without the optimizer's state), so its own
 peak is reported apart (``planning_peak_above_empty_bytes``): on a GPU, plan with ``target=`` on meta
 tensors instead. Step time in each child: the median of the steps after the first; the ratios to
@@ -213,17 +214,34 @@ def measure(method: str, depth: int, args, sizes: dict, memory_bytes: int) -> di
 
 
 def largest_depth(method: str, args, sizes: dict, memory_bytes: int, ladder: tuple[int, ...]) -> tuple[int | None, list]:
-    """The deepest ladder depth ``method`` trains within the memory (memory grows with depth)."""
-    runs, low, high = [], -1, len(ladder)      # ladder[low] fits, ladder[high] does not
+    """The deepest ladder depth ``method`` trains within the memory.
+
+    Bisection first (plain PyTorch's memory grows with depth). A planner's choice is not monotonic:
+    near the memory a plan that keeps the static bytes may measure a few percent over, where a deeper
+    model, for which the planner moves them, fits. So the ladder is then climbed from the depth found
+    until two depths in a row do not fit."""
+    runs: dict[int, dict] = {}
+
+    def fits(index: int) -> bool:
+        if ladder[index] not in runs:
+            runs[ladder[index]] = measure(method, ladder[index], args, sizes, memory_bytes)
+        return bool(runs[ladder[index]].get("fits"))
+
+    low, high = -1, len(ladder)                 # ladder[low] fits, ladder[high] does not
     while high - low > 1:
         middle = (low + high) // 2 if low >= 0 else 0
-        record = measure(method, ladder[middle], args, sizes, memory_bytes)
-        runs.append(record)
-        if record.get("fits"):
+        if fits(middle):
             low = middle
         else:
             high = middle
-    return (ladder[low] if low >= 0 else None), runs
+    misses, index = 0, low + 1
+    while misses < 2 and index < len(ladder):
+        if fits(index):
+            low, misses = index, 0
+        else:
+            misses += 1
+        index += 1
+    return (ladder[low] if low >= 0 else None), list(runs.values())
 
 
 def main() -> None:

@@ -126,3 +126,26 @@ def test_resident_memory_of_a_step_is_under_half_the_weights():
     print(f"\nweights {measured['parameter_bytes'] / 2**20:.1f} MiB, peak above the empty process "
           f"{measured['peak_above_empty_bytes'] / 2**20:.1f} MiB")
     assert measured["parameter_bytes"] >= 2 * measured["peak_above_empty_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_weights_live_in_pinned_host_memory_and_training_is_bit_equal():
+    """Pinned host tier: between steps the device holds none of the blocks' weights or Adam state."""
+    torch.manual_seed(0)
+    model, inputs = MLP((1024,) * 17).cuda(), torch.randn(8, 1024, device="cuda")
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, offload_parameters=True,
+                offload_optimizer_state=True)
+    torch.cuda.synchronize()
+    weights = sum(param.nbytes for param in reference.parameters())
+    before = torch.cuda.memory_allocated()
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+    torch.cuda.synchronize()
+    # The reference's gradients and state (3x its weights) are new on the device; the model's next to nothing.
+    assert torch.cuda.memory_allocated() - before <= 3 * weights + weights // 2
+    for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(expected, actual), name
