@@ -19,8 +19,8 @@ Each (method, depth) runs in its own child process: the truth for memory on CPU 
 resident memory (DESIGN.md section 3), here above the process before the model was built, over
 ``--steps`` training steps. A method trains a depth when that peak is within the memory (oomless:
 and the planner accepted it); the ladder is searched by bisection from the smallest depth, then
-climbed until two depths in a row do not fit (a planner's choices make fitting not monotonic in depth). Planning
-itself profiles the model whole on the device (one step without the optimizer's state), so its own
+climbed until two depths in a row do not fit (a planner's choices make fitting not monotonic in
+depth). Planning itself profiles the model whole on the device (one step without the optimizer's state), so its own
 peak is reported apart (``planning_peak_above_empty_bytes``): on a GPU, plan with ``target=`` on meta
 tensors instead. Step time in each child: the median of the steps after the first; the ratios to
 plain come from one more process where every method trains the deepest depth all of them fit, their
