@@ -15,6 +15,8 @@ starting variant rotates each round, so drift and the order of variants cancel o
     checkpoint         torch.utils.checkpoint.checkpoint(block, use_reentrant=False) on every block
     save_on_cpu        torch.autograd.graph.save_on_cpu(pin_memory=<on CUDA>) around the forward
 
+With --precision bf16|fp16 and --compile, the variants of bench/fit_precision.py join them.
+
 A step is forward + loss + backward + optimizer step (zero_grad, set_to_none, just before the timer). Its median over the measured
 steps (warm-up excluded) is compared with plain's; the peak memory of each variant is measured in
 its own window (the allocator's peak on CUDA; on CPU the kernel's peak resident mark, reset before
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 import oomless
-from oomless.errors import InputError, PlanError
+from oomless.errors import InputError
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.links import measure_link
 from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
@@ -46,6 +48,7 @@ BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # loaded from its path by `oomless bench`, not run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
 from common import SIZES, build_model, provenance, result_path, write_result  # noqa: E402  (bench/common.py)
+from fit_precision import compiled_variants, extra_targets, plan_or_minimum, precision_variants  # noqa: E402
 
 VARIANTS = ("plain", "keep", "plan_50", "plan_25", "plan_ckpt_memory", "checkpoint", "save_on_cpu")
 PLAN_SHARES = {"plan_50": 0.5, "plan_25": 0.25}
@@ -89,6 +92,9 @@ class Variant:
     plan: "oomless.Plan | None" = None        # the plan applied, or the one whose predictions apply
     applied: bool = False
     save_on_cpu: bool = False
+    autocast: torch.dtype | None = None         # plain variants of bench/fit_precision.py
+    scaler: "torch.amp.GradScaler | None" = None
+    reference: str = "plain"                    # the variant ratio_vs_reference divides by
     notes: list[str] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     step_rise_bytes: list[int] = field(default_factory=list)
@@ -146,10 +152,19 @@ def run_step(variant: Variant, inputs, loss_fn, device: torch.device, window: Pe
     if variant.save_on_cpu:
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             loss = loss_fn(variant.model(inputs))
+    elif variant.autocast is not None:
+        with torch.autocast(device.type, dtype=variant.autocast):
+            output = variant.model(inputs)
+        loss = loss_fn(output.float())      # as oomless's precision hooks hand outputs to the loss
     else:
         loss = loss_fn(variant.model(inputs))
-    loss.backward()
-    variant.optimizer.step()
+    if variant.scaler is not None:
+        variant.scaler.scale(loss).backward()
+        variant.scaler.step(variant.optimizer)
+        variant.scaler.update()
+    else:
+        loss.backward()
+        variant.optimizer.step()
     if device.type == "cuda":
         # The timer must stop when the step's kernels and copies have finished, not when they were queued.
         torch.cuda.synchronize(device)
@@ -157,16 +172,8 @@ def run_step(variant: Variant, inputs, loss_fn, device: torch.device, window: Pe
     variant.step_rise_bytes.append(window.rise_bytes())
 
 
-def _planned(model, inputs, loss_fn, profile, memory_bytes: int, notes: list[str]):
-    try:
-        return oomless.plan(model, inputs, memory_bytes, loss_fn=loss_fn, profile=profile)
-    except PlanError as error:
-        # The exact minimum is met by the most frugal plan; PlanError's minimum carries a margin.
-        notes.append(f"{memory_bytes} bytes did not plan ({error}); planned at {error.minimum_bytes} instead")
-        return oomless.plan(model, inputs, error.minimum_bytes, loss_fn=loss_fn, profile=profile)
-
-
-def build_variants(model_name: str, sizes: dict, device: torch.device):
+def build_variants(model_name: str, sizes: dict, device: torch.device, precision: str | None = None,
+                   compile: bool = False):
     base, inputs, loss_fn = build_model(model_name, sizes, device)
 
     def fresh(name, **kwargs):
@@ -193,27 +200,33 @@ def build_variants(model_name: str, sizes: dict, device: torch.device):
         if requested < minimum:
             notes.append(f"clamped up to smallest_memory(profile) = {minimum} bytes")
         variants.append(fresh(name, notes=notes))
-        variants[-1].plan = _planned(base, inputs, loss_fn, profile, max(requested, minimum), notes)
+        variants[-1].plan = plan_or_minimum(base, inputs, loss_fn, profile, max(requested, minimum), notes)
         variants[-1].applied = True
     same_memory = max(all_recompute.predicted_peak_bytes, minimum)
     notes = [f"memory = checkpointing every block's predicted peak, {same_memory} bytes"]
     variants.append(fresh("plan_ckpt_memory", notes=notes, applied=True))
-    variants[-1].plan = _planned(base, inputs, loss_fn, profile, same_memory, notes)
+    variants[-1].plan = plan_or_minimum(base, inputs, loss_fn, profile, same_memory, notes)
     checkpointed = fresh("checkpoint", plan=all_recompute,
                          notes=["predictions are oomless's for recomputing every block"])
     left_plain = checkpoint_every_block(checkpointed.model, blocks)
     if left_plain:
         checkpointed.notes.append(f"in-place blocks not wrapped (checkpoint cannot take them): {', '.join(left_plain)}")
     variants += [checkpointed, fresh("save_on_cpu", save_on_cpu=True)]
+    plan_50_memory = next(variant.plan.memory_bytes for variant in variants if variant.name == "plan_50")
+    if precision is not None:
+        variants += precision_variants(fresh, base, inputs, loss_fn, plan_50_memory, precision, device)
+    if compile:
+        variants += compiled_variants(fresh, base, inputs, loss_fn, plan_50_memory)
     for variant in variants:
         if variant.applied:
-            oomless.apply(variant.model, variant.plan)
+            oomless.apply(variant.model, variant.plan, optimizer=variant.optimizer)
     return variants, inputs, loss_fn, profile, minimum
 
 
-def summarise(variant: Variant, plain: Variant, inputs, device, link, warmup_steps: int) -> dict:
+def summarise(variant: Variant, plain: Variant, reference: Variant, inputs, device, link, warmup_steps: int) -> dict:
     measured, plain_measured = variant.step_seconds[warmup_steps:], plain.step_seconds[warmup_steps:]
     median, plain_median = statistics.median(measured), statistics.median(plain_measured)
+    reference_measured = reference.step_seconds[warmup_steps:]
     resident = resident_state_bytes(variant, inputs)
     rise = max(variant.step_rise_bytes[warmup_steps:])
     result = {
@@ -222,6 +235,8 @@ def summarise(variant: Variant, plain: Variant, inputs, device, link, warmup_ste
         # Step i of every variant ran in round i, minutes apart at most: the median of per-round
         # ratios cancels what slows a whole round (other processes on the machine).
         "paired_ratio_vs_plain": statistics.median(mine / theirs for mine, theirs in zip(measured, plain_measured)),
+        "reference": reference.name, "ratio_vs_reference": median / statistics.median(reference_measured),
+        "paired_ratio_vs_reference": statistics.median(mine / theirs for mine, theirs in zip(measured, reference_measured)),
         "measured_peak_bytes": resident + rise, "measured_step_rise_bytes": rise, "resident_state_bytes": resident,
         "notes": variant.notes,
     }
@@ -263,18 +278,20 @@ def check_targets(results: dict, device: torch.device) -> dict:
         targets["swap_plans_at_least_2x_faster_than_save_on_cpu"] = \
             {name: results["save_on_cpu"]["median_step_seconds"] >= 2 * results[name]["median_step_seconds"]
              for name in swapping}
-    return targets
+    return {**targets, **extra_targets(results)}
 
 
-def bench_model(model_name: str, sizes: dict, device: torch.device, steps: int, warmup_steps: int) -> dict:
-    variants, inputs, loss_fn, profile, minimum = build_variants(model_name, sizes, device)
+def bench_model(model_name: str, sizes: dict, device: torch.device, steps: int, warmup_steps: int,
+                precision: str | None = None, compile: bool = False) -> dict:
+    variants, inputs, loss_fn, profile, minimum = build_variants(model_name, sizes, device, precision, compile)
     for round_index in range(warmup_steps + steps):
         start = round_index % len(variants)
         for variant in variants[start:] + variants[:start]:
             run_step(variant, inputs, loss_fn, device, PeakWindow(device))
     link = measure_link(str(device)) if device.type == "cuda" else None
-    results = {variant.name: summarise(variant, variants[0], inputs, device, link, warmup_steps)
-               for variant in variants}
+    by_name = {variant.name: variant for variant in variants}
+    results = {variant.name: summarise(variant, variants[0], by_name[variant.reference], inputs, device, link,
+                                       warmup_steps) for variant in variants}
     for variant in variants:
         if variant.applied:
             oomless.remove(variant.model)
@@ -295,7 +312,7 @@ def print_table(report: dict) -> None:
     source = report["provenance"]
     table = Table(title=f"oomless bench fit: {source['device_name']}, torch {source['torch_version']}, "
                         f"{source['threads']} threads, commit {source['git_commit'][:10]}")
-    for column in ("model", "variant", "memory", "median ms", "vs plain", "paired", "pred ms", "peak", "pred peak",
+    for column in ("model", "variant", "memory", "median ms", "vs plain", "paired", "vs ref", "pred ms", "peak", "pred peak",
                    "k/s/r", "offloaded/step", "recomputed/step", "vs bound"):
         table.add_column(column, justify="left" if column in ("model", "variant", "k/s/r") else "right")
     for model_name, model_report in report["models"].items():
@@ -304,6 +321,7 @@ def print_table(report: dict) -> None:
             table.add_row(
                 model_name, name, maybe(result.get("memory_bytes"), format_bytes),
                 f"{result['median_step_seconds'] * 1e3:.1f}", f"{result['ratio_vs_plain']:.3f}", f"{result['paired_ratio_vs_plain']:.3f}",
+                f"{result['paired_ratio_vs_reference']:.3f}",
                 maybe(result.get("predicted_step_seconds"), lambda v: f"{v * 1e3:.1f}"),
                 format_bytes(result["measured_peak_bytes"]), maybe(result.get("predicted_peak_bytes"), format_bytes),
                 maybe(counts, lambda c: f"{c['keep']}/{c['swap']}/{c['recompute']}"),
@@ -361,9 +379,11 @@ def _run(args: argparse.Namespace, command: str, device: torch.device, out: Path
         raise InputError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup_steps}")
     names = ("transformer", "unet3d") if args.model == "all" else (args.model,)
     report = {"provenance": provenance(device, command), "steps": steps, "warmup_steps": warmup_steps,
-              "quick": args.quick, "models": {}}
+              "quick": args.quick, "precision": getattr(args, "precision", None),
+              "compile": getattr(args, "compile", False), "models": {}}
     for name in names:
-        report["models"][name] = bench_model(name, sizes[name], device, steps, warmup_steps)
+        report["models"][name] = bench_model(name, sizes[name], device, steps, warmup_steps,
+                                             getattr(args, "precision", None), getattr(args, "compile", False))
     write_result(out, report)
     print_table(report)
     report["path"] = str(out)

@@ -21,15 +21,17 @@ def minimum_memory(profile) -> int:
     return smallest_memory(profile)
 
 
-def plan_under(model, inputs, loss_fn, policy: str):
+def plan_under(model, inputs, loss_fn, policy: str, **plan_kwargs):
     """A plan with every block under ``policy`` (keep|swap|recompute), or for "planned" the
     planner's own at half the plain step's activations (at least the smallest that fits). Returns
-    the plan and, for "planned", the memory it was made for."""
+    the plan and, for "planned", the memory it was made for. ``plan_kwargs`` (precision=,
+    optimizer=) go to the profile and the plan."""
     if policy == "planned":
-        profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+        profile = oomless.profile(model, inputs, loss_fn=loss_fn, **plan_kwargs)
         memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
-        return oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile), memory
-    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
+        return oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile,
+                            precision=plan_kwargs.get("precision", "fp32")), memory
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, **plan_kwargs)
     return plan.with_decisions({name: policy for name in plan.decisions}), None
 
 

@@ -1,5 +1,7 @@
 """The public functions: plan, apply, remove, fit, stats (DESIGN.md section 1)."""
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -9,10 +11,14 @@ from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
-from oomless.profile.profiler import profile_model
-from oomless.profile.tensors import check_inputs_device, model_device, tensors_in
+from oomless.profile.configured import profile_configured
+from oomless.profile.tensors import model_device, tensors_in
+from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
+                                     remove_compile)
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
+from oomless.runtime.precision import (apply_precision, autocast_dtype, check_can_apply, precision_state,
+                                       remove_precision)
 from oomless.runtime.update_in_backward import apply_update_in_backward, remove_update_in_backward
 from oomless.sizes import parse_bytes
 
@@ -30,7 +36,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
          profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto",
          update_in_backward: bool | None = None, offload_optimizer_state: bool | None = None,
          offload_parameters: bool | None = None, max_grad_norm: float | None = None,
-         accumulation_steps: int = 1) -> Plan:
+         accumulation_steps: int = 1, precision: str = "fp32", compile=False) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
@@ -51,8 +57,26 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     backward; `oomless.runtime.offload_parameters`).
     The loop's ``max_grad_norm`` (clipping by global norm) and ``accumulation_steps`` (micro-batches
     per optimizer step) decide what is possible.
+
+    ``precision`` "bf16" or "fp16" profiles, plans and (once applied) trains the step under
+    ``torch.autocast`` for that dtype, fp16 with loss scaling (`oomless.runtime.precision`).
+    ``compile`` True (or a dict of torch.compile options) compiles each block in place, profiled
+    compiled and composed with the plan (`oomless.runtime.compile`).
     """
     memory_bytes = parse_bytes(memory)
+    autocast_dtype(precision)
+    options = compile_options(compile)
+    if precision == "fp16":
+        # Loss scaling skips a step whose gradients overflowed: it needs every gradient before any
+        # update, as clipping by global norm does, and steps the optimizer itself.
+        forced = [name for name, value in (("update_in_backward", update_in_backward),
+                                           ("offload_optimizer_state", offload_optimizer_state),
+                                           ("offload_parameters", offload_parameters)) if value]
+        if forced:
+            raise InputError(f"precision='fp16' cannot be combined with {', '.join(n + '=True' for n in forced)}: "
+                             "its loss scaler must see every gradient before any update and steps the optimizer "
+                             "itself; leave them None (or False), or use precision='bf16'")
+        update_in_backward = offload_optimizer_state = offload_parameters = False
     request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
                             accumulation_steps)
     request.check()
@@ -60,45 +84,46 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                                   profile, dtype, target, solver)
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
-    if profile is None and target is not None:
-        from oomless.profile.fake import profile_for_target
-        check_inputs_device(model, example_inputs, allow_meta=True)
-        profile = profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
-                                     blocks=blocks, dtype=dtype)
+    if profile is not None and profile.precision != precision:
+        raise InputError(f"the profile given was measured at precision {profile.precision!r}, not {precision!r}; "
+                         f"profile again with precision={precision!r}")
+    if profile is not None and profile.compiled != (options is not None):
+        raise InputError(f"the profile given was measured {'with' if profile.compiled else 'without'} compiled "
+                         f"blocks, but compile={compile!r}; profile again with the same compile setting")
     if profile is None:
-        profile = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks,
-                                memory_bytes=memory_bytes)
+        profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, memory_bytes,
+                                     precision, options)
     if decisions is not None:
         unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    return plan_with_static_decisions(
+    made = plan_with_static_decisions(
         profile, model, optimizer, request,
         lambda device_profile: make_plan(device_profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes,
                                          solver=solver))
+    made.precision, made.compile = precision, options
+    return made
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
-            dtype: torch.dtype | None = None, memory=None) -> Profile:
+            dtype: torch.dtype | None = None, memory=None, precision: str = "fp32", compile=False) -> Profile:
     """Measure one training step per block (see `oomless.profile.profiler`); plain data. Block
     times are measured under the plan for ``memory`` when given (else recomputing every block).
-    With ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`)."""
+    With ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`).
+    ``precision``, ``compile``: as for `plan`."""
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, None, 0, None, dtype, target,
                                   function="profile")
-    if target is not None:
-        from oomless.profile.fake import profile_for_target
-        check_inputs_device(model, example_inputs, allow_meta=True)
-        return profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
-                                  blocks=blocks, dtype=dtype)
-    return profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks,
-                         memory_bytes=None if memory is None else parse_bytes(memory))
+    autocast_dtype(precision)
+    return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
+                              None if memory is None else parse_bytes(memory), precision, compile_options(compile))
 
 
 def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged. A plan
-    that updates in backward or offloads the optimizer state needs the ``optimizer`` it steps."""
+    that updates in backward or offloads the optimizer state, or made with precision="fp16", needs the
+    ``optimizer`` it steps."""
     check_model(model, "apply")
     if not isinstance(plan, Plan):
         raise InputError(f"apply expects an oomless.Plan, got {type(plan).__name__}; make one with oomless.plan(...)")
@@ -106,7 +131,20 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     if per_parameter and optimizer is None:
         raise ApplyError("this plan updates the parameters in backward or keeps optimizer state or parameters "
                          "off the device: pass the optimizer it steps, oomless.apply(model, plan, optimizer=optimizer)")
-    install_plan(model, plan, model_device(model))
+    device = model_device(model)
+    if installed_state(model) is None:     # else install_plan's own error says so
+        check_can_apply(model, plan.precision, optimizer, device)
+        if plan.compile is not None:
+            check_compile_available(plan.compile)
+            check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)
+    if plan.compile is not None:
+        apply_compile(model, plan.decisions, plan.compile)   # first: the plan's hooks then know to run eagerly
+    try:
+        install_plan(model, plan, device)
+    except Exception:
+        remove_compile(model)
+        raise
+    apply_precision(model, plan.precision, optimizer, device)
     if per_parameter:
         try:
             modules = dict(model.named_modules())
@@ -120,7 +158,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                 engine = installed_state(model).engine
                 update.parameters_off.on_brought_in = lambda keys: engine.resident_storages.update(keys)
         except Exception:
-            uninstall_plan(model)           # all or nothing: the model is left as it was
+            remove(model)                   # all or nothing: the model is left as it was
             raise
     return model
 
@@ -129,7 +167,10 @@ def remove(model: nn.Module) -> nn.Module:
     """Uninstall oomless; the model (and an optimizer stepped in backward) exactly as before `apply`."""
     check_model(model, "remove")
     remove_update_in_backward(model)
-    return uninstall_plan(model)
+    uninstall_plan(model)
+    remove_precision(model)
+    remove_compile(model)
+    return model
 
 
 def fit(model: nn.Module, example_inputs, memory, **kwargs) -> nn.Module:
@@ -146,7 +187,11 @@ def stats(model: nn.Module) -> Stats:
         raise ApplyError("oomless is not applied to this model; call oomless.fit or oomless.apply first")
     if state.tier is not None:
         state.ledger.stall_seconds += state.tier.collect_stall_seconds()
-    return state.ledger.snapshot()
+    snapshot = state.ledger.snapshot()
+    scaler = getattr(precision_state(model), "scaler", None)
+    if scaler is not None:
+        snapshot = dataclasses.replace(snapshot, skipped_steps=scaler.skipped_steps, loss_scale=scaler.scale)
+    return snapshot
 
 
 def installed_plan(model: nn.Module) -> Plan:

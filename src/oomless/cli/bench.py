@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured warm-up steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps: checks the program, not speed")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
+                        help="add plain/keep/plan_50 variants under autocast in this dtype (same budget as fp32's)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add plain/keep/plan_50 variants with every block torch.compile'd (slow to compile on CPU)")
     parser.add_argument("--out", default=None, metavar="FOLDER|FILE.json",
                         help="where the JSON goes (default runs/bench/fit-<device>-<date>.json; results to commit: "
                              "--out bench/results)")

@@ -52,6 +52,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--quiet", action="store_true", help="no per-step progress output")
     parser.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower on CUDA)")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=defaults.precision,
+                        help="forward under torch.autocast in this dtype (fp16 with loss scaling); weights stay fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block of the model (regional)")
     add_data_arguments(parser)
     parallel = ParallelConfig()
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
@@ -143,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
         progress=not args.quiet, deterministic=args.deterministic, max_grad_norm=args.max_grad_norm,
+        precision=args.precision, compile=args.compile,
         parallel=ParallelConfig(mode=args.parallel, overlap="none" if args.no_overlap else args.overlap, average_every=args.average_every,
                                 bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout, stages=args.stages,
                                 schedule=args.schedule, microbatches=args.microbatches,

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.overlap import OverlappedUpdate, apply_overlapped_update, needs_global_view
+from oomless.runtime.precision import precision_state
 from oomless.parallel.process_group import Ranks, local_batch_size, named_collective, shard_start, sum_across_ranks
 
 
@@ -122,7 +123,9 @@ class SynchronousDataParallel(Collectives):
             self.ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                                                gradient_as_bucket_view=True)
         wait_in = None if self.config.overlap == "none" else self.config.overlap
-        if wait_in is not None and not needs_global_view(max_grad_norm):
+        # fp16's loss scaler skips the whole step when any gradient overflowed (runtime/precision.py).
+        scaler = getattr(precision_state(model), "scaler", None)
+        if wait_in is not None and not needs_global_view(max_grad_norm, scaler):
             self.update = apply_overlapped_update(self.ddp, optimizer, wait_in)
         return self.ddp
 

@@ -74,6 +74,8 @@ class Plan:
     # Each block's own parameters in the same tier between uses (runtime/offload_parameters.py).
     offload_parameters: bool = False
     static_parts: list[StaticPart] = field(default_factory=list)
+    precision: str = "fp32"          # "bf16" | "fp16": the step runs under torch.autocast (runtime/precision.py)
+    compile: dict | None = None      # torch.compile options of each block ({} = defaults); None: eager (runtime/compile.py)
 
     @property
     def decisions(self) -> dict[str, str]:
@@ -116,6 +118,7 @@ class Plan:
         if self.static_parts:
             breakdown = ", ".join(part.describe() for part in self.static_parts)
         lines = [
+            f"precision {self.precision}{'' if self.compile is None else ', blocks compiled'}; " +
             f"static {format_bytes(self.static_bytes)} ({breakdown}); reserve {format_bytes(self.reserve_bytes)}; "
             f"activation budget {format_bytes(self.activation_budget)}",
             f"predicted peak {format_bytes(self.predicted_peak_bytes)} "

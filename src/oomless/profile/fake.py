@@ -23,6 +23,7 @@ saved sizes.
 """
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ from torch.utils.flop_counter import flop_registry
 
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
 from oomless.profile.blocks import find_blocks
+from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.tensors import tensors_in
@@ -199,17 +201,24 @@ def _meta_like(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, optimizer=None, blocks=None,
-                       dtype: torch.dtype | None = None) -> Profile:
+                       dtype: torch.dtype | None = None, precision: str = "fp32") -> Profile:
     """One training step of ``model`` on meta tensors, timed by the roofline of ``target``.
 
     ``dtype`` casts floating-point parameters, buffers and inputs (e.g. torch.bfloat16 for pure
-    bf16 training); by default each keeps its own dtype.
+    bf16 training); by default each keeps its own dtype. ``precision`` "bf16" / "fp16" runs the
+    forward under CUDA autocast's casting policy (`oomless.profile.fake_autocast`) with the
+    outputs brought back to fp32 for the loss, as the runtime does (`oomless.runtime.precision`).
     """
+    from oomless.runtime.precision import autocast_dtype
+
+    precision_dtype = autocast_dtype(precision)
     device = find_device(target)
     started = time.perf_counter()
     found = find_blocks(model, blocks)
     notes = [f"profiled on meta tensors for {device.name}: times are a roofline from datasheet peaks "
              f"({device.source}); transient bytes are estimated"]
+    if precision_dtype is not None:
+        notes.append(f"{precision}: CUDA autocast's casting policy applied on meta tensors (profile/fake_autocast.py)")
     # One stand-in per distinct parameter, so tied weights stay tied in the step.
     stand_ins: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
@@ -238,8 +247,12 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), roofline:
                 args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
                 kwargs = inputs if isinstance(inputs, dict) else {}
-                output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
-                                                    strict=False)
+                with FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
+                    output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
+                                                        strict=False)
+                if precision_dtype is not None:
+                    output = tree_map(lambda value: value.float() if isinstance(value, torch.Tensor)
+                                      and value.dtype == precision_dtype else value, output)
                 loss = loss_of(output, loss_fn)
                 recorder.in_backward = True
                 loss.backward()
@@ -280,6 +293,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         loss_seconds=recorder.loss_seconds,
         link=device.link_profile(),
         notes=notes,
+        precision=precision,
     )
 
 

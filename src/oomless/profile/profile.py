@@ -63,6 +63,8 @@ class Profile:
     # first block's backward: the model's output, the loss's own saved tensors and their gradients.
     loss_other_bytes: int | None = None
     loss_peak_bytes: int | None = None       # the most of those plus the ledger at one time; None: not measured
+    precision: str = "fp32"         # the autocast the step ran under (runtime/precision.py)
+    compiled: bool = False          # whether the blocks ran torch.compile'd (runtime/compile.py)
 
     @property
     def activation_bytes(self) -> int:

@@ -53,18 +53,21 @@ class InstalledPlan:
                              "make the plan for this model (oomless.plan(model, ...))")
         self.block_modules = [(index, name, modules[name]) for index, name in enumerate(plan.decisions)]
         self.recomputes = RECOMPUTE in plan.decisions.values()
+        compiled = any(_is_compiled(module) for _, _, module in self.block_modules)
+        self._pack, self._unpack = _eager(self.engine.pack, compiled), _eager(self.engine.unpack, compiled)
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
         self.handles.append(model.register_forward_hook(self._model_post_hook, always_call=True))
         for index, name, module in self.block_modules:
             decision = self.plan.decisions[name]
+            compiled = _is_compiled(module)
             if decision == RECOMPUTE:
                 block = RecomputeBlock(module, index, self.engine)
-                self.handles.append(module.register_forward_pre_hook(block.pre_hook, with_kwargs=True))
-                self.handles.append(module.register_forward_hook(block.post_hook, always_call=True))
-            self.handles.append(module.register_forward_pre_hook(self._block_enter(index, decision)))
-            self.handles.append(module.register_forward_hook(self._block_exit(index), always_call=True))
+                self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
+            self.handles.append(module.register_forward_pre_hook(_eager(self._block_enter(index, decision), compiled)))
+            self.handles.append(module.register_forward_hook(_eager(self._block_exit(index), compiled), always_call=True))
 
     def uninstall(self) -> None:
         for handle in self.handles:
@@ -85,7 +88,7 @@ class InstalledPlan:
         self.ledger.steps += 1
         if self.tier is not None:
             self.ledger.stall_seconds += self.tier.collect_stall_seconds()
-        self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack)
+        self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_context.__enter__()
         if self.recorder is not None:
             self.recorder.forward_started(resident)
@@ -130,6 +133,17 @@ class InstalledPlan:
             if self.recorder is not None and torch.is_grad_enabled():
                 self.recorder.block_finished(index, output)
         return hook
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None    # set by nn.Module.compile
+
+
+def _eager(hook, compiled: bool):
+    """Every Python frame run inside a torch.compile'd call is itself compiled by dynamo, hooks called
+    around a compiled block's forward and the pack hook its compiled function calls included;
+    disabled, they run eagerly as written (runtime/compile.py)."""
+    return torch.compiler.disable(hook) if compiled else hook
 
 
 def install_plan(model: nn.Module, plan, device: torch.device, recorder=None) -> nn.Module:

@@ -17,6 +17,8 @@ class Stats:
     stall_seconds: float = 0.0
     resident_activation_bytes: int = 0
     steps: int = 0
+    skipped_steps: int = 0           # fp16: optimizer steps skipped for inf/nan gradients (runtime/precision.py)
+    loss_scale: float | None = None  # fp16: the loss scale now
 
 
 class Ledger(Stats):

@@ -27,6 +27,7 @@ from oomless.errors import CheckpointError
 from oomless.train.checkpoint_files import (atomic_write, checkpoint_path, latest_checkpoint, list_checkpoints,
                                             newest_intact_checkpoint, read_checkpoint_file, remove_temporaries,
                                             write_checkpoint_file)
+from oomless.runtime.precision import load_loss_scale_state, loss_scale_state
 
 __all__ = ["CheckpointState", "atomic_write", "check_settings", "checkpoint_path", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "newest_intact_checkpoint", "process_state", "save_checkpoint",
@@ -148,6 +149,8 @@ def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | No
     if optimizer is not None:
         optimizer_tensors, meta["optimizer"] = _split_optimizer_state(optimizer.state_dict())
         tensors.update({name: tensor.detach().cpu() for name, tensor in optimizer_tensors.items()})
+    if model is not None and loss_scale_state(model) is not None:
+        meta["loss_scale"] = loss_scale_state(model)        # fp16: resuming continues with the same scale
     rng_tensors, meta["rng"] = _rng_state()
     tensors.update(rng_tensors)
     return tensors, meta
@@ -168,6 +171,7 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
     meta = {
         "step": step, "data_position": data_position,
         "optimizer": process_meta["optimizer"], "rng": process_meta["rng"],
+        **({"loss_scale": process_meta["loss_scale"]} if "loss_scale" in process_meta else {}),
         "trajectory": _json_ready(trajectory or {}), "ranks": ranks_meta,
     }
     path = write_checkpoint_file(checkpoint_path(directory, step), _to_savable(tensors), meta)
@@ -234,6 +238,7 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     if optimizer is not None:
         optimizer_tensors = {name: tensor for name, tensor in tensors.items() if name.startswith("optimizer.")}
         optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, meta["optimizer"]))
+    load_loss_scale_state(model, meta.get("loss_scale"))
     if restore_rng:
         _set_rng_state({name: tensor for name, tensor in tensors.items() if name.startswith("rng.")}, meta["rng"])
     return CheckpointState(step=meta["step"], data_position=meta["data_position"],

@@ -11,6 +11,8 @@ from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.output_paths import check_output_path
 from oomless.parallel.config import ParallelConfig
+from oomless.runtime.compile import check_compile_available
+from oomless.runtime.precision import autocast_dtype, check_precision
 from oomless.sizes import parse_bytes
 
 SEGMENTATION_MODELS = ("unet3d", "monai-unet")
@@ -18,7 +20,7 @@ SEGMENTATION_MODELS = ("unet3d", "monai-unet")
 # Fields that change the trajectory of a run: resuming under different values would silently
 # produce a run that equals neither the old nor the new configuration, so it is refused.
 TRAJECTORY_FIELDS = ("model", "size", "seed", "global_batch", "lr", "channels", "classes", "base_channels", "depth",
-                     "max_grad_norm")
+                     "max_grad_norm", "precision", "compile")
 
 
 @dataclass
@@ -53,6 +55,8 @@ class TrainConfig:
     progress: bool = True
     deterministic: bool = False
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
+    precision: str = "fp32"                 # "bf16" | "fp16": forward under torch.autocast (runtime/precision.py)
+    compile: bool = False                   # torch.compile each block in place (runtime/compile.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig | None = None
 
@@ -88,6 +92,16 @@ class TrainConfig:
         self.parallel.validate()
         if self.data is not None:
             self.data.validate(multiple)
+        autocast_dtype(self.precision)          # raises InputError naming the choices
+        layouts = [self.parallel] + [self.parallel.with_layout(layout)
+                                     for _, layout in self.parallel.switch + self.parallel.switch_when]
+        if self.precision != "fp32" and any(layout.pipelined for layout in layouts):
+            raise InputError(f"--precision {self.precision} is not supported with pipeline or hybrid layouts yet "
+                             "(their schedules compute the loss inside the stages); use --precision fp32 there, "
+                             "or dp / local-sgd / async")
+        if self.compile and any(layout.pipelined for layout in layouts):
+            raise InputError("--compile is not supported with pipeline or hybrid layouts yet (each stage is planned "
+                             "on its own, uncompiled); drop --compile there, or use dp / local-sgd / async")
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:
@@ -97,7 +111,11 @@ class TrainConfig:
             check_output_path(self.checkpoint_dir, "checkpoint-dir", directory=True)
         if self.save is not None:
             check_output_path(self.save, "save")
-        self.resolve_device()
+        device = self.resolve_device()
+        if self.precision != "fp32":
+            check_precision(self.precision, device)     # before any step: the option and what works instead
+        if self.compile:
+            check_compile_available({})
         return self
 
     def resolve_device(self) -> torch.device:

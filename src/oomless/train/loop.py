@@ -30,6 +30,9 @@ from oomless.parallel import join_process_group, leave_process_group, make_strat
 from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
+from oomless.profile.blocks import find_blocks
+from oomless.runtime.compile import apply_compile
+from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
                                       save_weights)
@@ -53,6 +56,7 @@ class TrainResult:
     oomless_applied: bool
     history: list[dict] = field(default_factory=list)
     layouts: list[tuple[int, str]] = field(default_factory=list)   # (first step, layout) of each stretch
+    skipped_steps: int = 0          # fp16: optimizer steps skipped because gradients overflowed
     stats: object | None = None
     model: nn.Module | None = field(default=None, repr=False)
     data_wait_seconds: float = 0.0
@@ -103,7 +107,8 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     # One process: the planner may step the optimizer in backward (not when the loop clips) and keep its
     # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
     alone = None if config.parallel.mode == "none" else False
-    plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer,
+    plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
+                        compile=config.compile,
                         loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
                         update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone)
     if strategy.ranks.world_size > 1:
@@ -145,7 +150,9 @@ def _stats_line(model: nn.Module) -> tuple[object | None, str]:
     stats = oomless.stats(model)
     return stats, (f"oomless: peak activations {format_bytes(stats.peak_activation_bytes)}, "
                    f"offloaded {format_bytes(stats.offloaded_bytes)}, "
-                   f"recomputed blocks {stats.recomputed_blocks}, stall {stats.stall_seconds:.3f}s")
+                   f"recomputed blocks {stats.recomputed_blocks}, stall {stats.stall_seconds:.3f}s"
+                   + (f", skipped steps {stats.skipped_steps} (loss scale {stats.loss_scale:g})"
+                      if stats.loss_scale is not None else ""))
 
 
 def train(config: TrainConfig, console: Console | None = None) -> TrainResult:
@@ -194,6 +201,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     with run.progress:
         while True:
             if step != start_step:
+                loss_scale = loss_scale_state(model)
                 model, optimizer = _rebuilt(config, model, optimizer, device)
                 console.print(f"step {step}: switching layout to {_describe(layout)}")
             strategy = make_strategy(layout, ranks, device)
@@ -203,6 +211,13 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             plan = None
             if oomless_applied and not layout.pipelined:
                 plan = _apply_oomless(model, optimizer, example, config, console, strategy)
+            else:       # no plan: autocast (and loss scaling) and compiled blocks alone
+                if config.precision != "fp32":
+                    apply_precision(model, config.precision, optimizer)
+                if config.compile:
+                    apply_compile(model, [name for name, _ in find_blocks(model)], {})
+            if step != start_step:
+                load_loss_scale_state(model, loss_scale)
             if step == start_step and resumable:
                 # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
                 _resume(config, resumable[0], model, optimizer, console, ranks.rank)
@@ -302,7 +317,7 @@ class _Run:
             steps_done = step + 1
             # Also at the end of a stretch: the mean logged never spans two layouts.
             if steps_done % config.log_every == 0 or steps_done in (end, config.steps):
-                self._log(strategy, steps_done)
+                self._log(strategy, model, steps_done)
                 fired = _fire(conditions, self.history[-1])
             if self.validation is not None and self.validation.due(steps_done):
                 self._validate(strategy, model, steps_done)
@@ -324,7 +339,7 @@ class _Run:
         self.dice_sum = self.dice if self.dice_sum is None else self.dice_sum + self.dice
         self.steps_since_log += 1
 
-    def _log(self, strategy, steps_done: int) -> None:
+    def _log(self, strategy, model: nn.Module, steps_done: int) -> None:
         # The loss and Dice of the steps since the last log, averaged: .item() waits for the device,
         # so it runs only here. Under data parallel: the mean over ranks (for dp, the global batch's).
         config = self.config
@@ -336,12 +351,16 @@ class _Run:
         logged_before = self.history[-1]["step"] if self.history else self.start_step
         record["data_wait_seconds"] = sum(self.waits[logged_before - self.start_step:]) / max(steps_done - logged_before, 1)
         self.history.append(record)
+        skipped = skipped_steps(model)
         elapsed = time.perf_counter() - self.started
         rate = (steps_done - self.start_step) * config.global_batch / max(elapsed, 1e-9)
         metrics = (f"loss {record['loss']:.4f}  dice {record['dice']:.3f}  {rate:.2f} vol/s  "
                    f"{rate * self.voxels_per_volume / 1e6:.2f} Mvox/s  "
                    f"peak {format_bytes(self.memory.peak_since_mark())}  "
                    f"data wait {record['data_wait_seconds'] * 1e3:.0f} ms/step")
+        if skipped is not None:
+            record["skipped_steps"] = skipped
+            metrics += f"  skipped steps {skipped} (fp16 overflow)"
         self.progress.update(self.task, metrics=metrics)
         if config.progress and not self.show_bar:
             self.console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
@@ -401,4 +420,5 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         oomless_applied=oomless_applied,
         history=run.history, layouts=run.layouts, stats=stats, model=model,
         data_wait_seconds=sum(run.waits), data_wait_seconds_per_step=run.waits, validation=run.validation.records if run.validation else [],
+        skipped_steps=skipped_steps(model) or 0,
     )

@@ -1,0 +1,131 @@
+"""Regional torch.compile: each block of the plan compiled in place, keep / swap / recompute intact.
+
+    model = oomless.fit(model, inputs, memory="8GiB", optimizer=optimizer, compile=True)
+    model = oomless.fit(..., compile={"backend": "inductor", "mode": "max-autotune-no-cudagraphs"})
+
+``compile=True`` compiles each block with ``nn.Module.compile()`` (the default inductor backend); a
+dict passes ``torch.compile`` options. Compiling per block, not the whole model, is torchtitan's
+``apply_compile`` (repeated blocks reuse one compiled graph); compiling in place keeps parameter
+names, where ``torch.compile(block)`` would prefix them with ``_orig_mod``.
+
+Why this composes with the plan, from torch 2.13's source and issue threads:
+- ``Module.compile`` compiles ``_call_impl``, a frame dynamo does not trace (torch.nn internals,
+  ``torch/_dynamo/trace_rules.py``): it compiles the block's ``forward`` frame instead, so the
+  block's hooks (oomless's block boundaries, the recompute hooks) run eagerly around the compiled
+  forward. The tests check it: every saved tensor is attributed to its block.
+- A compiled forward is one autograd function (AOTAutograd's ``CompiledFunction``) that saves what
+  its partitioner chose with ``ctx.save_for_backward``; ``saved_tensors_hooks`` entered outside the
+  compiled region, oomless's and torch checkpoint's, apply to those tensors when the compiled
+  forward returns, and all of a block's are unpacked when its backward starts (pytorch#113263,
+  pytorch#148222). Swap therefore moves exactly what the compiled block saves, and a block's
+  backward needs all its tensors back at once, as oomless prefetches them per block anyway.
+- Recompute is torch's non-reentrant checkpoint around the compiled block (eager checkpointing of
+  a compiled region): backward calls the compiled forward again, with the RNG state restored.
+- Compiling changes what a block saves (inductor's partitioner recomputes cheap ops in its
+  backward instead of saving their outputs), so the profile is taken of the compiled step.
+
+Combinations refused, each with what works instead (`check_compile_composes`):
+- compiled autograd (``torch._dynamo.config.compiled_autograd``) unpacks every saved tensor when
+  backward starts (pytorch#143176): swap and recompute would free nothing;
+- a model already compiled as a whole (``torch.compile(model)`` or ``model.compile()``): oomless's
+  hooks inside it would be traced into its graph; pass the model uncompiled with compile=True;
+- CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``) with swap or recompute on CUDA: a graph
+  replays into static buffers that a swapped or recomputed tensor does not come back into.
+"""
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from oomless.errors import ApplyError, InputError
+
+STATE_ATTRIBUTE = "_oomless_compiled"
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_options(compile) -> dict | None:
+    """``torch.compile`` keyword arguments for ``compile`` (False/None: no compile)."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, dict):
+        return dict(compile)
+    raise InputError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+
+
+@functools.cache
+def _probe(backend: str) -> str | None:
+    """Why torch.compile with ``backend`` cannot run here (None when it can): compiles one tiny function."""
+    try:
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
+        compiled = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+        compiled(torch.randn(4))
+    except Exception as error:  # noqa: BLE001 - any failure means unavailable; its message is reported
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def check_compile_available(options: dict) -> None:
+    """`InputError` before any step if torch.compile cannot run on this Python / platform / build."""
+    reason = _probe(str(options.get("backend", "inductor")))
+    if reason is not None:
+        raise InputError(f"compile=True: torch.compile is not available here ({reason}); train without it "
+                         "(compile=False, no --compile): plans and results are the same, only slower")
+
+
+def check_compile_composes(model: nn.Module, block_names, options: dict, decisions: dict[str, str] | None,
+                           device: torch.device) -> None:
+    """`ApplyError` naming a combination that does not compose (see the module docstring)."""
+    if torch._dynamo.config.compiled_autograd:
+        raise ApplyError("compiled autograd (torch._dynamo.config.compiled_autograd) unpacks every saved tensor "
+                         "when backward starts, so swap and recompute would free nothing (pytorch#143176); turn it "
+                         "off: oomless's compile=True compiles each block's forward and backward without it")
+    blocks = set(block_names)
+    for name, module in model.named_modules():
+        compiled = (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+                    or getattr(module, "_compiled_call_impl", None) is not None)
+        if compiled and name not in blocks and (not name or any(block.startswith(f"{name}.") for block in blocks)):
+            label = f"module {name!r}" if name else "the model"
+            raise ApplyError(f"{label} is already compiled as a whole (torch.compile / .compile()): oomless's block "
+                             "hooks would be traced into its graph. Pass it uncompiled and use compile=True, which "
+                             "compiles each block itself")
+    moving = decisions is not None and any(decision != "keep" for decision in decisions.values())
+    if device.type == "cuda" and options.get("mode") in _CUDA_GRAPH_MODES and moving:
+        raise ApplyError(f"compile mode {options['mode']!r} replays CUDA graphs into static buffers, which swapped "
+                         "or recomputed tensors do not come back into; use mode='default' or "
+                         "'max-autotune-no-cudagraphs' with this plan (or a budget where every block is kept)")
+
+
+def _traced_forward_marker(module, args):
+    """A no-op forward pre-hook; see `apply_compile`."""
+
+
+def apply_compile(model: nn.Module, block_names, options: dict) -> None:
+    """Compile each named block of ``model`` in place (`nn.Module.compile`); `remove_compile` undoes it.
+
+    Each compiled block also gets a no-op forward pre-hook: dynamo traces the ``forward`` of a
+    torch.nn class (Linear, Conv3d, Sequential: torch's own files, which it skips) only when the
+    module has hooks (torch/_dynamo/trace_rules.py, ``check_verbose``); without one, a block that is
+    a plain torch.nn module would silently run eagerly."""
+    if getattr(model, STATE_ATTRIBUTE, None) is not None:
+        raise ApplyError("the blocks of this model are already compiled by oomless; oomless.remove(model) first")
+    modules = dict(model.named_modules())
+    compiled = []
+    for name in block_names:
+        module = modules[name]
+        if module._compiled_call_impl is None:
+            module.compile(**options)
+            compiled.append((module, module.register_forward_pre_hook(_traced_forward_marker)))
+    object.__setattr__(model, STATE_ATTRIBUTE, compiled)
+
+
+def remove_compile(model: nn.Module) -> None:
+    """Back to eager: each block oomless compiled calls its own ``_call_impl`` again."""
+    for module, marker in getattr(model, STATE_ATTRIBUTE, None) or []:
+        # The attribute `nn.Module.compile` sets; unset, `_wrapped_call_impl` calls `_call_impl`.
+        module._compiled_call_impl = None
+        marker.remove()
+    if hasattr(model, STATE_ATTRIBUTE):
+        object.__delattr__(model, STATE_ATTRIBUTE)

@@ -1,0 +1,192 @@
+"""Regional torch.compile composed with every plan: oomless + compile equals plain compiled PyTorch.
+
+The reference compiles the same blocks with ``torch.compile(block)`` on a deepcopy (torchtitan's
+way) and trains plainly; both run the same compiled graphs, so the comparison is bit for bit. Compiling is
+slow on a small shared CPU: the models are tiny and most cases use the ``aot_eager`` backend,
+which runs AOTAutograd exactly as inductor does (one autograd function per block, saving what its
+partitioner chose through ``ctx.save_for_backward``, where saved-tensor hooks apply) but skips
+code generation; one test compiles with inductor itself.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+import oomless
+from oomless.errors import ApplyError, InputError
+from oomless.models import TinyTransformer
+from oomless.runtime import compile as compile_module
+from tests.conftest import budget_for_share, minimum_memory
+from tests.test_fit_equality import _assert_same, _train
+
+
+def _case(depth=2):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    model = TinyTransformer(vocab_size=64, dim=32, depth=depth, heads=2, max_len=16)
+    return model, tokens, lambda out: torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens.flatten())
+
+
+def compiled_reference(model, block_names, options):
+    """Plain compiled PyTorch as torchtitan's apply_compile writes it: ``torch.compile(block)`` in
+    each block's place (parameter names gain ``_orig_mod.``; `_assert_same` compares by position)."""
+    reference = copy.deepcopy(model)
+    for name in block_names:
+        parent_name, _, child = name.rpartition(".")
+        parent = reference.get_submodule(parent_name)
+        parent.register_module(child, torch.compile(parent.get_submodule(child), **options))
+    return reference
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_every_plan_on_compiled_blocks_equals_plain_compiled(fresh_dynamo):
+    """keep, swap, recompute, a planned mix, and swap under bf16 autocast, on aot_eager-compiled
+    blocks: bitwise the plain compiled model; no graph break anywhere (oomless's hooks, called
+    while a compiled block runs, are kept out of dynamo), and the hooks see every saved tensor."""
+    options = {"backend": "aot_eager"}
+    model, tokens, loss_fn = _case()
+    profile = oomless.profile(model, tokens, loss_fn=loss_fn, compile=options)
+    assert profile.compiled
+    mixed_memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
+    cases = [("keep", "fp32"), ("swap", "fp32"), ("recompute", "fp32"), ("planned", "fp32"), ("swap", "bf16")]
+    for policy, precision in cases:
+        model, tokens, loss_fn = _case()
+        if policy == "planned":
+            plan = oomless.plan(model, tokens, mixed_memory, profile=profile, min_swap_bytes=0, compile=options)
+            assert len(set(plan.decisions.values())) > 1, plan.decisions
+        else:
+            plan = oomless.plan(model, tokens, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, compile=options,
+                                precision=precision)
+            plan = plan.with_decisions({name: policy for name in plan.decisions})
+        assert plan.compile == options
+        reference = compiled_reference(model, plan.decisions, options)
+        oomless.apply(model, plan)
+        assert all(model.get_submodule(name)._compiled_call_impl is not None for name in plan.decisions)
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            _train(reference, tokens, lambda out: loss_fn(out.float()))
+        _train(model, tokens, loss_fn)
+
+        _assert_same(reference, model)
+        stats = oomless.stats(model)
+        if policy == "swap":
+            planned_bytes = sum(block.saved_bytes for block in plan.blocks)
+            assert stats.offloaded_bytes == 2 * planned_bytes, "each step swaps every byte the compiled blocks save"
+        if policy == "recompute":
+            assert stats.recomputed_blocks >= 2 * len(plan.decisions) - 2   # as tests/test_fit_equality.py counts
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_inductor_blocks_profile_what_they_save_and_equal_plain_inductor(fresh_dynamo, one_thread):
+    """With inductor the compiled blocks save other tensors than eager (its partitioner recomputes
+    cheap ops in backward): the profile counts exactly what the plain compiled step packs, and
+    training under swap equals plain inductor bit for bit. One thread: inductor's CPU kernel for
+    the embedding's backward accumulates rows with atomic adds across threads, whose order (and
+    so the float sum) varies from run to run even between two plain compiled runs; on one thread
+    it is fixed, and both run the same graph and kernels."""
+    options = {}
+    model, tokens, loss_fn = _case(depth=1)
+    eager = oomless.profile(model, tokens, loss_fn=loss_fn)
+    compiled = oomless.profile(model, tokens, loss_fn=loss_fn, compile=True)
+    plan = oomless.plan(model, tokens, "1TiB", profile=compiled, min_swap_bytes=0, compile=True)
+    plan = plan.with_decisions({name: "swap" for name in plan.decisions})
+    reference = compiled_reference(model, plan.decisions, options)
+
+    resident = {t.untyped_storage().data_ptr() for t in (*reference.parameters(), *reference.buffers(), tokens)}
+    packed = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in resident:
+            packed[storage.data_ptr()] = storage.nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):   # the model's forward, as profiled
+        output = reference(tokens)
+    loss_fn(output).backward()
+    reference.zero_grad(set_to_none=True)
+    assert compiled.activation_bytes == sum(packed.values())
+    assert [b.saved_bytes for b in compiled.blocks] != [b.saved_bytes for b in eager.blocks], \
+        "inductor saves other tensors than eager"
+
+    oomless.apply(model, plan)
+    _train(reference, tokens, loss_fn)
+    _train(model, tokens, loss_fn)
+    _assert_same(reference, model)
+    assert oomless.stats(model).offloaded_bytes > 0
+
+
+def test_remove_uncompiles_only_what_oomless_compiled(fresh_dynamo):
+    model, tokens, loss_fn = _case()
+    model.token_embedding.compile(backend="aot_eager")          # a block the user compiled: theirs, kept
+    oomless.fit(model, tokens, "1TiB", loss_fn=loss_fn, compile={"backend": "aot_eager"})
+    assert "token_embedding" in oomless.installed_plan(model).decisions
+    oomless.remove(model)
+    assert model.token_embedding._compiled_call_impl is not None
+    assert all(module._compiled_call_impl is None for name, module in model.named_modules()
+               if name != "token_embedding")
+    assert not hasattr(model, "_oomless_compiled")
+
+
+def test_combinations_that_do_not_compose_are_refused(fresh_dynamo, monkeypatch):
+    model, tokens, loss_fn = _case(depth=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(InputError, match="compile must be True, False or a dict"):
+        oomless.plan(model, tokens, "1TiB", loss_fn=loss_fn, compile="yes")
+    with pytest.raises(InputError, match="cannot be profiled for a target device"):
+        oomless.plan(model, tokens, "80GiB", loss_fn=loss_fn, target="h100", compile=True)
+    plan = oomless.plan(model, tokens, "1TiB", loss_fn=loss_fn, compile={"backend": "aot_eager"})
+
+    with torch._dynamo.config.patch(compiled_autograd=True), \
+            pytest.raises(ApplyError, match=r"compiled autograd .* \(pytorch#143176\)"):
+        oomless.apply(model, plan)
+
+    whole = torch.compile(model, backend="aot_eager")
+    with pytest.raises(ApplyError, match="already compiled as a whole"):
+        oomless.plan(whole, tokens, "1TiB", loss_fn=loss_fn, compile={"backend": "aot_eager"})
+    model.compile(backend="aot_eager")
+    with pytest.raises(ApplyError, match="the model is already compiled as a whole"):
+        oomless.apply(model, plan)
+    model._compiled_call_impl = None
+
+    monkeypatch.setattr(compile_module, "_probe", lambda backend: "RuntimeError: Python 3.14 is not supported")
+    with pytest.raises(InputError, match=r"torch.compile is not available here .*\(compile=False"):
+        oomless.fit(model, tokens, "1TiB", loss_fn=loss_fn, compile=True)
+    with pytest.raises(InputError, match="not available here"):
+        oomless.apply(model, plan)
+
+    assert not hasattr(model, "_oomless") and not hasattr(model, "_oomless_compiled")
+    assert all(module._compiled_call_impl is None for module in model.modules())
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_a_torch_nn_block_without_plan_hooks_is_really_compiled(fresh_dynamo):
+    """``--compile`` without a budget compiles blocks that carry no plan hooks; dynamo skips the
+    forward of a torch.nn class unless the module has a hook, so apply_compile adds a no-op one."""
+    from oomless.runtime.compile import apply_compile, remove_compile
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    apply_compile(model, ["0", "1"], {"backend": "aot_eager"})
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    remove_compile(model)
+    assert not model[0]._forward_pre_hooks and model[0]._compiled_call_impl is None
