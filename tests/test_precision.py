@@ -254,9 +254,12 @@ def test_bad_precision_input_is_refused_before_any_step(monkeypatch):
         oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, precision="float8")
     with pytest.raises(InputError, match="needs the optimizer"):
         oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, precision="fp16")
-    with pytest.raises(InputError, match="cannot update in backward"):
+    with pytest.raises(InputError, match="cannot be combined with update_in_backward=True"):
         oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, precision="fp16", update_in_backward=True,
                      optimizer=torch.optim.Adam(model.parameters()))
+    with pytest.raises(InputError, match="cannot be combined with offload_optimizer_state=True, offload_parameters"):
+        oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, precision="fp16", offload_optimizer_state=True,
+                     offload_parameters=True, optimizer=torch.optim.Adam(model.parameters()))
     _assert_untouched(model, before)
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, precision="bf16")
     with pytest.raises(InputError, match="measured at precision 'bf16', not 'fp32'"):
