@@ -17,7 +17,9 @@ Used by bench/bench_max_size.py and tests/test_floor.py.
 """
 
 import json
+import os
 import sys
+import threading
 import time
 
 import torch
@@ -116,6 +118,23 @@ def _current(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss_bytes()
 
 
+# On CPU nothing refuses memory: a trial far over the limit would run for many minutes (and may
+# exhaust the machine) only to be called "does not fit". Stopped once resident memory passes this share
+# of the limit (above the baseline), with an out-of-memory message the caller reads as "does not fit".
+OVER_LIMIT_SHARE = 1.5
+
+
+def _stop_when_over(limit_bytes: float) -> None:
+    def watch():
+        while True:
+            if _current(torch.device("cpu")) > limit_bytes:
+                print(f"out of memory: resident memory passed {limit_bytes / 2**20:.0f} MiB "
+                      f"({OVER_LIMIT_SHARE} x the limit above the baseline); stopped", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(0.05)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def run(config: dict) -> dict:
     device = torch.device(config.get("device", "cpu"))
     torch.set_num_threads(config.get("threads", 2))
@@ -138,6 +157,8 @@ def run(config: dict) -> dict:
         # The caching allocator refuses to grow past this: going over is an out-of-memory error.
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min((baseline + config["memory_limit_bytes"]) / total, 1.0), device)
+    if device.type == "cpu" and config.get("memory_limit_bytes"):
+        _stop_when_over(baseline + OVER_LIMIT_SHARE * config["memory_limit_bytes"])
     result = {"config": config}
     model, inputs, loss_fn = build(config, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

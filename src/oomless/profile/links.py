@@ -40,13 +40,23 @@ def _measure_pcie(device: torch.device) -> LinkProfile:
     return LinkProfile("pcie", _PROBE_BYTES / seconds["out"], _PROBE_BYTES / seconds["in"])
 
 
+_DISK_CHUNK_BYTES = 4 * 2**20
+
+
 def _measure_disk() -> LinkProfile:
-    data = np.random.default_rng(0).integers(0, 255, _PROBE_BYTES, dtype=np.uint8)
+    """64 MiB written and read back through one 4 MiB buffer: the probe itself must not add more
+    resident memory than a small step (it runs inside the budget it measures for)."""
+    chunk = np.random.default_rng(0).integers(0, 255, _DISK_CHUNK_BYTES, dtype=np.uint8)
+    chunks = _PROBE_BYTES // _DISK_CHUNK_BYTES
     with tempfile.TemporaryDirectory(prefix="oomless-probe-") as directory:
         path = os.path.join(directory, "probe.bin")
         start = time.perf_counter()
-        data.tofile(path)
+        with open(path, "wb") as file:
+            for _ in range(chunks):
+                file.write(chunk.data)
         written = time.perf_counter()
-        np.fromfile(path, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as file:
+            while file.readinto(chunk.data):
+                pass
         read = time.perf_counter()
     return LinkProfile("disk", _PROBE_BYTES / (written - start), _PROBE_BYTES / (read - written))
