@@ -341,7 +341,12 @@ def test_bench_adds_the_precision_variants_against_their_own_reference(tmp_path)
     for name in ("plain_bf16", "keep_bf16", "plan_50_bf16"):
         assert variants[name]["reference"] == "plain_bf16" and variants[name]["ratio_vs_reference"] > 0
         assert len(variants[name]["step_seconds"]) == report["steps"]
-    assert variants["plan_50_bf16"]["memory_bytes"] == variants["plan_50"]["memory_bytes"]
+    # At fp32 plan_50's memory, or (the quick model's bytes are a few pages, within the measuring noise
+    # of a loaded machine) refused there and planned at the minimum PlanError named, as its notes say.
+    bf16, fp32 = variants["plan_50_bf16"], variants["plan_50"]
+    assert bf16["memory_bytes"] == fp32["memory_bytes"] or (
+        bf16["memory_bytes"] > fp32["memory_bytes"]
+        and any(f"{fp32['memory_bytes']} bytes did not plan" in note for note in bf16["notes"])), bf16
     assert variants["plain"]["reference"] == "plain" and variants["plain"]["ratio_vs_reference"] == 1.0
     assert "plan_50_bf16_activation_peak_vs_fp32" in report["models"]["transformer"]["targets"]
 
