@@ -36,10 +36,11 @@ MULTIPLE = 8          # 2**depth of the U-Net
 TRIAL_TIMEOUT_SECONDS = 1800
 
 
-def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: int, steps: int) -> dict:
+def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: int, steps: int,
+              precision: str = "fp32") -> dict:
     """One training configuration in a fresh process; adds ``fits``."""
     config = {"model": "unet3d", "side": side, "batch": 1, "mode": method, "device": device, "threads": threads,
-              "steps": steps, "memory_limit_bytes": memory_bytes}
+              "steps": steps, "memory_limit_bytes": memory_bytes, "precision": precision}
     if method == "oomless":
         config["memory"] = memory_bytes
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -69,12 +70,12 @@ def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: i
 
 
 def largest_side(method: str, memory_bytes: int, device: str, threads: int, steps: int, start: int,
-                 stop: int, log) -> tuple[int | None, list[dict]]:
+                 stop: int, log, precision: str = "fp32") -> tuple[int | None, list[dict]]:
     """The largest multiple of MULTIPLE in [start, stop] whose trial fits (None: not even ``start``)."""
     trials = []
 
     def fits(side: int) -> bool:
-        trial = run_trial(method, side, memory_bytes, device, threads, steps)
+        trial = run_trial(method, side, memory_bytes, device, threads, steps, precision)
         trials.append(trial)
         peak = trial.get("peak_bytes")
         log(f"  {method:12s} side {side:4d}: {'fits' if trial['fits'] else 'does not fit'}"
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default=None, help="the fixed memory (default 1GiB on CPU, 8GiB on CUDA; 256MiB with --quick)")
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="every method trains under this autocast (oomless: precision=; plain and checkpoint: "
+                             "torch.autocast around the step); bf16 on CPU is slow (no bf16 conv kernels worth it)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per trial (the last one is timed)")
     parser.add_argument("--quick", action="store_true",
                         help="48 MiB, sides 16 and 24, plain and oomless only, one step per trial (dry runs)")
@@ -180,18 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     stop = 24 if args.quick else 1024
     result = {"model": {"name": "unet3d", "base_channels": 8, "depth": 3, "batch": 1, "classes": 2},
-              "memory": memory, "memory_bytes": memory_bytes, "steps_per_trial": steps, "methods": {}}
+              "memory": memory, "memory_bytes": memory_bytes, "steps_per_trial": steps, "precision": args.precision,
+              "methods": {}}
     started = time.perf_counter()
     for method in methods:
         print(f"{method}: searching the largest side within {memory}", flush=True)
         side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, 16, stop,
-                                    lambda line: print(line, flush=True))
+                                    lambda line: print(line, flush=True), args.precision)
         result["methods"][method] = summarise(method, side, trials)
     result["seconds"] = time.perf_counter() - started
     result["provenance"] = provenance(args.device)
     out = Path(args.out) if args.out else ROOT / "runs" / "bench"
     if out.suffix != ".json":
-        out = out / f"max-size-{args.device}-{date.today().isoformat()}.json"
+        precision = "" if args.precision == "fp32" else f"-{args.precision}"
+        out = out / f"max-size-{args.device}{precision}-{date.today().isoformat()}.json"
     write_result(out, result)
     picture = plot(result, out.with_suffix(".png"))
     if picture is not None:

@@ -110,6 +110,12 @@ def checkpoint_every_block(model: nn.Module) -> list[str]:
     return wrapped
 
 
+def _autocast(device: torch.device, precision: str):
+    """torch.autocast for ``precision`` ("fp32": disabled), as a plain PyTorch user trains in it."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
+
+
 def _peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
 
@@ -141,9 +147,13 @@ def run(config: dict) -> dict:
     return_freed_memory_to_the_system()
     mode = config["mode"]
     # Warm-up at a small size: kernels' caches and lazily imported library code are start-up.
+    precision = config.get("precision", "fp32")
     model, inputs, loss_fn = build(config, device, small=True)
     optimizer = torch.optim.Adam(model.parameters())
-    loss_fn(model(inputs)).backward()
+    with _autocast(device, precision):
+        loss = loss_fn(model(inputs))
+    loss.backward()
+    del loss
     optimizer.step()
     del model, inputs, loss_fn, optimizer
     if device.type == "cuda":
@@ -169,24 +179,25 @@ def run(config: dict) -> dict:
         memory = config["memory"]
         if memory == "floor":
             try:
-                oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer)
+                oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer, precision=precision)
             except PlanError as error:
                 memory = error.minimum_bytes
             result["memory_bytes"] = memory
         try:
-            profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory)
+            profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory,
+                                      precision=precision)
             if config.get("report_floor"):
                 # The smallest budget this profile plans for, as a user reads it from PlanError.
                 try:
-                    oomless.plan(model, inputs, 1, profile=profile)
+                    oomless.plan(model, inputs, 1, profile=profile, precision=precision)
                 except PlanError as error:
                     result["floor_bytes"] = error.minimum_bytes
-            plan = oomless.plan(model, inputs, memory, profile=profile)
+            plan = oomless.plan(model, inputs, memory, profile=profile, precision=precision)
         except PlanError as error:
             result.update(fits=False, refused=str(error), minimum_bytes=error.minimum_bytes)
             return result
         planning_peak = profile.measured_peak_bytes or 0
-        oomless.apply(model, plan)
+        oomless.apply(model, plan, optimizer=optimizer)
         result.update(memory_bytes=plan.memory_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                       decisions=sorted(set(plan.decisions.values())), reserve_bytes=plan.reserve_bytes,
                       static_bytes=plan.static_bytes, activation_budget=plan.activation_budget)
@@ -196,11 +207,13 @@ def run(config: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        if mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        # oomless enters the plan's autocast itself (its hooks); the others as users write it.
+        with _autocast(device, "fp32" if mode == "oomless" else precision):
+            if mode == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+                    loss = loss_fn(model(inputs))
+            else:
                 loss = loss_fn(model(inputs))
-        else:
-            loss = loss_fn(model(inputs))
         loss.backward()
         optimizer.step()
         del loss

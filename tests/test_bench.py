@@ -88,3 +88,22 @@ def test_results_go_to_runs_bench_unless_out_says_otherwise(tmp_path, monkeypatc
     assert result_path("elsewhere", "fit-cpu") == Path("elsewhere") / default.name
     assert result_path("one.json", "fit-cpu") == Path("one.json")
     assert list(tmp_path.iterdir()) == []                  # checked, nothing created before the run
+
+
+def test_max_size_trials_train_in_the_precision_asked(tmp_path):
+    """bench_max_size --precision bf16: each trial (bench/floor_child.py) trains under that autocast,
+    oomless through precision= and planning for it: its saved activations shrink (not to half: autocast
+    runs normalisation in fp32, which saves fp32 tensors; 0.73 measured at 24^3)."""
+    root = Path(__file__).resolve().parents[1]
+    environment = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"}
+    ledger = {}
+    for precision in ("fp32", "bf16"):
+        config = {"model": "unet3d", "side": 24, "batch": 1, "mode": "oomless", "device": "cpu", "threads": 1,
+                  "steps": 1, "memory": 512 * 2**20, "precision": precision}
+        completed = subprocess.run([sys.executable, str(root / "bench" / "floor_child.py"), json.dumps(config)],
+                                   capture_output=True, text=True, env=environment, timeout=600)
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        result = json.loads(completed.stdout.strip().splitlines()[-1])
+        assert result["fits"] and result["config"]["precision"] == precision
+        ledger[precision] = result["ledger_peak_bytes"]
+    assert 0.4 < ledger["bf16"] / ledger["fp32"] < 0.85, ledger
