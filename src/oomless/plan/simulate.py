@@ -340,7 +340,9 @@ def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, 
             if resident > peak:
                 peak, peak_seconds = resident, time
         if phase.peak is not None:
-            total = phase.peak + held + ahead
+            # Never less than the ledger itself: resident memory does not grow for every small
+            # tensor (the allocator reuses freed pages), so a measured peak can miss some of them.
+            total = max(phase.peak + held + ahead, resident)
         else:
             total = resident + phase.other
         if total > total_peak:
