@@ -48,17 +48,6 @@ METHODS = ("plain", "checkpoint", "oomless-activations", "oomless")
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-class _Checkpointed(nn.Module):
-    """One block run through torch.utils.checkpoint (non-reentrant), as a user would wrap it."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args):
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
-
-
 def build(model_name: str, depth: int, sizes: dict, device: torch.device):
     """(model, tokens, loss_fn, block container) of a GPT-2-style model ``depth`` blocks deep."""
     torch.manual_seed(0)
@@ -87,7 +76,7 @@ def prepare(method: str, model_name: str, model, tokens, loss_fn, optimizer, blo
     if method == "checkpoint":
         if model_name == "transformer":
             for index, block in enumerate(blocks):
-                blocks[index] = _Checkpointed(block)
+                blocks[index] = common.CheckpointedBlock(block)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method.startswith("oomless"):

@@ -47,41 +47,12 @@ from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rs
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:    # loaded from its path by `oomless bench`, not run as a script
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from common import SIZES, build_model, provenance, result_path, write_result  # noqa: E402  (bench/common.py)
+from common import (SIZES, build_model, checkpoint_every_block, provenance, result_path,  # noqa: E402  (bench/common.py)
+                    write_result)
 from fit_precision import compiled_variants, extra_targets, plan_or_minimum, precision_variants  # noqa: E402
 
 VARIANTS = ("plain", "keep", "plan_50", "plan_25", "plan_ckpt_memory", "checkpoint", "save_on_cpu")
 PLAN_SHARES = {"plan_50": 0.5, "plan_25": 0.25}
-
-
-class CheckpointedBlock(nn.Module):
-    """The baseline PyTorch users write by hand: the block's call goes through torch.utils.checkpoint."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_every_block(model: nn.Module, block_names) -> list[str]:
-    """Wrap each named block of ``model`` (the plan's qualified names) in `CheckpointedBlock`, in
-    place; deepest first, so a block inside another block is wrapped before its parent moves it.
-
-    In-place modules (``ReLU(inplace=True)``) are left as they are: checkpoint saves a block's input
-    and an in-place block then overwrites it, which autograd rejects at backward. Unwrapped, they
-    cost no memory either: their output is the next checkpointed block's saved input. Returns them."""
-    left_plain = []
-    for name in sorted(block_names, key=lambda text: text.count("."), reverse=True):
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        block = getattr(parent, child_name)
-        if getattr(block, "inplace", False):
-            left_plain.append(name)
-            continue
-        setattr(parent, child_name, CheckpointedBlock(block))
-    return left_plain
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import oomless
 from oomless.errors import InputError
@@ -127,3 +128,34 @@ def write_result(out: Path | str, record: dict) -> Path:
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
     return out
+
+
+class CheckpointedBlock(nn.Module):
+    """The baseline PyTorch users write by hand: the block's call goes through torch.utils.checkpoint
+    (non-reentrant)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_every_block(model: nn.Module, block_names) -> list[str]:
+    """Wrap each named block of ``model`` (qualified names) in `CheckpointedBlock`, in place; deepest
+    first, so a block inside another block is wrapped before its parent moves it.
+
+    In-place modules (``ReLU(inplace=True)``) are left as they are: checkpoint saves a block's input
+    and an in-place block then overwrites it, which autograd rejects at backward. Unwrapped, they
+    cost no memory either: their output is the next checkpointed block's saved input. Returns them."""
+    left_plain = []
+    for name in sorted(block_names, key=lambda text: text.count("."), reverse=True):
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        block = getattr(parent, child_name)
+        if getattr(block, "inplace", False):
+            left_plain.append(name)
+            continue
+        setattr(parent, child_name, CheckpointedBlock(block))
+    return left_plain

@@ -31,6 +31,8 @@ from oomless.errors import PlanError
 from oomless.profile.blocks import find_blocks
 from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
 
+from common import checkpoint_every_block  # bench/common.py (this script's folder is on sys.path)
+
 
 def build(config: dict, device: torch.device, small: bool = False):
     """(model, inputs, loss_fn) for ``config``, seeded; ``small`` is the warm-up's size."""
@@ -78,15 +80,6 @@ def build(config: dict, device: torch.device, small: bool = False):
     raise SystemExit(f"unknown model {name!r}")
 
 
-class _Checkpointed(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
 def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """What a user checkpoints by hand: every item of the model's outermost ``nn.ModuleList``s (U-Net
     stages, transformer layers); where the model has none, oomless's default blocks."""
@@ -97,17 +90,12 @@ def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units or find_blocks(model)
 
 
-def checkpoint_every_block(model: nn.Module) -> list[str]:
+def checkpoint_each_unit(model: nn.Module) -> list[str]:
     """Wrap every checkpoint unit in torch.utils.checkpoint (in-place modules, which checkpoint cannot
     take, stay plain); returns the wrapped names."""
-    wrapped = []
-    for name, block in checkpoint_units(model):
-        if getattr(block, "inplace", False) or not name:
-            continue
-        parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, _Checkpointed(block))
-        wrapped.append(name)
-    return wrapped
+    names = [name for name, _ in checkpoint_units(model) if name]
+    left_plain = checkpoint_every_block(model, names)
+    return [name for name in names if name not in left_plain]
 
 
 def _autocast(device: torch.device, precision: str):
@@ -174,7 +162,7 @@ def run(config: dict) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     planning_peak = 0
     if mode == "checkpoint":
-        result["wrapped_blocks"] = len(checkpoint_every_block(model))
+        result["wrapped_blocks"] = len(checkpoint_each_unit(model))
     elif mode == "oomless":
         memory = config["memory"]
         if memory == "floor":
