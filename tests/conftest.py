@@ -55,3 +55,13 @@ def apply_plan_for_share(model, inputs, loss_fn, optimizer, share):
     plan = oomless.plan(model, inputs, memory, profile=profile, min_swap_bytes=0)
     oomless.apply(model, plan)
     return plan, memory
+
+
+def train_steps(model, optimizer, inputs, loss_fn, steps=2):
+    """The plain training loop the equality tests run on both sides, dropout seeded per step."""
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss_fn(model(inputs)).backward()
+        optimizer.step()
+    return model

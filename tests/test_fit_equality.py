@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import oomless
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D
-from tests.conftest import plan_under
+from tests.conftest import plan_under, train_steps
 
 
 def _mlp():
@@ -43,13 +43,7 @@ MODELS = {"mlp": _mlp, "cnn": _cnn, "unet3d": _unet, "transformer": _transformer
 
 
 def _train(model, inputs, loss_fn, steps=2):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)
-        loss_fn(model(inputs)).backward()
-        optimizer.step()
-    return model
+    return train_steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), inputs, loss_fn, steps)
 
 
 def _assert_same(reference, trained):

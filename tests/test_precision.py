@@ -18,7 +18,7 @@ from oomless.errors import ApplyError, InputError
 from oomless.models import MLP, SmallCNN
 from oomless.runtime import precision as precision_module
 from oomless.runtime.precision import precision_state
-from tests.conftest import ledger_case, plan_under
+from tests.conftest import ledger_case, plan_under, train_steps
 from tests.test_fit_equality import MODELS, _assert_same
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,16 +48,6 @@ def _train_plain(model, inputs, loss_fn, precision, steps=2, scaler=None, lr=1e-
     return model
 
 
-def _train_fitted(model, optimizer, inputs, loss_fn, steps=2):
-    """The unchanged loop of a model oomless applied a precision to."""
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + step)
-        loss_fn(model(inputs)).backward()
-        optimizer.step()
-    return model
-
-
 @pytest.mark.parametrize("model_name", ["mlp", "unet3d", "transformer"])
 @pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "planned"])
 def test_bf16_equals_plain_autocast(model_name, policy):
@@ -72,7 +62,7 @@ def test_bf16_equals_plain_autocast(model_name, policy):
     oomless.apply(model, plan, optimizer=optimizer)
 
     _train_plain(reference, inputs, loss_fn, "bf16")
-    _train_fitted(model, optimizer, inputs, loss_fn)
+    train_steps(model, optimizer, inputs, loss_fn)
 
     _assert_same(reference, model)
     stats = oomless.stats(model)
@@ -142,7 +132,7 @@ def test_fp16_equals_grad_scaler(policy, initial_scale):
     scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale)
 
     _train_plain(reference, inputs, loss_fn, "fp16", steps=4, scaler=scaler)
-    _train_fitted(model, optimizer, inputs, loss_fn, steps=4)
+    train_steps(model, optimizer, inputs, loss_fn, steps=4)
 
     stats = oomless.stats(model)
     assert stats.loss_scale == scaler.get_scale()
