@@ -12,7 +12,8 @@ The peak is the rise above a baseline taken after imports and a warm-up step of 
 small size (library start-up is not the step's memory): on CPU the process's resident set (glibc told
 to return freed memory), on CUDA ``torch.cuda.max_memory_allocated``. Everything after the baseline
 counts: the model, the optimizer's state, planning (its profiling steps) and ``steps`` training steps.
-``"report_floor": true`` also reports the smallest budget oomless plans for (``floor_bytes``).
+``"report_floor": true`` also reports the smallest budget oomless plans for (``floor_bytes``);
+``"split"`` is passed to `oomless.plan` (default None: the planner splits chains where it must).
 Used by bench/bench_max_size.py and tests/test_floor.py.
 """
 
@@ -160,35 +161,29 @@ def run(config: dict) -> dict:
     result = {"config": config}
     model, inputs, loss_fn = build(config, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    planning_peak = 0
     if mode == "checkpoint":
         result["wrapped_blocks"] = len(checkpoint_each_unit(model))
     elif mode == "oomless":
         memory = config["memory"]
-        if memory == "floor":
+        arguments = {"loss_fn": loss_fn, "optimizer": optimizer, "precision": precision, "split": config.get("split")}
+        if memory == "floor" or config.get("report_floor"):
+            # The smallest budget oomless plans for, as a user reads it from PlanError.
             try:
-                oomless.plan(model, inputs, 1, loss_fn=loss_fn, optimizer=optimizer, precision=precision)
+                oomless.plan(model, inputs, 1, **arguments)
             except PlanError as error:
-                memory = error.minimum_bytes
-            result["memory_bytes"] = memory
+                result["floor_bytes"] = error.minimum_bytes
+            if memory == "floor":
+                memory = result["memory_bytes"] = result["floor_bytes"]
         try:
-            profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, memory=memory,
-                                      precision=precision)
-            if config.get("report_floor"):
-                # The smallest budget this profile plans for, as a user reads it from PlanError.
-                try:
-                    oomless.plan(model, inputs, 1, profile=profile, precision=precision)
-                except PlanError as error:
-                    result["floor_bytes"] = error.minimum_bytes
-            plan = oomless.plan(model, inputs, memory, profile=profile, precision=precision)
+            plan = oomless.plan(model, inputs, memory, **arguments)
         except PlanError as error:
             result.update(fits=False, refused=str(error), minimum_bytes=error.minimum_bytes)
             return result
-        planning_peak = profile.measured_peak_bytes or 0
         oomless.apply(model, plan, optimizer=optimizer)
         result.update(memory_bytes=plan.memory_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                       decisions=sorted(set(plan.decisions.values())), reserve_bytes=plan.reserve_bytes,
-                      static_bytes=plan.static_bytes, activation_budget=plan.activation_budget)
+                      static_bytes=plan.static_bytes, activation_budget=plan.activation_budget,
+                      split=plan.split)
     step_seconds = []
     for _ in range(config.get("steps", 2)):
         optimizer.zero_grad(set_to_none=True)
@@ -208,7 +203,7 @@ def run(config: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_seconds.append(time.perf_counter() - started)
-    result["peak_bytes"] = max(_peak(device), planning_peak) - baseline
+    result["peak_bytes"] = _peak(device) - baseline      # planning's profiling steps included
     result["step_seconds"] = step_seconds
     if mode == "oomless":
         stats = oomless.stats(model)

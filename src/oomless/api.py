@@ -6,9 +6,10 @@ import torch
 import torch.nn as nn
 
 from oomless.arguments import check_model, check_plan_arguments
-from oomless.errors import ApplyError, InputError
+from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
+from oomless.plan.splitting import plan_splitting_the_floor
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
@@ -19,6 +20,7 @@ from oomless.runtime.install import install_plan, installed_state, uninstall_pla
 from oomless.runtime.ledger import Stats
 from oomless.runtime.precision import (apply_precision, autocast_dtype, check_can_apply, precision_state,
                                        remove_precision)
+from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
 from oomless.runtime.update_in_backward import apply_update_in_backward, remove_update_in_backward
 from oomless.sizes import parse_bytes
 
@@ -36,7 +38,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
          profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto",
          update_in_backward: bool | None = None, offload_optimizer_state: bool | None = None,
          offload_parameters: bool | None = None, max_grad_norm: float | None = None,
-         accumulation_steps: int = 1, precision: str = "fp32", compile=False) -> Plan:
+         accumulation_steps: int = 1, precision: str = "fp32", compile=False, split=None) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
@@ -62,6 +64,13 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     ``torch.autocast`` for that dtype, fp16 with loss scaling (`oomless.runtime.precision`).
     ``compile`` True (or a dict of torch.compile options) compiles each block in place, profiled
     compiled and composed with the plan (`oomless.runtime.compile`).
+
+    ``split`` computes chains of convolutions, normalisations and pointwise ops (a U-Net stage) in
+    slabs along the first spatial axis, so that one stage's backward holds a slab of its
+    intermediates, not the whole volume's (`oomless.runtime.split`; results within ~1e-6 relative of
+    the unsplit step, not bit-equal). None: the planner splits the chains where the smallest plan
+    without splitting does not fit ``memory`` (those in the block that sets the floor, again while
+    that lowers it); True: every chain; a dict {chain name: slabs}; False: never.
     """
     memory_bytes = parse_bytes(memory)
     autocast_dtype(precision)
@@ -90,21 +99,50 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     if profile is not None and profile.compiled != (options is not None):
         raise InputError(f"the profile given was measured {'with' if profile.compiled else 'without'} compiled "
                          f"blocks, but compile={compile!r}; profile again with the same compile setting")
+    chosen_split = profile.split if profile is not None else _split_request(model, split)
     if profile is None:
         profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, memory_bytes,
-                                     precision, options)
+                                     precision, options, chosen_split)
     if decisions is not None:
         unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]
         if unknown or missing:
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
-    made = plan_with_static_decisions(
-        profile, model, optimizer, request,
-        lambda device_profile: make_plan(device_profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes,
-                                         solver=solver))
+
+    def plan_profile(measured: Profile) -> Plan:
+        return plan_with_static_decisions(
+            measured, model, optimizer, request,
+            lambda device_profile: make_plan(device_profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes,
+                                             solver=solver))
+
+    try:
+        made = plan_profile(profile)
+    except PlanError as error:
+        if split is not None or decisions is not None or target is not None or precision != "fp32" or options:
+            raise
+        made = plan_splitting_the_floor(
+            model, error, plan_profile,
+            lambda chains: profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype,
+                                              memory_bytes, precision, None, chains))
     made.precision, made.compile = precision, options
+    made.split = made.split or dict(chosen_split)
     return made
+
+
+def _split_request(model: nn.Module, split) -> dict[str, int]:
+    """{chain: slabs} for ``split`` as given to `plan` (None: none at first; the planner decides)."""
+    if split is None or split is False:
+        return {}
+    if split is True:
+        chains = split_candidates(model)
+        if not chains:
+            raise InputError("split=True, but the model has no chain of convolutions, normalisations and pointwise "
+                             "ops (an nn.Sequential such as a U-Net stage) to compute in slabs; use split=None")
+        return {name: DEFAULT_SLABS for name in chains}
+    if isinstance(split, dict):
+        return dict(split)
+    raise InputError(f"split must be None, True, False or a dict {{chain name: slabs}}, got {split!r}")
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
@@ -140,8 +178,11 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     if plan.compile is not None:
         apply_compile(model, plan.decisions, plan.compile)   # first: the plan's hooks then know to run eagerly
     try:
+        if plan.split:
+            apply_split(model, plan.split)
         install_plan(model, plan, device)
     except Exception:
+        remove_split(model)
         remove_compile(model)
         raise
     apply_precision(model, plan.precision, optimizer, device)
@@ -168,6 +209,7 @@ def remove(model: nn.Module) -> nn.Module:
     check_model(model, "remove")
     remove_update_in_backward(model)
     uninstall_plan(model)
+    remove_split(model)
     remove_precision(model)
     remove_compile(model)
     return model

@@ -13,13 +13,16 @@ class PlanError(OomlessError):
     """No plan fits the memory budget.
 
     ``minimum_bytes`` is the smallest budget that would fit and ``limiting_block`` the block
-    whose footprint forces it (None when static bytes alone exceed the budget).
+    whose footprint forces it (None when static bytes alone exceed the budget). ``floor_block`` is
+    the block that sets ``minimum_bytes`` (given even when static bytes alone exceed the budget).
     """
 
-    def __init__(self, message: str, minimum_bytes: int | None = None, limiting_block: str | None = None):
+    def __init__(self, message: str, minimum_bytes: int | None = None, limiting_block: str | None = None,
+                 floor_block: str | None = None):
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.limiting_block = limiting_block
+        self.floor_block = floor_block if floor_block is not None else limiting_block
 
 
 class ApplyError(OomlessError):

@@ -80,7 +80,8 @@ def choose_microbatches(profile: Profile, stages: int, batch: int, memory, sched
             raise InputError(f"no candidate micro-batch count suits schedule {schedule}: {'; '.join(tried)}")
         least = min((error for _, error in refusals), key=lambda error: error.minimum_bytes)
         raise PlanError(f"no micro-batch count of the batch of {batch} fits the memory limits: {'; '.join(tried)}",
-                        minimum_bytes=least.minimum_bytes, limiting_block=least.limiting_block)
+                        minimum_bytes=least.minimum_bytes, limiting_block=least.limiting_block,
+                        floor_block=least.floor_block)
     chosen = fitted[0]
     for partition in fitted[1:]:   # ascending M: a later one must be faster, not equal, to win
         if partition.predicted_step_seconds < chosen.predicted_step_seconds * (1 - 1e-9):

@@ -76,6 +76,7 @@ class Plan:
     static_parts: list[StaticPart] = field(default_factory=list)
     precision: str = "fp32"          # "bf16" | "fp16": the step runs under torch.autocast (runtime/precision.py)
     compile: dict | None = None      # torch.compile options of each block ({} = defaults); None: eager (runtime/compile.py)
+    split: dict[str, int] = field(default_factory=dict)   # chains computed in slabs: {name: slabs} (runtime/split.py)
 
     @property
     def decisions(self) -> dict[str, str]:
@@ -125,5 +126,7 @@ class Plan:
             f"(activations {format_bytes(self.predicted_activation_peak_bytes)}), "
             f"step {self.predicted_step_seconds * 1e3:.1f} ms; plain PyTorch: peak "
             f"{format_bytes(self.plain_peak_bytes)}, step {self.plain_step_seconds * 1e3:.1f} ms",
-        ] + [f"note: {note}" for note in self.notes]
+        ] + ([f"split into slabs along the first spatial axis: "
+              f"{', '.join(f'{name} ({slabs})' for name, slabs in self.split.items())}"] if self.split else [])
+        lines += [f"note: {note}" for note in self.notes]
         return buffer.getvalue() + "\n".join(lines)

@@ -181,12 +181,13 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     minimum = _with_margin(exact_minimum)
     if memory_bytes < exact_minimum and decisions is None:
         limiting_name, why = _what_limits(profile, frugal_timeline)
+        floor_name = limiting_name
         if static_bytes + margin >= memory_bytes:
             limiting_name, why = None, f"static bytes ({format_bytes(static_bytes)}) alone exceed it"
         raise PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                         f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
                         "or a smaller batch",
-                        minimum_bytes=minimum, limiting_block=limiting_name)
+                        minimum_bytes=minimum, limiting_block=limiting_name, floor_block=floor_name)
 
     if solver not in ("auto", "greedy", "exact"):
         raise InputError(f"solver must be 'auto', 'greedy' or 'exact', got {solver!r}")

@@ -338,7 +338,8 @@ def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Place
         refused = candidates.plan(frugal)
         raise PlanError(f"{refused} (counting {frugal.describe()}, the least the device can hold; "
                         "the minimum with anything kept on the device is higher)",
-                        minimum_bytes=refused.minimum_bytes, limiting_block=refused.limiting_block)
+                        minimum_bytes=refused.minimum_bytes, limiting_block=refused.limiting_block,
+                        floor_block=refused.floor_block)
     scored.sort(key=lambda item: item[0])
     seconds, best, how = scored[0]
     others = "; ".join(f"{placement.describe()}: {total * 1e3:.1f} ms" for total, placement, _ in scored[1:])

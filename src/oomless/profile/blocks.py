@@ -3,7 +3,8 @@
 Default policy: the repeated children of the model (the items of every `Sequential`, `ModuleList`
 or `ModuleDict` child, the stages of a U-Net) plus its other children; a wrapper with a single child
 is looked through, and a block holding more than half of all parameters is split into its own
-children while it has any. Users override with ``blocks=``: module types, or qualified names.
+children while it has any. A chain computed in slabs (`runtime.split`) is never looked into: its
+children do not run. Users override with ``blocks=``: module types, or qualified names.
 """
 
 from collections.abc import Iterable
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 from oomless.errors import InputError
+from oomless.runtime.split import is_split
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -23,7 +25,7 @@ def children_as_blocks(prefix: str, module: nn.Module) -> list[tuple[str, nn.Mod
     blocks = []
     for name, child in module.named_children():
         qualified = f"{prefix}.{name}" if prefix else name
-        if isinstance(child, _CONTAINERS) and len(child) > 0:
+        if isinstance(child, _CONTAINERS) and len(child) > 0 and not is_split(child):
             blocks.extend(children_as_blocks(qualified, child))
         else:
             blocks.append((qualified, child))
@@ -43,7 +45,8 @@ def _default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # giant block leaves the planner nothing to choose between.
     for _ in range(8):
         index, (name, module) = max(enumerate(blocks), key=lambda item: _parameter_count(item[1][1]))
-        if _parameter_count(module) * 2 <= total or len(blocks) >= 4 or not list(module.children()):
+        if (_parameter_count(module) * 2 <= total or len(blocks) >= 4 or not list(module.children())
+                or is_split(module)):
             break
         blocks[index:index + 1] = children_as_blocks(name, module)
     return blocks
@@ -87,4 +90,10 @@ def find_blocks(model: nn.Module, blocks: Iterable | None = None) -> list[tuple[
     if not found:
         raise InputError("the model has no child modules to use as blocks; pass blocks=[...] "
                          "naming the modules whose activations should be planned")
+    split = [name for name, module in model.named_modules() if is_split(module)]
+    inside = [(name, outer) for name, _ in found for outer in split if name.startswith(outer + ".")]
+    if inside:
+        raise InputError(f"block {inside[0][0]} lies inside {inside[0][1]}, which is computed in slabs "
+                         f"(its children do not run); name {inside[0][1]} or a module around it as the block, "
+                         "or plan with split=False")
     return found

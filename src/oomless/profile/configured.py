@@ -3,8 +3,9 @@
 `oomless.plan` and `oomless.profile` call `profile_configured`: on a target device, the meta-tensor
 profile (`profile.fake`) with autocast's casting policy emulated; otherwise the real step
 (`profile.profiler`) with the model's forward under the precision's autocast hooks
-(`runtime.precision`) and, with compile, each block compiled in place (`runtime.compile`), so the
-saved bytes and times measured are those of the step that will train.
+(`runtime.precision`) and, with compile, each block compiled in place (`runtime.compile`), or with
+chains split into slabs (`runtime.split`), so the saved bytes and times measured are those of the
+step that will train.
 """
 
 import torch.nn as nn
@@ -16,10 +17,22 @@ from oomless.profile.profiler import profile_model
 from oomless.profile.tensors import check_inputs_device
 from oomless.runtime.compile import apply_compile, check_compile_available, check_compile_composes, remove_compile
 from oomless.runtime.precision import profiling_precision
+from oomless.runtime.split import apply_split, check_split_composes, remove_split
 
 
 def profile_configured(model: nn.Module, example_inputs, loss_fn, optimizer, blocks, target, dtype,
-                       memory_bytes: int | None, precision: str, compile_with: dict | None) -> Profile:
+                       memory_bytes: int | None, precision: str, compile_with: dict | None,
+                       split: dict[str, int] | None = None) -> Profile:
+    if split:
+        check_split_composes(target, precision, compile_with)
+        apply_split(model, split)
+        try:
+            measured = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
+                                          memory_bytes, precision, compile_with)
+        finally:
+            remove_split(model)
+        measured.split = dict(split)
+        return measured
     if target is not None and compile_with is not None:
         raise InputError("compile=True cannot be profiled for a target device (meta tensors run no compiled code); "
                          "plan for the target with compile=False: sizes are those of the eager step")

@@ -65,6 +65,7 @@ class Profile:
     loss_peak_bytes: int | None = None       # the most of those plus the ledger at one time; None: not measured
     precision: str = "fp32"         # the autocast the step ran under (runtime/precision.py)
     compiled: bool = False          # whether the blocks ran torch.compile'd (runtime/compile.py)
+    split: dict[str, int] = field(default_factory=dict)   # chains computed in slabs: {name: slabs} (runtime/split.py)
 
     @property
     def activation_bytes(self) -> int:

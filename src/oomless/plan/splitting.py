@@ -1,0 +1,50 @@
+"""Where to compute chains in slabs: the planner's choice for `oomless.plan(..., split=None)`.
+
+Slabs cost time (one more pass per normalisation, halos computed twice), so nothing is split while a
+plan without splitting fits. When none does, the block that sets the smallest plan's floor
+(`PlanError.floor_block`) is what splitting can lower: the chains in it (or around it) are split,
+the step is measured again, and so on while each round names a block with a chain not yet split.
+"""
+
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from oomless.errors import PlanError
+from oomless.runtime.split import DEFAULT_SLABS, split_candidates
+from oomless.sizes import format_bytes
+
+
+def _overlaps(chain: str, block: str) -> bool:
+    return chain == block or chain.startswith(block + ".") or block.startswith(chain + ".")
+
+
+def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: Callable,
+                             profile_split: Callable[[dict[str, int]], object]):
+    """A plan with the chains that set the floor split; else the `PlanError` with the lowest floor
+    (the first one where splitting did not lower it: slabs hold a slab's intermediates, but the
+    chain's whole input, output gradient and input gradient stay)."""
+    candidates = split_candidates(model)
+    chosen: dict[str, int] = {}
+    first, first_minimum, best, best_chains = error, error.minimum_bytes, error, []
+    while True:
+        block = error.floor_block
+        more = [chain for chain in candidates if chain not in chosen and block is not None and _overlaps(chain, block)]
+        if not more:
+            if best is not first:
+                best.args = (f"{best.args[0]} (with {', '.join(best_chains)} computed in slabs; without: smallest "
+                             f"budget {format_bytes(first_minimum or 0)})",)
+            raise best
+        chosen.update({chain: DEFAULT_SLABS for chain in more})
+        profile = profile_split(dict(chosen))
+        try:
+            made = plan_profile(profile)
+        except PlanError as again:
+            error = again
+            if best.minimum_bytes is None or (again.minimum_bytes or 0) < best.minimum_bytes:
+                best, best_chains = again, list(chosen)
+            continue
+        made.split = dict(chosen)
+        made.notes.append(f"split into slabs: {', '.join(chosen)} (the block that set the floor; without splitting "
+                          f"the smallest budget is {format_bytes(first_minimum or 0)})")
+        return made

@@ -1,0 +1,107 @@
+"""Split chains of a model: each computed in slabs along its first spatial axis (`runtime.slabs`).
+
+    apply_split(model, {"encoders.0": 8, "decoders.2.conv": 8})
+    remove_split(model)
+
+A chain is an ``nn.Sequential`` (nested ones are looked through) of convolutions that keep the size
+along that axis, normalisations and pointwise ops, such as a U-Net stage. Splitting is a transform
+of the module in place, the way ``torch.distributed.fsdp.fully_shard`` transforms one: the module's
+class becomes a subclass of it whose ``forward`` runs the chain in slabs, parameter names and hooks
+stay as they are, and `remove_split` gives the module its class back. (Hooks cannot replace what a
+forward computes, only add to it, so this one transform swaps the class, as FSDP2 does.)
+Its child modules are not called while it is split: a chain is a plan block or lies inside one.
+"""
+
+import torch
+import torch.nn as nn
+
+from oomless.errors import ApplyError, InputError
+from oomless.runtime.slabs import AXIS, SlabChain, leaves, run_in_slabs
+
+DEFAULT_SLABS = 8
+STATE_ATTRIBUTE = "_oomless_split"
+
+
+class SplitChain:
+    """Mixed into a chain's class by `apply_split`: its forward computes the chain in slabs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slabs, modules = getattr(self, STATE_ATTRIBUTE)
+        chain = SlabChain.of(modules)      # each call: train/eval mode decides which norms use batch statistics
+        if chain is None or not isinstance(x, torch.Tensor) or x.dim() <= AXIS:
+            raise InputError(f"{type(self).__name__} is split into slabs along dimension {AXIS} and needs one "
+                             f"tensor (N, C, D, ...) as input; remove the split (oomless.remove) to call it otherwise")
+        return run_in_slabs(chain, x, slabs)
+
+
+_split_classes: dict[type, type] = {}
+
+
+def _split_class(cls: type) -> type:
+    if cls not in _split_classes:
+        _split_classes[cls] = type(f"Split{cls.__name__}", (SplitChain, cls), {"__module__": cls.__module__})
+    return _split_classes[cls]
+
+
+def is_split(module: nn.Module) -> bool:
+    return isinstance(module, SplitChain)
+
+
+def split_candidates(model: nn.Module) -> list[str]:
+    """Qualified names of the largest chains in ``model`` that can run in slabs (never the model itself)."""
+    names, taken = [], []
+    for name, module in model.named_modules():
+        if module is model or any(name.startswith(outer + ".") for outer in taken):
+            continue
+        ops = leaves(module)
+        if ops == [module] or len(ops) < 2:
+            continue
+        if SlabChain.of(ops) is not None:
+            names.append(name)
+            taken.append(name)
+    return names
+
+
+def apply_split(model: nn.Module, split: dict[str, int]) -> None:
+    """Split each named chain into that many slabs; all or nothing (`ApplyError` names what is wrong)."""
+    modules = dict(model.named_modules())
+    candidates = set(split_candidates(model)) | {name for name, module in modules.items() if is_split(module)}
+    wrong = [name for name in split if name not in candidates]
+    if wrong:
+        raise ApplyError(f"split= names {wrong[:5]} that are not chains this model can compute in slabs; "
+                         f"the chains it has: {sorted(candidates)[:8]}")
+    bad = {name: slabs for name, slabs in split.items() if not isinstance(slabs, int) or slabs < 1}
+    if bad:
+        raise InputError(f"split= needs a whole number of slabs >= 1 per chain, got {bad}")
+    for name, slabs in split.items():
+        module = modules[name]
+        if is_split(module):
+            continue
+        object.__setattr__(module, STATE_ATTRIBUTE, (slabs, leaves(module)))
+        module.__class__ = _split_class(type(module))
+
+
+def check_split_composes(target, precision: str, compile_with: dict | None) -> None:
+    """`InputError` for what splitting does not (yet) compose with, with what works instead."""
+    if target is not None:
+        raise InputError("split= cannot be planned for a target device (its slabs' working memory is measured, "
+                         "not estimated); plan for the target with split=False")
+    if precision != "fp32":
+        raise InputError(f"split= with precision={precision!r}: the slabbed chain computes its normalisations in "
+                         "the input's dtype, not as autocast does; use precision='fp32' with split, or split=False")
+    if compile_with is not None:
+        raise InputError("split= with compile=True: a chain computed in slabs runs its ops one slab at a time, "
+                         "outside any compiled graph; use one or the other")
+
+
+def remove_split(model: nn.Module) -> None:
+    """Every split chain of ``model`` back to its own class."""
+    for module in model.modules():
+        if is_split(module):
+            module.__class__ = next(base for base in type(module).__bases__ if base is not SplitChain)
+            object.__delattr__(module, STATE_ATTRIBUTE)
+
+
+def split_names(model: nn.Module) -> dict[str, int]:
+    """{name: slabs} of the chains split now."""
+    return {name: getattr(module, STATE_ATTRIBUTE)[0] for name, module in model.named_modules() if is_split(module)}

@@ -1,0 +1,198 @@
+"""Chains computed in slabs (runtime/slabs.py, runtime/split.py, plan/splitting.py).
+
+Splitting is not bit-equal to the unsplit ops: normalisation statistics and weight gradients are
+sums over the whole volume taken in another order. The bound asserted is 1e-5 relative to the
+largest value (float32 rounding of sums over ~1e5 terms; measured ~1e-6).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import oomless
+from oomless.errors import ApplyError, InputError, PlanError
+from oomless.models.unet3d import ConvStage, UNet3D
+from oomless.plan.splitting import plan_splitting_the_floor
+from oomless.runtime import slabs as slabs_module
+from oomless.runtime.slabs import SlabChain, leaves, run_in_slabs
+from oomless.runtime.split import apply_split, remove_split, split_candidates
+
+from tests.conftest import train_steps
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture
+def thin_slabs(monkeypatch):
+    """Slabs as thin as asked on these small volumes (on CPU a slab is otherwise kept thick enough for
+    oneDNN's convolution, which at these sizes is the whole volume)."""
+    monkeypatch.setattr(slabs_module, "ONEDNN_MIN_INPUT_ELEMENTS", 0)
+
+
+# A convolution's bias followed by a normalisation on batch statistics has a gradient of exactly zero
+# in exact arithmetic: both sides are rounding noise of sums over ~1e3 values of order 1.
+NOISE = 1e-4
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    scale = expected.abs().max().item()
+    return (actual - expected).abs().max().item() <= TOLERANCE * scale + NOISE
+
+
+def _stage(norm: str, dilation: int = 1) -> nn.Sequential:
+    stage = ConvStage(3, 6)
+    if norm == "group":
+        stage[1], stage[4] = nn.GroupNorm(2, 6), nn.GroupNorm(3, 6)
+    elif norm == "instance":
+        stage[1], stage[4] = nn.InstanceNorm3d(6, affine=True), nn.InstanceNorm3d(6)
+    if dilation > 1:
+        stage[3] = nn.Conv3d(6, 6, kernel_size=3, padding=dilation, dilation=dilation)
+    return stage
+
+
+@pytest.mark.parametrize("norm", ["batch", "group", "instance"])
+@pytest.mark.parametrize("slabs", [1, 3, 5])
+def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, norm, slabs):
+    torch.manual_seed(0)
+    stage = _stage(norm, dilation=2 if slabs == 3 else 1)
+    reference = copy.deepcopy(stage)
+    x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)          # 13 rows: slabs of unequal size
+    x_reference = x.detach().clone().requires_grad_()
+    weights = torch.randn(2, 6, 13, 7, 6)
+    output = run_in_slabs(SlabChain.of(leaves(stage)), x, slabs)
+    (output * weights).sum().backward()
+    expected = reference(x_reference)
+    (expected * weights).sum().backward()
+    assert _close(output, expected)
+    assert _close(x.grad, x_reference.grad)
+    for (name, parameter), other in zip(stage.named_parameters(), reference.parameters()):
+        assert _close(parameter.grad, other.grad), name
+    for (name, buffer), other in zip(stage.named_buffers(), reference.buffers()):
+        assert torch.equal(buffer, other) if not buffer.is_floating_point() else _close(buffer, other), name
+
+
+def test_eval_mode_uses_the_running_statistics_and_leaves_them(thin_slabs):
+    torch.manual_seed(0)
+    stage = _stage("batch")
+    stage(torch.randn(2, 3, 8, 5, 5))           # running statistics away from their initial values
+    stage.eval()
+    reference = copy.deepcopy(stage)
+    x = torch.randn(1, 3, 11, 5, 5)
+    with torch.no_grad():
+        assert _close(run_in_slabs(SlabChain.of(leaves(stage)), x, 4), reference(x))
+    for buffer, other in zip(stage.buffers(), reference.buffers()):
+        assert torch.equal(buffer, other)
+
+
+def test_chains_in_two_dimensions_and_an_input_without_gradient(thin_slabs):
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Conv2d(2, 4, 5, padding=2), nn.BatchNorm2d(4), nn.LeakyReLU(0.1), nn.Conv2d(4, 4, 1))
+    reference = copy.deepcopy(chain)
+    x = torch.randn(3, 2, 17, 9)
+    output = run_in_slabs(SlabChain.of(leaves(chain)), x, 6)
+    output.square().sum().backward()
+    reference(x).square().sum().backward()
+    for parameter, other in zip(chain.parameters(), reference.parameters()):
+        assert _close(parameter.grad, other.grad)
+
+
+def test_what_cannot_run_in_slabs_is_no_chain():
+    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Dropout(0.2)))) is None
+    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, stride=2, padding=1), nn.ReLU()))) is None
+    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=0), nn.ReLU()))) is None
+    assert SlabChain.of(leaves(nn.Sequential(nn.ReLU(), nn.Tanh()))) is None        # no convolution: nothing to gain
+    assert split_candidates(UNet3D(depth=2)) == ["encoders.0", "encoders.1", "encoders.2", "decoders.0.conv",
+                                                  "decoders.1.conv"]
+
+
+def test_split_is_a_transform_in_place_and_remove_undoes_it():
+    model = UNet3D(base_channels=4, depth=2)
+    names = list(model.state_dict())
+    original = type(model.encoders[0])
+    apply_split(model, {"encoders.0": 4})
+    assert type(model.encoders[0]) is not original and isinstance(model.encoders[0], original)
+    assert list(model.state_dict()) == names
+    called = []
+    model.encoders[0][0].register_forward_hook(lambda *args: called.append(1))
+    model(torch.randn(1, 1, 8, 8, 8))
+    assert not called                  # its children do not run: the chain computes their ops itself
+    remove_split(model)
+    assert type(model.encoders[0]) is original
+    model(torch.randn(1, 1, 8, 8, 8))
+    assert called
+
+
+def test_a_split_unet_trains_like_plain_pytorch(thin_slabs):
+    torch.manual_seed(0)
+    model = UNet3D(base_channels=4, depth=2)
+    reference = copy.deepcopy(model)
+    volume = torch.randn(2, 1, 16, 16, 16)
+    target = (volume[:, 0] > 0).long()
+
+    def loss_fn(output):
+        return F.cross_entropy(output, target)
+
+    plan = oomless.plan(model, volume, "4GiB", loss_fn=loss_fn, split=True)
+    assert set(plan.split) == set(split_candidates(model))
+    oomless.apply(model, plan)
+    assert all(type(model.get_submodule(name)).__name__.startswith("Split") for name in plan.split)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    train_steps(model, optimizer, volume, loss_fn, steps=3)
+    train_steps(reference, reference_optimizer, volume, loss_fn, steps=3)
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        if value.is_floating_point():
+            assert (value - expected).abs().max() <= 1e-4 * max(expected.abs().max().item(), 1.0), name
+        else:
+            assert torch.equal(value, expected), name
+    oomless.remove(model)
+    assert not any(type(module).__name__.startswith("Split") for module in model.modules())
+    assert oomless.Plan.from_json(plan.to_json()).split == plan.split
+
+
+def test_bad_split_requests_are_refused():
+    model = UNet3D(base_channels=4, depth=2)
+    volume = torch.randn(1, 1, 8, 8, 8)
+    with pytest.raises(ApplyError, match="not chains"):
+        oomless.plan(model, volume, "1GiB", split={"head": 4})
+    with pytest.raises(InputError, match="precision"):
+        oomless.plan(model, volume, "1GiB", split=True, precision="bf16")
+    with pytest.raises(InputError, match="split must be"):
+        oomless.plan(model, volume, "1GiB", split="yes")
+    with pytest.raises(InputError, match="inside encoders.0"):
+        oomless.plan(model, volume, "1GiB", split={"encoders.0": 2}, blocks=["encoders.0.0", "head"])
+    assert type(model.encoders[0]) is ConvStage            # nothing left split after a refusal
+
+
+def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
+    """plan/splitting.py's choice, with profiling and planning replaced by fakes that say which
+    floor each set of split chains has."""
+    model = UNet3D(base_channels=4, depth=2)
+    floors = {(): ("decoders.1.conv.0", 100), ("decoders.1.conv",): ("encoders.0.3", 80),
+              ("decoders.1.conv", "encoders.0"): ("head", 70)}
+    asked = []
+
+    def profile_split(chains):
+        asked.append(tuple(chains))
+        return tuple(chains)
+
+    def plan_profile(profile, memory=75):
+        block, floor = floors[profile]
+        if floor > memory:
+            raise PlanError("too small", minimum_bytes=floor, floor_block=block)
+        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
+                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
+                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+
+    first = PlanError("too small", minimum_bytes=100, floor_block="decoders.1.conv.0")
+    made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
+    assert asked == [("decoders.1.conv",), ("decoders.1.conv", "encoders.0")]
+    assert made.split == {"decoders.1.conv": 8, "encoders.0": 8}
+    # Where splitting never fits and never lowers the floor below the first, the first error stands.
+    floors[("decoders.1.conv",)] = ("head", 120)
+    with pytest.raises(PlanError) as error:
+        plan_splitting_the_floor(model, first, plan_profile, profile_split)
+    assert error.value is first
