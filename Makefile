@@ -29,9 +29,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q
 
+# Planted bugs (dev/planted_bugs.py): each in a copy of src/, the tests that should notice run against it.
+mutants: $(VENV)/.installed
+	$(VENV)/bin/python dev/planted_bugs.py
+
 gpu:
 	PYTHONPATH=src $(PYTHON) bench/gpu_suite.py $(GPU_SUITE_ARGS)
 
 FORCE:
 
-.PHONY: demo test gpu FORCE
+.PHONY: demo test gpu mutants FORCE

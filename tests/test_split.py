@@ -18,7 +18,7 @@ from oomless.models.unet3d import ConvStage, UNet3D
 from oomless.plan.splitting import plan_splitting_the_floor
 from oomless.runtime import slabs as slabs_module
 from oomless.runtime.slabs import SlabChain, leaves, run_in_slabs
-from oomless.runtime.split import apply_split, remove_split, split_candidates
+from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
 
 from tests.conftest import train_steps
 
@@ -190,7 +190,7 @@ def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
     first = PlanError("too small", minimum_bytes=100, floor_block="decoders.1.conv.0")
     made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
     assert asked == [("decoders.1.conv",), ("decoders.1.conv", "encoders.0")]
-    assert made.split == {"decoders.1.conv": 8, "encoders.0": 8}
+    assert made.split == {"decoders.1.conv": DEFAULT_SLABS, "encoders.0": DEFAULT_SLABS}
     # Where splitting never fits and never lowers the floor below the first, the first error stands.
     floors[("decoders.1.conv",)] = ("head", 120)
     with pytest.raises(PlanError) as error:

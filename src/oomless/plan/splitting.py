@@ -8,6 +8,7 @@ the step is measured again, and so on while each round names a block with a chai
 
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from oomless.errors import PlanError
@@ -36,7 +37,12 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
                              f"budget {format_bytes(first_minimum or 0)})",)
             raise best
         chosen.update({chain: DEFAULT_SLABS for chain in more})
-        profile = profile_split(dict(chosen))
+        try:
+            profile = profile_split(dict(chosen))
+        except torch.OutOfMemoryError:
+            # Measuring the split step needed more than the device had: splitting did not lower the
+            # floor enough to be measured within it, and the refusal stands.
+            raise best from None
         try:
             made = plan_profile(profile)
         except PlanError as again:

@@ -18,7 +18,7 @@ import torch.nn as nn
 from oomless.errors import ApplyError, InputError
 from oomless.runtime.slabs import AXIS, SlabChain, leaves, run_in_slabs
 
-DEFAULT_SLABS = 8
+DEFAULT_SLABS = 16   # as many as oneDNN's minimum thickness allows up to this (runtime/slabs.py)
 STATE_ATTRIBUTE = "_oomless_split"
 
 
