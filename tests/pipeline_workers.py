@@ -5,12 +5,10 @@ and what its stages' plans did in ``out_dir/<job>-rank<i>.pt``.
 
 A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
 optionally dp (replicas; the world is P x dp), policy (every stage planned by the fit engine with
-that decision on every block), clip (gradients clipped to that global norm) and volumes (the U-Net's
-global batch; default `UNET_VOLUMES`).
-
-Buffers (BatchNorm's running statistics) are compared only without replicas: here each replica's
-BatchNorm keeps statistics of its own shard (no cross-replica BatchNorm, unlike
-`oomless.parallel.pipeline_training`), so replicas' buffers legitimately differ."""
+that decision on every block), clip (gradients clipped to that global norm), volumes (the U-Net's
+global batch; default `UNET_VOLUMES`) and global_batchnorm (BatchNorm statistics over every
+replica's micro-batch, as `oomless.parallel.pipeline_training` sets up; otherwise each replica's
+BatchNorm normalises and tracks its own shard, so replicas' buffers differ and are not saved)."""
 
 import os
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from oomless.models import TinyTransformer, UNet3D
+from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
 from oomless.parallel.process_group import guard_gloo_exit
@@ -97,6 +96,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             mesh = pipeline_mesh(world_size // job.get("dp", 1))
             replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
             model, sequence, loss_fn = build(job["kind"])
+            if job.get("global_batchnorm"):
+                convert_batchnorm_for_data_parallel(model, torch.device("cpu"), mesh["dp"].get_group())
             volumes = job.get("volumes", UNET_VOLUMES)
             inputs, _ = batch(job["kind"], 0, volumes)
             example = (inputs.chunk(replicas)[replica].chunk(job["microbatches"])[0],)
@@ -123,7 +124,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
                 "parameters": {name: parameter.detach().clone() for name, parameter in model.named_parameters()
                                if id(parameter) in held},
                 "buffers": {name: buffer.detach().clone() for name, buffer in model.named_buffers()
-                            if id(buffer) in held_buffers and job.get("dp", 1) == 1},
+                            if id(buffer) in held_buffers and buffers_agree(job)},
                 # What each of this rank's stages was planned to do, and what its runtime did.
                 "stages": [{"decisions": sorted(set(plan.decisions.values())), 
                             "saving_blocks": sum(block.saved_bytes > 0 for block in plan.blocks),
@@ -131,6 +132,22 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             }, Path(out_dir) / f"{job['name']}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def buffers_agree(job: dict) -> bool:
+    """Whether every replica of a stage holds the same buffers (so they are saved and compared)."""
+    return job.get("dp", 1) == 1 or job.get("global_batchnorm", False)
+
+
+def reference_chunks(job: dict) -> int:
+    """The chunks of the global batch the reference normalises separately, as the job's BatchNorms do:
+    each micro-batch of each replica, or each micro-batch across the replicas."""
+    if job["kind"] != "unet":
+        return 1
+    if job.get("global_batchnorm"):
+        assert job["microbatches"] == 1, "replicas' micro-batches m > 0 are not chunks of the global batch"
+        return 1
+    return job.get("dp", 1) * job["microbatches"]
 
 
 def _runtime_counts(module) -> dict[str, int]:
