@@ -126,7 +126,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
                 "buffers": {name: buffer.detach().clone() for name, buffer in model.named_buffers()
                             if id(buffer) in held_buffers and buffers_agree(job)},
                 # What each of this rank's stages was planned to do, and what its runtime did.
-                "stages": [{"decisions": sorted(set(plan.decisions.values())), 
+                "stages": [{"decisions": sorted(set(plan.decisions.values())),
                             "saving_blocks": sum(block.saved_bytes > 0 for block in plan.blocks),
                             **_runtime_counts(module)} for plan, module in zip(plans, pipeline.modules)],
             }, Path(out_dir) / f"{job['name']}-rank{rank}.pt")

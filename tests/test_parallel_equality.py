@@ -321,7 +321,8 @@ def test_relaxed_modes_average_exactly_when_they_say(tmp_path):
         snapshots = (first["finished"][step - 1], second["finished"][step - 1])
         mean = snapshots[0] / 2 + snapshots[1] / 2
         for rank, record in enumerate((first, second)):
-            assert torch.equal(record["finished"][step], mean + (record["stepped"][step] - snapshots[rank])), (step, rank)
+            expected = mean + (record["stepped"][step] - snapshots[rank])
+            assert torch.equal(record["finished"][step], expected), (step, rank)
         assert not torch.equal(first["finished"][step], second["finished"][step]), step
     last_mean = first["finished"][-1] / 2 + second["finished"][-1] / 2
     assert torch.equal(first["synchronized"], last_mean) and torch.equal(second["synchronized"], last_mean)

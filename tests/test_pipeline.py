@@ -52,10 +52,12 @@ def _check_stage_plans(job: dict, stages_by_rank: list[list[dict]]) -> None:
     recompute each of the plan's blocks that saves anything for backward re-ran at least once per
     micro-batch and step, under swap bytes went to the tier."""
     stages = [stage for by_rank in stages_by_rank for stage in by_rank]
-    assert len(stages) == (len(job["cuts"]) - 1) * job.get("dp", 1) and all(stage["decisions"] == [job["policy"]] for stage in stages)
+    assert len(stages) == (len(job["cuts"]) - 1) * job.get("dp", 1)
+    assert all(stage["decisions"] == [job["policy"]] for stage in stages), job["name"]
     for stage in stages:
         if job["policy"] == "recompute":
-            assert stage["recomputed_blocks"] >= stage["saving_blocks"] * job["microbatches"] * STEPS, (job["name"], stage)
+            runs = stage["saving_blocks"] * job["microbatches"] * STEPS
+            assert stage["recomputed_blocks"] >= runs, (job["name"], stage)
         if job["policy"] == "swap":
             assert stage["offloaded_bytes"] > 0, (job["name"], stage)
 

@@ -96,7 +96,7 @@ class SlowTier:
     """A swap tier whose copies out finish only when the runtime waits for them (`wait_out`), so a
     saved storage stays on the ledger until then. Records every call, in order, as (call, ticket)."""
 
-    def __init__(self, device):
+    def __init__(self):
         self.calls: list[tuple[str, int]] = []
         self._tickets = 0
 
@@ -154,8 +154,6 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
     reference = copy.deepcopy(model)
     inputs = torch.randn(BATCH, WIDTH)
     loss_fn = lambda out: out.sum()     # noqa: E731  (saves nothing: each block saves exactly its output)
-    tiers = []
-    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tiers.append(SlowTier(device)) or tiers[-1])
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
                         decisions={str(index): "swap" for index in range(blocks)})
     # Room for two blocks' outputs, in every phase: the third saved storage must wait for a copy.
@@ -164,8 +162,9 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
     plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=None,
                                blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
                                        for block in plan.blocks])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
     oomless.apply(model, plan)
-    tier = tiers[-1]
 
     train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
