@@ -58,6 +58,56 @@ def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> di
     return json.loads(Path(out_dir, "results.json").read_text())
 
 
+def _relaxed_worker(rank: int, world_size: int, port: int, modes: list[str], average_every: int, steps: int,
+                    out_dir: str) -> None:
+    """Train a small MLP with BatchNorm under each relaxed mode, every rank on its own data, and record
+    after every step what the mode averages (`averaged_tensors`, flattened): right after this rank's
+    optimizer step ("stepped"), and after the mode's step ("finished"); then once more after
+    `synchronize` ("synchronized"). Rank 0 writes every rank's records to ``out_dir/<mode>.pt``."""
+    from torch import nn
+
+    from oomless.parallel import ParallelConfig, Ranks, make_strategy
+    from oomless.parallel.relaxed import averaged_tensors
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for mode in modes:
+            strategy = make_strategy(ParallelConfig(mode=mode, average_every=average_every),
+                                     Ranks(rank, world_size), torch.device("cpu"))
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            train_model = strategy.prepare(model, optimizer, None)
+
+            def flat():
+                return torch.cat([tensor.detach().reshape(-1).clone() for tensor in averaged_tensors(model)])
+
+            stepped, finished = [], []
+            optimizer.register_step_post_hook(lambda *_: stepped.append(flat()))
+            inputs = torch.randn(steps, 16, 4, generator=torch.Generator().manual_seed(1 + rank))
+            for step in range(steps):
+                train_model(inputs[step]).square().mean().backward()
+                strategy.step(model, optimizer, step)
+                finished.append(flat())
+            strategy.synchronize(model)
+            record = {"stepped": torch.stack(stepped), "finished": torch.stack(finished), "synchronized": flat()}
+            records = [None] * world_size
+            dist.all_gather_object(records, record)
+            if rank == 0:
+                torch.save(records, Path(out_dir) / f"{mode}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_relaxed(world_size: int, modes: list[str], average_every: int, steps: int, out_dir: Path) -> dict:
+    """{mode: [rank 0's records, rank 1's, ...]} of `_relaxed_worker`."""
+    mp.start_processes(_relaxed_worker, args=(world_size, free_port(), modes, average_every, steps, str(out_dir)),
+                       nprocs=world_size, start_method="spawn")
+    return {mode: torch.load(Path(out_dir) / f"{mode}.pt", weights_only=True) for mode in modes}
+
+
 def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
     import time
     from datetime import timedelta

@@ -1,11 +1,14 @@
 """Helpers for the pipeline tests: the models and batches both sides train on, the single-process
 reference, and the gloo worker that trains a job's pipeline stages (on a pipeline x data mesh when the
-job has ``dp`` > 1) and leaves each rank's parameters (under the original model's names) in
-``out_dir/<job>-rank<i>.pt``.
+job has ``dp`` > 1) and leaves each rank's parameters and buffers (under the original model's names)
+and what its stages' plans did in ``out_dir/<job>-rank<i>.pt``.
 
 A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
 optionally dp (replicas; the world is P x dp), policy (every stage planned by the fit engine with
-that decision on every block) and clip (gradients clipped to that global norm)."""
+that decision on every block), clip (gradients clipped to that global norm), volumes (the U-Net's
+global batch; default `UNET_VOLUMES`) and global_batchnorm (BatchNorm statistics over every
+replica's micro-batch, as `oomless.parallel.pipeline_training` sets up; otherwise each replica's
+BatchNorm normalises and tracks its own shard, so replicas' buffers differ and are not saved)."""
 
 import os
 from pathlib import Path
@@ -16,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from oomless.models import TinyTransformer, UNet3D
+from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
 from oomless.parallel.process_group import guard_gloo_exit
@@ -24,6 +28,7 @@ from tests.parallel_workers import free_port
 
 STEPS = 5
 GLOBAL_BATCH = 8
+UNET_VOLUMES = GLOBAL_BATCH // 4
 
 
 def build(kind: str):
@@ -46,27 +51,29 @@ def make_optimizer(parameters):
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
 
 
-def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(kind: str, step: int, volumes: int = UNET_VOLUMES) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
     if kind == "transformer":
         tokens = torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
-    volumes = torch.randn(GLOBAL_BATCH // 4, 1, 8, 8, 8, generator=generator)
+    volumes = torch.randn(volumes, 1, 8, 8, 8, generator=generator)
     return volumes, (volumes[:, 0] > 0).long()
 
 
-def reference(kind: str, chunks: int = 1, clip: float | None = None) -> dict[str, torch.Tensor]:
-    """Plain PyTorch on one process, the whole global batch per step; with ``chunks`` > 1 the batch
-    is split into that many equal chunks whose mean-loss gradients are averaged (accumulation): the
-    same gradient for a per-sample loss, but BatchNorm normalises each chunk by its own statistics,
-    as a pipeline does each micro-batch of each replica."""
+def reference(kind: str, chunks: int = 1, clip: float | None = None,
+              volumes: int = UNET_VOLUMES) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters, buffers) after plain PyTorch on one process, the whole global batch per step;
+    with ``chunks`` > 1 the batch is split into that many equal chunks whose mean-loss gradients are
+    averaged (accumulation): the same gradient for a per-sample loss, but BatchNorm normalises each
+    chunk by its own statistics and updates its running statistics once per chunk, in order, as a
+    pipeline stage does each micro-batch of each replica."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # the workers run one thread; CPU kernels' sums depend on the split
     try:
         model, _, loss_fn = build(kind)
         optimizer = make_optimizer(model.parameters())
         for step in range(STEPS):
-            inputs, target = batch(kind, step)
+            inputs, target = batch(kind, step, volumes)
             optimizer.zero_grad()
             for part, part_target in zip(inputs.chunk(chunks), target.chunk(chunks)):
                 (loss_fn(model(part), part_target) / chunks).backward()
@@ -75,7 +82,8 @@ def reference(kind: str, chunks: int = 1, clip: float | None = None) -> dict[str
             optimizer.step()
     finally:
         torch.set_num_threads(threads)
-    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    return ({name: parameter.detach().clone() for name, parameter in model.named_parameters()},
+            {name: buffer.detach().clone() for name, buffer in model.named_buffers()})
 
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
@@ -88,43 +96,88 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             mesh = pipeline_mesh(world_size // job.get("dp", 1))
             replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
             model, sequence, loss_fn = build(job["kind"])
-            inputs, _ = batch(job["kind"], 0)
+            if job.get("global_batchnorm"):
+                convert_batchnorm_for_data_parallel(model, torch.device("cpu"), mesh["dp"].get_group())
+            volumes = job.get("volumes", UNET_VOLUMES)
+            inputs, _ = batch(job["kind"], 0, volumes)
             example = (inputs.chunk(replicas)[replica].chunk(job["microbatches"])[0],)
             pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"],
                                         group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
                                         example=example)
+            plans = []
             if "policy" in job:
-                _, target = batch(job["kind"], 0)
+                _, target = batch(job["kind"], 0, volumes)
                 target = target.chunk(replicas)[replica].chunk(job["microbatches"])[0]
-                fit_stages(pipeline, "64GiB", target=target, policy=job["policy"])
+                plans = fit_stages(pipeline, "64GiB", target=target, policy=job["policy"],
+                                   min_swap_bytes=0)     # the tiny models' saved tensors are small
             optimizer = make_optimizer(pipeline.parameters())
             for step in range(STEPS):
-                inputs, target = batch(job["kind"], step)
+                inputs, target = batch(job["kind"], step, volumes)
                 optimizer.zero_grad()
                 pipeline.step(inputs.chunk(replicas)[replica], target=target.chunk(replicas)[replica])
                 if "clip" in job:
                     pipeline.clip_grad_norm_(job["clip"])
                 optimizer.step()
             held = {id(parameter) for parameter in pipeline.parameters()}
-            torch.save({name: parameter.detach().clone() for name, parameter in model.named_parameters()
-                        if id(parameter) in held}, Path(out_dir) / f"{job['name']}-rank{rank}.pt")
+            held_buffers = {id(buffer) for module in pipeline.modules for buffer in module.buffers()}
+            torch.save({
+                "parameters": {name: parameter.detach().clone() for name, parameter in model.named_parameters()
+                               if id(parameter) in held},
+                "buffers": {name: buffer.detach().clone() for name, buffer in model.named_buffers()
+                            if id(buffer) in held_buffers and buffers_agree(job)},
+                # What each of this rank's stages was planned to do, and what its runtime did.
+                "stages": [{"decisions": sorted(set(plan.decisions.values())),
+                            "saving_blocks": sum(block.saved_bytes > 0 for block in plan.blocks),
+                            **_runtime_counts(module)} for plan, module in zip(plans, pipeline.modules)],
+            }, Path(out_dir) / f"{job['name']}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Run ``jobs`` in ``world_size`` gloo processes; per job, every stage's parameters merged."""
+def buffers_agree(job: dict) -> bool:
+    """Whether every replica of a stage holds the same buffers (so they are saved and compared)."""
+    return job.get("dp", 1) == 1 or job.get("global_batchnorm", False)
+
+
+def reference_chunks(job: dict) -> int:
+    """The chunks of the global batch the reference normalises separately, as the job's BatchNorms do:
+    each micro-batch of each replica, or each micro-batch across the replicas."""
+    if job["kind"] != "unet":
+        return 1
+    if job.get("global_batchnorm"):
+        assert job["microbatches"] == 1, "replicas' micro-batches m > 0 are not chunks of the global batch"
+        return 1
+    return job.get("dp", 1) * job["microbatches"]
+
+
+def _runtime_counts(module) -> dict[str, int]:
+    """A stage module's `oomless.stats` counts; zeros where no plan is installed on it."""
+    import oomless
+    from oomless.runtime.install import installed_state
+
+    if installed_state(module) is None:
+        return {"recomputed_blocks": 0, "offloaded_bytes": 0}
+    stats = oomless.stats(module)
+    return {"recomputed_blocks": stats.recomputed_blocks, "offloaded_bytes": stats.offloaded_bytes}
+
+
+def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[str, dict]:
+    """Run ``jobs`` in ``world_size`` gloo processes; per job, {"parameters": every stage's parameters
+    merged, "buffers": the same of buffers (jobs without replicas), "stages": per rank, what each of
+    its stages' plans said and did (jobs with a policy)}."""
     mp.start_processes(_worker, args=(world_size, free_port(), jobs, str(out_dir)), nprocs=world_size,
                        start_method="spawn")
     merged = {}
     for job in jobs:
-        merged[job["name"]] = {}
+        result = merged[job["name"]] = {"parameters": {}, "buffers": {}, "stages": []}
         for rank in range(world_size):
-            stage = torch.load(Path(out_dir) / f"{job['name']}-rank{rank}.pt", weights_only=True)
-            for name, tensor in stage.items():
-                # A tied parameter lives on two stages, every parameter on each replica: all copies
-                # must have taken the same update.
-                if name in merged[job["name"]]:
-                    assert torch.equal(merged[job["name"]][name], tensor), name
-                merged[job["name"]][name] = tensor
+            saved = torch.load(Path(out_dir) / f"{job['name']}-rank{rank}.pt", weights_only=True)
+            result["stages"].append(saved["stages"])
+            for kind in ("parameters", "buffers"):
+                for name, tensor in saved[kind].items():
+                    # A tied parameter lives on two stages, every parameter on each replica: all copies
+                    # must have taken the same update.
+                    if name in result[kind]:
+                        assert torch.equal(result[kind][name], tensor), name
+                    result[kind][name] = tensor
     return merged

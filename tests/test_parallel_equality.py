@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from oomless.parallel import apply_overlapped_update
 from oomless.train import train
-from tests.parallel_workers import free_port, run_jobs, smallest_budget_for_shard, tiny_config
+from tests.parallel_workers import free_port, run_jobs, run_relaxed, smallest_budget_for_shard, tiny_config
 
 GLOBAL_BATCH = 4
 STEPS = 10
@@ -291,6 +291,41 @@ def test_relaxed_modes_reach_the_synchronous_loss(tmp_path):
     for mode in ("local_sgd", "async"):
         relaxed = load_file(str(tmp_path / f"{mode}.safetensors"))
         assert _max_difference(relaxed, dp) > 0.0          # relaxed is not synchronous, but comparable
+
+
+def test_relaxed_modes_average_exactly_when_they_say(tmp_path):
+    """What each relaxed mode does to the replicas, step by step (2 gloo ranks, each on its own data,
+    an MLP with BatchNorm whose running statistics are averaged with the parameters). Local SGD: after
+    every ``average_every``-th step the replicas hold the same tensors, the mean of what each rank's
+    optimizer step left, and between those steps each rank keeps its own. Async: after step k each
+    rank holds the mean of the replicas at the end of step k - 1 plus its own progress since, so the
+    replicas differ, and after `synchronize` they hold the same mean. Bitwise: the mean is
+    ``a / 2 + b / 2`` in both the code and here."""
+    average_every, steps = 3, 7
+    records = run_relaxed(2, ["local-sgd", "async"], average_every, steps, tmp_path)
+
+    first, second = records["local-sgd"]
+    for step in range(steps):
+        stepped = (first["stepped"][step], second["stepped"][step])
+        if (step + 1) % average_every == 0:
+            mean = stepped[0] / 2 + stepped[1] / 2
+            assert torch.equal(first["finished"][step], mean) and torch.equal(second["finished"][step], mean), step
+        else:
+            assert torch.equal(first["finished"][step], stepped[0]), step
+            assert torch.equal(second["finished"][step], stepped[1]), step
+            assert not torch.equal(first["finished"][step], second["finished"][step]), step
+
+    first, second = records["async"]
+    assert torch.equal(first["finished"][0], first["stepped"][0])          # nothing to apply yet
+    for step in range(1, steps):
+        snapshots = (first["finished"][step - 1], second["finished"][step - 1])
+        mean = snapshots[0] / 2 + snapshots[1] / 2
+        for rank, record in enumerate((first, second)):
+            expected = mean + (record["stepped"][step] - snapshots[rank])
+            assert torch.equal(record["finished"][step], expected), (step, rank)
+        assert not torch.equal(first["finished"][step], second["finished"][step]), step
+    last_mean = first["finished"][-1] / 2 + second["finished"][-1] / 2
+    assert torch.equal(first["synchronized"], last_mean) and torch.equal(second["synchronized"], last_mean)
 
 
 def test_data_parallel_api_without_torchrun_is_world_size_one(tmp_path):

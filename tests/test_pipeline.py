@@ -2,12 +2,17 @@
 pipeline x data hybrid; 5 SGD-momentum steps (lr 0.1), same global batch (why not Adam: see
 `make_optimizer` in tests/pipeline_workers.py).
 
-Stated tolerance: 1e-6 absolute on every parameter (measured ~6e-8). The math is the same but not the float
-summation order: gradients are sums of per-micro-batch gradients each divided by the number of
-micro-batches (torch's schedule) rather than one mean over the global batch, and a tied weight's
-gradient is the sum of its two stages' parts. BatchNorm normalises each micro-batch of each replica by
-its own statistics (as GPipe does), so the U-Net's reference accumulates gradients over the same
-chunks of the global batch; with one micro-batch and one replica that is the plain global batch.
+Stated tolerance: 1e-6 absolute on every parameter, and on every buffer (BatchNorm's running
+statistics and batch counts) wherever the replicas of a stage share them (measured ~6e-8). The math is
+the same but not the float summation order: gradients are sums of per-micro-batch gradients each
+divided by the number of micro-batches (torch's schedule) rather than one mean over the global batch,
+and a tied weight's gradient is the sum of its two stages' parts. BatchNorm normalises each
+micro-batch of each replica by its own statistics (as GPipe does), so the U-Net's reference
+accumulates gradients over the same chunks of the global batch; with one micro-batch and one replica
+that is the plain global batch. A job with ``global_batchnorm`` takes BatchNorm's statistics over
+the replicas instead (as the training loop's hybrid layout does), its reference over their union.
+A job with a policy also checks that its stage plans say that policy and that the runtime carried it
+out (blocks recomputed, bytes offloaded): equal weights alone would not tell a plan from none.
 """
 
 import pytest
@@ -17,21 +22,44 @@ from oomless.errors import InputError
 from oomless.models import TinyTransformer
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import cuts_from_stage_blocks
-from tests.pipeline_workers import build, reference, run_pipeline_jobs
+from tests.pipeline_workers import (STEPS, UNET_VOLUMES, buffers_agree, build, reference, reference_chunks,
+                                    run_pipeline_jobs)
 
 TOLERANCE = 1e-6
 
 
 def _max_difference(first: dict, second: dict) -> float:
     assert first.keys() == second.keys()
-    return max((first[name].double() - second[name].double()).abs().max().item() for name in first)
+    return max(((first[name].double() - second[name].double()).abs().max().item() for name in first), default=0.0)
 
 
 def _check(results: dict, jobs: list[dict]) -> None:
     for job in jobs:
-        chunks = job.get("dp", 1) * job["microbatches"] if job["kind"] == "unet" else 1
-        difference = _max_difference(results[job["name"]], reference(job["kind"], chunks, job.get("clip")))
+        parameters, buffers = reference(job["kind"], reference_chunks(job), job.get("clip"),
+                                        job.get("volumes", UNET_VOLUMES))
+        result = results[job["name"]]
+        difference = _max_difference(result["parameters"], parameters)
         assert difference <= TOLERANCE, (job["name"], difference)
+        if buffers_agree(job):
+            difference = _max_difference(result["buffers"], buffers)       # every buffer, on every rank holding it
+            assert difference <= TOLERANCE, (job["name"], "buffers", difference)
+        if "policy" in job:
+            _check_stage_plans(job, result["stages"])
+
+
+def _check_stage_plans(job: dict, stages_by_rank: list[list[dict]]) -> None:
+    """Every stage's plan says ``policy`` on every block, and the stage's runtime did it: under
+    recompute each of the plan's blocks that saves anything for backward re-ran at least once per
+    micro-batch and step, under swap bytes went to the tier."""
+    stages = [stage for by_rank in stages_by_rank for stage in by_rank]
+    assert len(stages) == (len(job["cuts"]) - 1) * job.get("dp", 1)
+    assert all(stage["decisions"] == [job["policy"]] for stage in stages), job["name"]
+    for stage in stages:
+        if job["policy"] == "recompute":
+            runs = stage["saving_blocks"] * job["microbatches"] * STEPS
+            assert stage["recomputed_blocks"] >= runs, (job["name"], stage)
+        if job["policy"] == "swap":
+            assert stage["offloaded_bytes"] > 0, (job["name"], stage)
 
 
 def test_two_rank_pipelines_equal_one_process(tmp_path):
@@ -49,13 +77,20 @@ def test_two_rank_pipelines_equal_one_process(tmp_path):
         # Each stage with its own fit-engine plan, several micro-batches in flight.
         dict(name="recompute", kind="transformer", cuts=[0, 3, 8], microbatches=4, schedule="1f1b", policy="recompute"),
         dict(name="swap", kind="unet", cuts=[0, 3, len(unet.blocks)], microbatches=2, schedule="gpipe", policy="swap"),
+        # BatchNorm recomputed while other micro-batches' forwards run between (1F1B with 4 in flight
+        # on stage 0: F0 F1 B0 F2 B1 ...): running statistics must still move once per micro-batch.
+        dict(name="unet-1f1b-recompute", kind="unet", cuts=[0, 3, len(unet.blocks)], microbatches=4, schedule="1f1b",
+             policy="recompute", volumes=4),
+        # Backward split into input and weight passes: each recomputes the block, BatchNorm included.
+        dict(name="unet-zero-bubble-recompute", kind="unet", cuts=[0, 2, 4, 6, 8], microbatches=2,
+             schedule="zero-bubble", policy="recompute"),
         dict(name="zero-bubble-recompute", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4,
              schedule="zero-bubble", policy="recompute"),
     ]
     _check(run_pipeline_jobs(2, jobs, tmp_path), jobs)
     # The reference moved: the comparison is not of untouched initial weights.
     initial = {name: parameter.detach() for name, parameter in build("transformer")[0].named_parameters()}
-    assert _max_difference(initial, reference("transformer")) > 1e-4
+    assert _max_difference(initial, reference("transformer")[0]) > 1e-4
 
 
 def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
@@ -68,11 +103,13 @@ def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
         dict(name="unet-4-stage", kind="unet", cuts=[0, 2, 4, 6, 8], microbatches=2, schedule="gpipe"),
         dict(name="hybrid", kind="transformer", cuts=[0, 3, 8], microbatches=2, schedule="1f1b", dp=2),
         dict(name="unet-hybrid", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2),
+        # BatchNorm over both replicas (what the training loop's hybrid layout runs), recomputed: its
+        # all-reduces run again in backward, and its running statistics must still move once per step.
         dict(name="unet-hybrid-recompute", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2,
-             policy="recompute"),
+             policy="recompute", global_batchnorm=True),
     ]
     _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
-    assert _max_difference(reference("transformer", clip=0.5), reference("transformer")) > 1e-4   # it clipped
+    assert _max_difference(reference("transformer", clip=0.5)[0], reference("transformer")[0]) > 1e-4   # it clipped
 
 
 def test_a_cut_across_skips_carries_every_live_tensor():

@@ -33,11 +33,12 @@ UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known
 
 
 def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str | None = None,
-               optimizer_class=torch.optim.Adam) -> list:
+               optimizer_class=torch.optim.Adam, min_swap_bytes: int = 64 * 1024) -> list:
     """Plan and apply the fit engine on every stage of ``pipeline`` on this rank, for ``memory``
     bytes per rank (split evenly among its stages); ``policy`` ("keep", "swap" or "recompute")
     forces that decision on every block instead of searching. Returns the plans, in the order of
-    ``pipeline.stage_indices``. ``optimizer_class`` sizes the optimizer state."""
+    ``pipeline.stage_indices``. ``optimizer_class`` sizes the optimizer state; ``min_swap_bytes``
+    is `oomless.plan`'s (a swap block keeps smaller saved storages)."""
     inputs_by_stage = _stage_inputs(pipeline)
     share = parse_bytes(memory) // len(pipeline.modules)
     plans = []
@@ -51,7 +52,7 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
         in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
                                            pipeline.microbatches, pipeline.stages_per_rank)
         plan = _replica_zero_plan(pipeline, lambda: _plan_stage(module, inputs, loss_fn, share, in_flight,
-                                                                policy, optimizer_class))
+                                                                policy, optimizer_class, min_swap_bytes))
         oomless.apply(module, plan)
         plans.append(plan)
     return plans
@@ -61,14 +62,15 @@ def _loss_on(loss_fn, target: torch.Tensor):
     return lambda output: loss_fn(output, target)
 
 
-def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class):
+def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class,
+                min_swap_bytes: int):
     optimizer = optimizer_class(module.parameters())
     profile = oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer)
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile)
     fixed = roomy.static_bytes + roomy.reserve_bytes
     memory = fixed + max(share - fixed, 0) // in_flight
-    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions)
+    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions, min_swap_bytes=min_swap_bytes)
     return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
 
 

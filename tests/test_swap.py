@@ -1,0 +1,188 @@
+"""Swap (runtime/saved.py) is exact and keeps the activation budget.
+
+A swapped tensor is stored as its whole storage and rebuilt in backward as a view of the copy that
+comes back, with the saved offset, sizes and strides: views at a nonzero storage offset, transposed
+views and two saved views of one storage must come back as exactly those views, so training equals
+plain PyTorch bit for bit.
+
+When copies fall behind (a slow tier), the runtime must wait for earlier copies before a new saved
+storage passes the budget, and backward's prefetch must stop at the budget and resume as room is
+freed. The tier here is a stand-in whose copies out never finish on their own: only `wait_out`
+finishes one. So every bound below holds only because the runtime waited or paused, whatever the
+machine's speed.
+"""
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+import oomless
+import oomless.runtime.install
+from tests.conftest import train_steps
+
+BATCH, WIDTH = 8, 32
+
+
+class ChunkProduct(nn.Module):
+    """Saves both halves of one storage (``mul`` saves each factor): offsets 0 and WIDTH, row stride 2 * WIDTH."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 2 * WIDTH)
+
+    def forward(self, x):
+        left, right = self.linear(x).chunk(2, dim=1)
+        return left * right
+
+
+class ShiftedScale(nn.Module):
+    """Saves ``h[:, 1:]``: storage offset 1, rows not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.randn(WIDTH - 1))
+
+    def forward(self, x):
+        h = self.linear(x)
+        return torch.cat([h[:, :1], h[:, 1:] * self.scale], dim=1)
+
+
+class TransposedProduct(nn.Module):
+    """Saves ``h.narrow(1, 1, WIDTH - 1).t()`` for ``mm``'s weight gradient: offset 1, strides (1, WIDTH)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH - 1) / WIDTH)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return torch.mm(self.weight, h.narrow(1, 1, WIDTH - 1).t()).t()
+
+
+def _views_model():
+    torch.manual_seed(0)
+    return nn.Sequential(ChunkProduct(), ShiftedScale(), TransposedProduct(), ChunkProduct())
+
+
+def test_swapped_views_come_back_at_their_offsets_and_strides():
+    model = _views_model()
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.square().mean()       # noqa: E731
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0)
+    assert list(plan.decisions) == ["0", "1", "2", "3"]
+    oomless.apply(model, plan.with_decisions({name: "swap" for name in plan.decisions}))
+
+    steps = 2
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps)
+
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+        assert torch.equal(expected, actual), f"parameter {name} differs"
+    # Every storage a block saves went out and came back, once per step, however many views of it
+    # were saved: block 0 its Linear's output (BATCH x 2 WIDTH; the model's input stays resident),
+    # blocks 1 and 2 their input and their Linear's output, block 3 its input and its Linear's output.
+    row_bytes = WIDTH * 4
+    per_step = BATCH * row_bytes * (2 + 2 + 2 + (1 + 2))
+    assert oomless.stats(model).offloaded_bytes == steps * per_step
+
+
+class SlowTier:
+    """A swap tier whose copies out finish only when the runtime waits for them (`wait_out`), so a
+    saved storage stays on the ledger until then. Records every call, in order, as (call, ticket)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+        self._tickets = 0
+
+    def put(self, data):
+        ticket = {"number": self._tickets, "host": data.clone(), "out": False}
+        self._tickets += 1
+        self.calls.append(("put", ticket["number"]))
+        return ticket
+
+    def is_out(self, ticket) -> bool:
+        return ticket["out"]
+
+    def wait_out(self, ticket) -> None:
+        self.calls.append(("wait_out", ticket["number"]))
+        ticket["out"] = True
+
+    def prefetch(self, ticket) -> None:
+        self.calls.append(("prefetch", ticket["number"]))
+
+    def get(self, ticket):
+        self.calls.append(("get", ticket["number"]))
+        return ticket["host"]
+
+    def release(self, ticket) -> None:
+        self.calls.append(("release", ticket["number"]))
+
+    def drop_copy_in(self, ticket) -> None:
+        pass
+
+    def collect_stall_seconds(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+    def tickets(self, call: str) -> list[int]:
+        return [number for name, number in self.calls if name == call]
+
+
+class LinearRelu(nn.Module):
+    """Saves one storage of its own: its output (ReLU's backward reads it, the next block's Linear too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monkeypatch):
+    blocks = 6
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.sum()     # noqa: E731  (saves nothing: each block saves exactly its output)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(blocks)})
+    # Room for two blocks' outputs, in every phase: the third saved storage must wait for a copy.
+    storage_bytes = BATCH * WIDTH * 4
+    budget = 2 * storage_bytes
+    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=None,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
+                                       for block in plan.blocks])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    stats = oomless.stats(model)
+    assert stats.offloaded_bytes == blocks * storage_bytes
+    assert stats.peak_activation_bytes == budget, "the budget is reached and never passed"
+    assert stats.resident_activation_bytes == 0
+    # Forward: each storage past the second waited for the oldest copy still running, in the order
+    # the copies were queued.
+    assert tier.tickets("put") == list(range(blocks))
+    assert tier.tickets("wait_out") == list(range(blocks - 2))
+    for waited in range(blocks - 2):
+        assert tier.calls.index(("wait_out", waited)) < tier.calls.index(("put", waited + 2))
+    # Backward: everything comes back, last saved first; the budget holds two outputs, so the prefetch
+    # of block k's output waits until block k + 2's has been used and released.
+    assert tier.tickets("prefetch") == list(reversed(range(blocks)))
+    for fetched in range(blocks - 2):
+        assert tier.calls.index(("release", fetched + 2)) < tier.calls.index(("prefetch", fetched))
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
