@@ -21,6 +21,30 @@ def minimum_memory(profile) -> int:
     return smallest_memory(profile)
 
 
+def planner_at_share(share: float = 0.5):
+    """A stand-in for `oomless.plan` that plans for a budget derived from the profile it measures,
+    whatever ``memory`` it is given: ``share`` of the plain step's saved activations (at least the
+    smallest budget that fits), swaps of any size allowed. Each call records (plan, budget) in the
+    stand-in's ``made`` list. For a run of the training loop (which calls ``oomless.plan``) under a
+    budget that must move activations: on CPU the working memory two profiles of the same step
+    measure differs by megabytes (resident memory, where freed heap pages may or may not be reused),
+    more than the saved activations of the tests' small models, so a budget fixed before the run
+    leaves every activation on the device or fits nothing, depending on the run's own profile."""
+    from oomless.api import plan as plan_for_memory
+
+    def plan(model, example_inputs, memory, **kwargs):
+        profile = oomless.profile(model, example_inputs, loss_fn=kwargs.get("loss_fn"),
+                                  optimizer=kwargs.get("optimizer"), precision=kwargs.get("precision", "fp32"),
+                                  compile=kwargs.get("compile", False))
+        budget = max(budget_for_share(profile, share), minimum_memory(profile))
+        made = plan_for_memory(model, example_inputs, budget, profile=profile, min_swap_bytes=0, **kwargs)
+        plan.made.append((made, budget))
+        return made
+
+    plan.made = []
+    return plan
+
+
 def plan_under(model, inputs, loss_fn, policy: str, **plan_kwargs):
     """A plan with every block under ``policy`` (keep|swap|recompute), or for "planned" the
     planner's own at half the plain step's activations (at least the smallest that fits). Returns
