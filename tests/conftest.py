@@ -21,6 +21,33 @@ def minimum_memory(profile) -> int:
     return smallest_memory(profile)
 
 
+def planner_at_share(share: float | str = "minimum"):
+    """A stand-in for `oomless.plan` that plans for a budget derived from the profile it measures,
+    whatever ``memory`` it is given: ``share`` of the plain step's saved activations ("minimum": the
+    smallest budget that fits; a share below it is raised to it), swaps of any size allowed. Each
+    call records (plan, budget) in the stand-in's ``made`` list. For a run of the training loop
+    (which calls ``oomless.plan``) under a budget that must move activations: on CPU the working
+    memory two profiles of the same step measure differs by megabytes (resident memory, where freed
+    heap pages may or may not be reused), more than the saved activations of the tests' small
+    models, so a budget fixed before the run leaves every activation on the device or fits nothing,
+    depending on the run's own profile. At the smallest budget the plain step does not fit unless
+    no swap or recompute lowers the step's peak."""
+    from oomless.api import plan as plan_for_memory
+
+    def plan(model, example_inputs, memory, **kwargs):
+        profile = oomless.profile(model, example_inputs, loss_fn=kwargs.get("loss_fn"),
+                                  optimizer=kwargs.get("optimizer"), precision=kwargs.get("precision", "fp32"),
+                                  compile=kwargs.get("compile", False))
+        smallest = minimum_memory(profile)
+        budget = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
+        made = plan_for_memory(model, example_inputs, budget, profile=profile, min_swap_bytes=0, **kwargs)
+        plan.made.append((made, budget))
+        return made
+
+    plan.made = []
+    return plan
+
+
 def plan_under(model, inputs, loss_fn, policy: str, **plan_kwargs):
     """A plan with every block under ``policy`` (keep|swap|recompute), or for "planned" the
     planner's own at half the plain step's activations (at least the smallest that fits). Returns
