@@ -75,18 +75,19 @@ class Simulation:
         table = Table(title=f"oomless simulate: {self.model}, global batch {self.global_batch}")
         for column in ("", "layout", "micro-batches", "memory plan", "memory / rank", "fits", "step",
                        "comm. exposed", rate, "note"):
-            table.add_column(column, justify="left" if column in ("layout", "memory plan", "note") else "right")
+            table.add_column(column, justify="left" if column in ("layout", "memory plan", "note") else "right",
+                             no_wrap=column != "note")
         for estimate in self.layouts:
             throughput = self.throughput(estimate) * (self.tokens_per_sample or 1)
-            step = f"{estimate.step_seconds:.2f} s" if estimate.fits else "-"
+            step = _seconds(estimate.step_seconds) if estimate.fits else "-"
             note = estimate.notes[0] if estimate.notes else ""
             table.add_row("*" if estimate.name == self.recommended else "", estimate.name,
                           str(estimate.microbatches) if estimate.microbatches else "-", estimate.memory_plan,
                           format_bytes(estimate.memory_per_rank_bytes), "yes" if estimate.fits else "no", step,
-                          f"{estimate.exposed_communication_seconds * 1e3:.0f} ms" if estimate.fits else "-",
-                          f"{throughput:,.0f}" if estimate.fits else "-", note[:60] + ("..." if len(note) > 60 else ""))
+                          _seconds(estimate.exposed_communication_seconds) if estimate.fits else "-",
+                          f"{throughput:,.0f}" if estimate.fits else "-", note)
         buffer = io.StringIO()
-        Console(file=buffer, width=170, force_terminal=False, color_system=None).print(table)
+        Console(file=buffer, width=180, force_terminal=False, color_system=None).print(table)
         best = self.best
         if best is None:
             least = min(self.layouts, key=lambda estimate: estimate.memory_per_rank_bytes)
@@ -94,7 +95,7 @@ class Simulation:
                        f"per rank is {least.name}'s {format_bytes(least.memory_per_rank_bytes)}: more GPUs, a smaller "
                        "batch or a larger device")
         else:
-            verdict = (f"recommended: {best.name} (*), step {best.step_seconds:.2f} s, "
+            verdict = (f"recommended: {best.name} (*), step {_seconds(best.step_seconds)}, "
                        f"{self.throughput(best) * (self.tokens_per_sample or 1):,.0f} {rate}, "
                        f"{format_bytes(best.memory_per_rank_bytes)} per rank, memory plan: {best.memory_plan}")
         lines = [f"cluster: {self.cluster_summary}", verdict]
@@ -108,6 +109,10 @@ class Simulation:
         if estimate is None:
             raise InputError("no layout fits, so there is no recommended step to draw; name one with name=...")
         return plot_timeline(estimate, path)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 def pipeline_spans(estimate: LayoutEstimate) -> list[Span]:
@@ -185,7 +190,7 @@ def plot_timeline(estimate: LayoutEstimate, path: str) -> str:
     axes.set_xlabel("seconds in one step")
     kinds = "F forward, B backward, I input gradients, W weight gradients" if estimate.partition is not None \
         else "blue forward, orange backward, cyan all-gather, red all-reduce / reduce-scatter"
-    axes.set_title(f"{estimate.name}: predicted step {estimate.step_seconds:.2f} s "
+    axes.set_title(f"{estimate.name}: predicted step {_seconds(estimate.step_seconds)} "
                    f"({estimate.memory_plan}; {kinds})", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

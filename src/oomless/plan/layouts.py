@@ -19,7 +19,9 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
   before its backward (one block prefetched ahead, resharded after forward), its gradients
   reduce-scattered after its backward. Static bytes per rank: the shards plus two blocks'
   unsharded parameters and gradients (the one running and the one in flight); `make_plan` plans
-  the activations on top. All-gathers and reduce-scatters share one stream (the link).
+  the activations on top. All-gathers and reduce-scatters share one stream (the link). Parameters
+  move in their stored dtype (FSDP2 without a MixedPrecisionPolicy; with param_dtype=bf16 the
+  all-gathers would move half the bytes of fp32 weights). Every oomless block is one FSDP unit.
 - **pipeline** (dp = 1) and **hybrid** (dp x pp): for every pipeline depth pp dividing N and each
   schedule, `choose_microbatches` cuts the profile of the replica's batch into stages (the
   partitioner's cost model, activations sent to the next stage over the link between them) and
@@ -350,8 +352,8 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
         compute = sum(b.forward_seconds + b.backward_seconds for b in whole.blocks) + whole.loss_seconds
         return LayoutEstimate(layout, replicas, pipeline_ranks, schedule, 0, samples, False, compute / pipeline_ranks,
                               least or static_share, static_share, "no plan fits", 0.0, 0.0, compute / pipeline_ranks,
-                              notes=["; ".join(tried) + (f" ({format_bytes(least)} per rank would fit)"
-                                                         if least else "")])
+                              notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
+                                     *tried[:-1]])
     plan_name, partition = best
     parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
     index = {block.name: i for i, block in enumerate(profile.blocks)}
