@@ -86,6 +86,7 @@ def test_fsdp_bytes_per_rank_are_the_shards_two_blocks_unsharded_and_the_activat
     assert fsdp.fits and dp.fits and fsdp.memory_plan == dp.memory_plan == "keep 5"
     # Beyond the static bytes both hold the same activations (and working memory) of 8 samples.
     assert fsdp.memory_per_rank_bytes - fsdp.static_bytes == dp.memory_per_rank_bytes - dp.static_bytes > 0
+    assert set(fsdp.decisions.values()) == {"keep"} and list(fsdp.decisions) == [b.name for b in profile.blocks]
 
 
 def test_fsdp_holds_less_per_rank_and_moves_more_than_dp():
@@ -199,3 +200,17 @@ def test_bad_input_in_the_python_api_raises_input_error():
         oomless.simulate(model, inputs, global_batch=16, gpus=8, nodes=3)
     with pytest.raises(oomless.InputError, match="unknown keys"):
         oomless.simulate(model, inputs, global_batch=16, gpus=8, cluster={"nvlink": 1})
+
+
+def test_a_cluster_file_overrides_the_links_and_names_unknown_keys(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"inter_node": {"name": "RoCE 200G", "bytes_per_second": 25e9}, "efficiency": 0.9}))
+    cluster = make_cluster("h100", 16, 2, path=str(path))
+    assert cluster.inter_node.name == "RoCE 200G" and cluster.inter_node.bytes_per_second == 25e9
+    assert cluster.inter_node.latency_seconds == make_cluster("h100", 16, 2).inter_node.latency_seconds
+    assert cluster.intra_node.bytes_per_second == 450e9 and cluster.efficiency == 0.9
+    slower = all_reduce_seconds(cluster, Group(8, 2), 1e9)
+    assert slower > all_reduce_seconds(make_cluster("h100", 16, 2), Group(8, 2), 1e9)
+    path.write_text(json.dumps({"inter_node": {"gbps": 200}}))
+    with pytest.raises(oomless.InputError, match="unknown fields"):
+        make_cluster("h100", 16, 2, path=str(path))

@@ -83,6 +83,7 @@ class LayoutEstimate:
     exposed_communication_seconds: float
     compute_seconds: float
     notes: list[str] = field(default_factory=list)
+    decisions: dict[str, str] = field(default_factory=dict)   # dp, fsdp: the memory plan's, per block
     timeline: list[Span] = field(default_factory=list, repr=False)
     partition: object = field(default=None, repr=False)     # pipelines: the `Partition`, for the plot
 
@@ -195,7 +196,7 @@ def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank:
         "dp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
         plan.predicted_peak_bytes if plan else minimum, static,
         _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
-        step_compute + update, timeline=spans,
+        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
         notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
 
 
@@ -254,7 +255,7 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
         "fsdp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
         plan.predicted_peak_bytes if plan else minimum, static,
         _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
-        step_compute + update, timeline=spans,
+        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
         notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
 
 
