@@ -25,7 +25,9 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
 - **pipeline** (dp = 1) and **hybrid** (dp x pp): for every pipeline depth pp dividing N and each
   schedule, `choose_microbatches` cuts the profile of the replica's batch into stages (the
   partitioner's cost model, activations sent to the next stage over the link between them) and
-  picks the number of micro-batches. Memory plans are uniform here: every block kept, or every
+  picks the number of micro-batches. The sends between stages are not overlapped with compute
+  and, once the pipeline spans nodes, every hop is priced at the slower link between nodes
+  (pessimistic: only the hops at node boundaries cross). Memory plans are uniform here: every block kept, or every
   block recomputed (its input held, its forward run again in backward), whichever is faster
   among those that fit. A hybrid all-reduces each pipeline rank's gradients over its dp group
   after the pipeline's step (not overlapped: the stage-0 rank's last backward ends the step).
