@@ -3,13 +3,13 @@
     model = oomless.fit(model, example_inputs, memory="20GiB")   # then train as usual
 """
 
-from oomless.api import apply, fit, installed_plan, plan, profile, remove, stats, sum_of_outputs
+from oomless.api import apply, fit, installed_plan, plan, profile, remove, simulate, stats, sum_of_outputs
 from oomless.errors import ApplyError, InputError, OomlessError, PlanError, SizeError
 from oomless.plan.devices import Device, register_device
 from oomless.plan.plan import BlockPlan, Plan
 from oomless.sizes import format_bytes, parse_bytes
 
-__all__ = ["profile", "plan", "apply", "remove", "fit", "stats", "sum_of_outputs", "installed_plan", "Plan", "BlockPlan",
+__all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "installed_plan", "Plan", "BlockPlan",
            "Device", "register_device",
            "OomlessError", "PlanError", "SizeError", "ApplyError", "InputError", "parse_bytes", "format_bytes"]
 __version__ = "0.1.0"

@@ -158,6 +158,48 @@ def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, bloc
                               None if memory is None else parse_bytes(memory), precision, compile_options(compile))
 
 
+def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100", gpus: int = 8, nodes: int = 1,
+             cluster=None, loss_fn=None, optimizer=None, dtype: torch.dtype | None = None, precision: str = "fp32",
+             profile: Profile | None = None):
+    """Predict step time, memory per rank and throughput of every parallel layout (dp, fsdp,
+    pipelines under each schedule, dp x pp hybrids, each with its memory plan) for ``gpus``
+    ``target`` devices on ``nodes`` nodes, training ``model`` at ``global_batch`` samples per step,
+    and recommend the fastest that fits (`oomless.plan.layouts`). Nothing runs for real: the step
+    is profiled on meta tensors at the batch of ``example_inputs`` (a few of a deep model's
+    identical layers, `oomless.profile.repeated`) and scaled to each layout's batch.
+
+    ``cluster``: a JSON file's path or a dict with the links within and between nodes
+    (`oomless.plan.cluster`; default: the target's usual node, e.g. 8 H100 on NVLink 4, InfiniBand
+    NDR between nodes). ``loss_fn``, ``optimizer``, ``dtype``, ``precision``: as for `plan`; a
+    ``profile`` made for the target is reused. Returns a `Simulation` (prints, ``to_json``, ``plot``)."""
+    import time
+
+    from oomless.plan.cluster import make_cluster
+    from oomless.plan.layout_report import Simulation
+    from oomless.plan.layouts import check_global_batch, estimate_layouts, recommend
+    from oomless.profile.repeated import profile_few_layers
+
+    started = time.perf_counter()
+    if target is None:
+        raise InputError("simulate needs a target device, e.g. target='h100' (see oomless.plan.devices)")
+    path, overrides = (None, cluster) if cluster is None or isinstance(cluster, dict) else (str(cluster), None)
+    made = make_cluster(target, gpus, nodes, path, overrides)
+    check_global_batch(global_batch, made.gpus)
+    check_plan_arguments(model, example_inputs, loss_fn, optimizer, None, None, 0, profile, dtype, made.device,
+                         function="simulate")
+    autocast_dtype(precision)
+    first = tensors_in(example_inputs)[0]
+    if profile is None:
+        profile = profile_few_layers(model, example_inputs, made.device, loss_fn=loss_fn, optimizer=optimizer,
+                                     dtype=dtype, precision=precision)
+    estimates = estimate_layouts(profile, int(first.shape[0]) if first.dim() else 1, made, global_batch)
+    best = recommend(estimates)
+    tokens = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
+    return Simulation(type(model).__name__, made.describe(), made.summary(), global_batch,
+                      int(first.shape[0]) if first.dim() else 1, estimates, best.name if best else None, tokens,
+                      notes=list(profile.notes), elapsed_seconds=time.perf_counter() - started)
+
+
 def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     """Install ``plan`` on ``model`` in place and return it; the training loop is unchanged. A plan
     that updates in backward or offloads the optimizer state, or made with precision="fp16", needs the

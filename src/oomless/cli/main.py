@@ -2,6 +2,7 @@
 
     oomless train --size 48 --memory 1GiB --steps 20 --seed 0
     oomless plan unet3d --input-shape 1,1,64,64,64 --memory 2GiB
+    oomless simulate transformer --input-shape 1,128 --global-batch 64 --target h100 --gpus 16 --nodes 2
     oomless make-data data/demo --cases 8 --size 96
     python -m oomless --help
 
@@ -30,7 +31,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from oomless.cli import bench, make_data, plan, train
+    from oomless.cli import bench, make_data, plan, simulate, train
 
     parser = OneLineErrorParser(
         prog="oomless",
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     subcommands.required = True
-    for module in (train, make_data, plan, bench):
+    for module in (train, make_data, plan, simulate, bench):
         module.add_parser(subcommands)
     return parser
 

@@ -1,0 +1,153 @@
+"""The cluster a simulation runs on: a target device, GPUs per node, nodes, and the two links
+between GPUs (within a node, between nodes), each with a bandwidth and a latency.
+
+    cluster = make_cluster("h100", gpus=64, nodes=8)               # 8 nodes of 8 H100 SXM, NVLink 4 + IB NDR
+    cluster = make_cluster("h100", gpus=16, nodes=2, path="cluster.json")   # links from a file
+
+A cluster file is a JSON object; every key is optional and overrides the default:
+
+    {"intra_node": {"bytes_per_second": 450e9, "latency_seconds": 3e-6},
+     "inter_node": {"bytes_per_second": 25e9, "latency_seconds": 8e-6, "name": "RoCE 200G"},
+     "efficiency": 0.8}
+
+Defaults (each from the datasheet cited next to it; latencies are assumptions, the order of NCCL's
+per-step cost on such links, not measurements of ours):
+- H100 SXM / H200 nodes (DGX H100 / HGX H100 8-GPU): NVLink 4, 900 GB/s per GPU in both directions
+  together, so 450 GB/s each way; between nodes one ConnectX-7 InfiniBand NDR port of 400 Gb/s
+  (50 GB/s each way) per GPU, rail-optimised (GPU i of every node on rail i).
+- A100 SXM nodes (DGX A100): NVLink 3, 600 GB/s both ways (300 GB/s each way); HDR 200 Gb/s per GPU.
+- PCIe cards (h100-pcie, a100-40gb, l4, rtx-4090): GPU to GPU through the device's PCIe link
+  (the device table's host link), and the InfiniBand NDR port between nodes.
+
+Real collectives do not reach the link's raw rate: every bandwidth is scaled by ``efficiency``
+(default 0.8, an assumption: nccl-tests bus bandwidths on such systems are 70-90 % of the link rate).
+"""
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+from oomless.errors import InputError
+from oomless.plan.devices import Device, find_device
+
+# Achievable share of a link's datasheet rate for NCCL collectives (assumption; module docstring).
+LINK_EFFICIENCY = 0.8
+
+_H100_SOURCE = ("NVIDIA H100 Tensor Core GPU datasheet (NVLink 900 GB/s per GPU, both directions), "
+                "https://www.nvidia.com/en-us/data-center/h100/")
+_A100_SOURCE = ("NVIDIA A100 Tensor Core GPU datasheet (NVLink 600 GB/s per GPU, both directions), "
+                "https://www.nvidia.com/en-us/data-center/a100/")
+_NDR_SOURCE = ("NVIDIA ConnectX-7 datasheet, InfiniBand NDR 400 Gb/s per port (one per GPU in a DGX H100), "
+               "https://www.nvidia.com/en-us/networking/ethernet-adapters/")
+_HDR_SOURCE = ("NVIDIA ConnectX-6 datasheet, InfiniBand HDR 200 Gb/s per port (one per GPU in a DGX A100), "
+               "https://www.nvidia.com/en-us/networking/ethernet-adapters/")
+# Latencies: assumptions (module docstring).
+_NVLINK_LATENCY_SECONDS = 3e-6
+_PCIE_LATENCY_SECONDS = 5e-6
+_INFINIBAND_LATENCY_SECONDS = 8e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a link from one GPU: datasheet bytes per second and a per-message latency."""
+
+    name: str
+    bytes_per_second: float
+    latency_seconds: float
+    source: str = ""
+
+
+_NVLINK4 = Link("NVLink 4", 450e9, _NVLINK_LATENCY_SECONDS, _H100_SOURCE)
+_NVLINK3 = Link("NVLink 3", 300e9, _NVLINK_LATENCY_SECONDS, _A100_SOURCE)
+_NDR = Link("InfiniBand NDR 400 Gb/s", 400e9 / 8, _INFINIBAND_LATENCY_SECONDS, _NDR_SOURCE)
+_HDR = Link("InfiniBand HDR 200 Gb/s", 200e9 / 8, _INFINIBAND_LATENCY_SECONDS, _HDR_SOURCE)
+# Device name -> (within a node, between nodes); devices not listed use their PCIe link and NDR.
+_DEFAULT_LINKS = {"h100-sxm": (_NVLINK4, _NDR), "h200": (_NVLINK4, _NDR), "a100-80gb": (_NVLINK3, _HDR)}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    gpus_per_node: int
+    nodes: int
+    intra_node: Link
+    inter_node: Link
+    efficiency: float = LINK_EFFICIENCY
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def effective(self, link: Link) -> tuple[float, float]:
+        """(bytes per second a collective reaches on ``link``, its latency)."""
+        return link.bytes_per_second * self.efficiency, link.latency_seconds
+
+    def describe(self) -> dict:
+        return {"device": self.device.name, "device_memory_bytes": self.device.memory_bytes, "gpus": self.gpus,
+                "gpus_per_node": self.gpus_per_node,
+                "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
+                "efficiency": self.efficiency}
+
+    def summary(self) -> str:
+        inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
+                 if self.nodes > 1 else "")
+        return (f"{self.nodes} x {self.gpus_per_node} {self.device.name}: {self.intra_node.name} "
+                f"{self.intra_node.bytes_per_second / 1e9:g} GB/s each way within a node{inter}; "
+                f"collectives at {self.efficiency:.0%} of link rate")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_counts(gpus: int, nodes: int) -> None:
+    """Raise `InputError` unless ``gpus`` GPUs spread evenly over ``nodes`` nodes."""
+    for flag, value in (("gpus", gpus), ("nodes", nodes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{flag} must be a positive integer, got {value!r}")
+    if gpus % nodes:
+        raise InputError(f"{gpus} GPUs do not spread evenly over {nodes} nodes: give a number of nodes dividing "
+                         f"{gpus} ({', '.join(map(str, _divisors(gpus)))}) or a multiple of {nodes} GPUs "
+                         f"({', '.join(str(nodes * k) for k in range(1, 5))}, ...)")
+
+
+def _link_from(entry, default: Link, where: str) -> Link:
+    if not isinstance(entry, dict):
+        raise InputError(f"{where} must be an object with bytes_per_second and latency_seconds, got {entry!r}")
+    unknown = sorted(set(entry) - {"name", "bytes_per_second", "latency_seconds", "source"})
+    if unknown:
+        raise InputError(f"{where} has unknown fields {unknown}; known: bytes_per_second, latency_seconds, "
+                         "name, source")
+    link = replace(default, **entry)
+    if not link.bytes_per_second > 0 or link.latency_seconds < 0:
+        raise InputError(f"{where} needs bytes_per_second > 0 and latency_seconds >= 0, got {entry}")
+    return link
+
+
+def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, overrides: dict | None = None) -> Cluster:
+    """The cluster of ``gpus`` ``target`` devices on ``nodes`` nodes, links by default from the
+    table above, overridden by the JSON file at ``path`` and then by ``overrides`` (same keys)."""
+    device = find_device(target)
+    check_counts(gpus, nodes)
+    pcie = Link("PCIe", device.host_to_device_bytes_per_second, _PCIE_LATENCY_SECONDS, device.source)
+    intra, inter = _DEFAULT_LINKS.get(device.name, (pcie, _NDR))
+    settings = {}
+    if path is not None:
+        try:
+            with open(path) as file:
+                settings = json.load(file)
+        except (OSError, json.JSONDecodeError) as error:
+            raise InputError(f"cannot read the cluster file {path}: {error}") from None
+        if not isinstance(settings, dict):
+            raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
+    settings = {**settings, **(overrides or {})}
+    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency"})
+    if unknown:
+        raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency")
+    efficiency = settings.get("efficiency", LINK_EFFICIENCY)
+    if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+        raise InputError(f"cluster efficiency must be in (0, 1], got {efficiency!r}")
+    if "intra_node" in settings:
+        intra = _link_from(settings["intra_node"], intra, "intra_node")
+    if "inter_node" in settings:
+        inter = _link_from(settings["inter_node"], inter, "inter_node")
+    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency))

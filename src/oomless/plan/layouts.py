@@ -1,0 +1,415 @@
+"""Predict every parallel layout of one training step on a cluster: data parallel (dp), sharded
+data parallel (fsdp), pipelines under each schedule and hybrids (dp x pp), each with its memory
+plan, and recommend the fastest that fits (issue 14, item 3; `oomless simulate`).
+
+    simulation = simulate_layouts(profile, profiled_batch=1, cluster=make_cluster("h100", 64, 8), global_batch=512)
+    print(simulation)                       # one row per layout; simulation.recommended
+
+``profile`` is one step of ``profiled_batch`` samples on the target (meta tensors,
+`profile.fake` / `profile.repeated`); each layout's per-rank step is that profile scaled linearly to
+its batch (`plan.microbatches.scale_profile`). Ranks are numbered node by node; data-parallel
+groups are consecutive ranks (inside a node first), pipeline stages the outer dimension.
+
+- **dp** (torch DDP): every rank holds the whole model and steps G / N samples; its memory plan is
+  `make_plan` (keep / swap / recompute per block) for the device's memory. Gradients are
+  all-reduced in buckets of 25 MiB (DDP's ``bucket_cap_mb``) as backward produces them, on a
+  communication stream beside compute; the step ends when both have, then the optimizer runs.
+- **fsdp** (FSDP2 ``fully_shard`` per block, ZeRO-3): parameters, gradients and optimizer state
+  sharded over all N ranks; each block's parameters all-gathered before its forward and again
+  before its backward (one block prefetched ahead, resharded after forward), its gradients
+  reduce-scattered after its backward. Static bytes per rank: the shards plus two blocks'
+  unsharded parameters and gradients (the one running and the one in flight); `make_plan` plans
+  the activations on top. All-gathers and reduce-scatters share one stream (the link). Parameters
+  move in their stored dtype (FSDP2 without a MixedPrecisionPolicy; with param_dtype=bf16 the
+  all-gathers would move half the bytes of fp32 weights). Every oomless block is one FSDP unit.
+- **pipeline** (dp = 1) and **hybrid** (dp x pp): for every pipeline depth pp dividing N and each
+  schedule, `choose_microbatches` cuts the profile of the replica's batch into stages (the
+  partitioner's cost model, activations sent to the next stage over the link between them) and
+  picks the number of micro-batches. The sends between stages are not overlapped with compute
+  and, once the pipeline spans nodes, every hop is priced at the slower link between nodes
+  (pessimistic: only the hops at node boundaries cross). Memory plans are uniform here: every block kept, or every
+  block recomputed (its input held, its forward run again in backward), whichever is faster
+  among those that fit. A hybrid all-reduces each pipeline rank's gradients over its dp group
+  after the pipeline's step (not overlapped: the stage-0 rank's last backward ends the step).
+- Optimizer step: bandwidth-bound, parameters and state read and written, gradients read, at the
+  roofline's memory efficiency.
+
+Assumptions: compute and communication overlap perfectly where streams allow (no slowdown of
+kernels sharing SMs with NCCL); linear scaling of time and activations with the batch; the
+collectives' model in `plan.collectives` (two levels across nodes).
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+from oomless.errors import InputError, PlanError
+from oomless.plan.cluster import Cluster
+from oomless.plan.collectives import all_gather_seconds, all_reduce_seconds, consecutive_group, reduce_scatter_seconds
+from oomless.plan.devices import MEMORY_EFFICIENCY
+from oomless.plan.microbatches import choose_microbatches, scale_profile
+from oomless.plan.planner import _transient_bytes, make_plan, static_breakdown
+from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from oomless.profile.profile import Profile
+from oomless.sizes import format_bytes
+
+DDP_BUCKET_BYTES = 25 * 2**20      # torch DDP's default bucket_cap_mb
+# Per micro-batch and stage, besides the send and receive latencies: the schedule's dispatch and
+# kernel launches on a GPU (an assumption, not measured; the partitioner's own default is CPU's).
+PIPELINE_ACTION_SECONDS = 20e-6
+
+
+@dataclass
+class Span:
+    """One interval of the predicted step on a stream, for the timeline plot."""
+
+    stream: str
+    label: str
+    start_seconds: float
+    end_seconds: float
+
+
+@dataclass
+class LayoutEstimate:
+    layout: str                      # "dp" | "fsdp" | "pipeline" | "hybrid"
+    data_parallel: int
+    pipeline_parallel: int
+    schedule: str | None
+    microbatches: int
+    samples_per_replica: int         # per step, per data-parallel replica
+    fits: bool
+    step_seconds: float
+    memory_per_rank_bytes: int       # predicted peak of the fullest rank; not fitting: the least that would fit
+    static_bytes: int                # parameters, gradients, optimizer state, buffers, inputs on that rank
+    memory_plan: str                 # the activation plan, in words
+    communication_seconds: float     # on the links, per rank
+    exposed_communication_seconds: float
+    compute_seconds: float
+    notes: list[str] = field(default_factory=list)
+    decisions: dict[str, str] = field(default_factory=dict)   # dp, fsdp: the memory plan's, per block
+    timeline: list[Span] = field(default_factory=list, repr=False)
+    partition: object = field(default=None, repr=False)     # pipelines: the `Partition`, for the plot
+
+    @property
+    def name(self) -> str:
+        if self.layout in ("dp", "fsdp"):
+            return f"{self.layout} x{self.data_parallel}"
+        shape = f"pp{self.pipeline_parallel}" if self.data_parallel == 1 else \
+            f"dp{self.data_parallel} x pp{self.pipeline_parallel}"
+        return f"{self.layout} {shape} {self.schedule}"
+
+
+class _Stream:
+    """A stream that runs its work in the order given, each piece once it is ready."""
+
+    def __init__(self, name: str, spans: list[Span]):
+        self.name, self.spans, self.free, self.busy = name, spans, 0.0, 0.0
+
+    def run(self, ready: float, seconds: float, label: str) -> float:
+        start = max(self.free, ready)
+        self.free = start + seconds
+        self.busy += seconds
+        if seconds > 0:
+            self.spans.append(Span(self.name, label, start, self.free))
+        return self.free
+
+
+def optimizer_seconds(cluster: Cluster, parameter_bytes: float, gradient_bytes: float, state_bytes: float) -> float:
+    """An elementwise optimizer's step: parameters and state read and written, gradients read."""
+    moved = 2 * parameter_bytes + gradient_bytes + 2 * state_bytes
+    return moved / (cluster.device.memory_bytes_per_second * MEMORY_EFFICIENCY)
+
+
+def _memory_plan(profile: Profile, memory_bytes: int):
+    """(plan, None) or (None, the least memory that would fit)."""
+    try:
+        return make_plan(profile, memory_bytes, solver="greedy"), None
+    except PlanError as error:
+        return None, error.minimum_bytes
+
+
+def _describe_plan(plan) -> str:
+    counts = {}
+    for block in plan.blocks:
+        counts[block.decision] = counts.get(block.decision, 0) + 1
+    return ", ".join(f"{decision} {counts[decision]}" for decision in ("keep", "swap", "recompute")
+                     if decision in counts)
+
+
+def _block_seconds(profile: Profile, plan) -> tuple[list[float], list[float]]:
+    """Each block's forward and backward seconds under ``plan`` (recompute runs the forward again
+    in backward; the simulator's stalls for swapped tensors spread over the swapped blocks)."""
+    forward = [block.forward_seconds for block in profile.blocks]
+    backward = [block.backward_seconds for block in profile.blocks]
+    if plan is None:
+        return forward, backward
+    decisions = [block.decision for block in plan.blocks]
+    for i, decision in enumerate(decisions):
+        if decision == "recompute":
+            backward[i] += forward[i]
+    stall = plan.predicted_step_seconds - sum(forward) - sum(backward) - profile.loss_seconds
+    swapped = [i for i, decision in enumerate(decisions) if decision == "swap"]
+    if stall > 0 and swapped:
+        saved = sum(profile.blocks[i].saved_bytes for i in swapped) or len(swapped)
+        for i in swapped:
+            backward[i] += stall * (profile.blocks[i].saved_bytes or 1) / saved
+    return forward, backward
+
+
+def _block_gradient_bytes(profile: Profile) -> list[float]:
+    """Each block's share of the gradients (blocks sharing a tied weight split it by their sizes)."""
+    total = sum(block.parameter_bytes for block in profile.blocks)
+    scale = profile.gradient_bytes / total if total else 0.0
+    return [block.parameter_bytes * scale for block in profile.blocks]
+
+
+def _block_parameter_bytes(profile: Profile) -> list[float]:
+    total = sum(block.parameter_bytes for block in profile.blocks)
+    scale = profile.parameter_bytes / total if total else 0.0
+    return [block.parameter_bytes * scale for block in profile.blocks]
+
+
+def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
+    """dp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples."""
+    n, device = cluster.gpus, cluster.device
+    plan, minimum = _memory_plan(profile, device.memory_bytes)
+    forward, backward = _block_seconds(profile, plan)
+    gradients = _block_gradient_bytes(profile)
+    group = consecutive_group(cluster, n)
+    spans: list[Span] = []
+    compute, link = _Stream("compute", spans), _Stream("communication", spans)
+    for i, block in enumerate(profile.blocks):
+        compute.run(0.0, forward[i], f"F {block.name}")
+    compute.run(0.0, profile.loss_seconds, "loss")
+    bucket, first = 0.0, None
+    for i in range(len(profile.blocks) - 1, -1, -1):
+        done = compute.run(0.0, backward[i], f"B {profile.blocks[i].name}")
+        bucket += gradients[i]
+        first = profile.blocks[i].name if first is None else first
+        if bucket >= DDP_BUCKET_BYTES or i == 0:
+            link.run(done, all_reduce_seconds(cluster, group, bucket), f"all-reduce {format_bytes(int(bucket))}")
+            bucket, first = 0.0, None
+    end = max(compute.free, link.free)
+    step_compute = compute.busy
+    update = optimizer_seconds(cluster, profile.parameter_bytes, profile.gradient_bytes, profile.optimizer_state_bytes)
+    compute.free = end
+    compute.run(end, update, "optimizer step")
+    static = sum(static_breakdown(profile).values())
+    return LayoutEstimate(
+        "dp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
+        plan.predicted_peak_bytes if plan else minimum, static,
+        _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
+        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
+        notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
+
+
+def fsdp_static_profile(profile: Profile, ranks: int) -> Profile:
+    """One fsdp rank's profile for the memory planner: parameters, gradients and optimizer state
+    sharded over ``ranks``, plus two blocks' unsharded parameters and gradients (the largest)."""
+    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    largest_parameters = 2 * math.ceil(max(parameters, default=0))
+    largest_gradients = 2 * math.ceil(max(gradients, default=0))
+    return replace(profile,
+                   parameter_bytes=math.ceil(profile.parameter_bytes / ranks) + largest_parameters,
+                   gradient_bytes=math.ceil(profile.gradient_bytes / ranks) + largest_gradients,
+                   optimizer_state_bytes=math.ceil(profile.optimizer_state_bytes / ranks))
+
+
+def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
+    """fsdp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples, unsharded."""
+    n, device = cluster.gpus, cluster.device
+    sharded = fsdp_static_profile(profile, n)
+    plan, minimum = _memory_plan(sharded, device.memory_bytes)
+    forward, backward = _block_seconds(profile, plan)
+    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    group = consecutive_group(cluster, n)
+    spans: list[Span] = []
+    compute, link = _Stream("compute", spans), _Stream("communication", spans)
+    blocks = profile.blocks
+    count = len(blocks)
+    gathered = [0.0] * count
+
+    def gather(i: int, ready: float, kind: str) -> None:
+        if 0 <= i < count:
+            gathered[i] = link.run(ready, all_gather_seconds(cluster, group, parameters[i]),
+                                   f"all-gather {kind} {blocks[i].name}") if parameters[i] else ready
+
+    gather(0, 0.0, "F")
+    for i in range(count):
+        start = max(compute.free, gathered[i])
+        gather(i + 1, start, "F")       # one block ahead
+        compute.run(start, forward[i], f"F {blocks[i].name}")
+    gather(count - 1, compute.free, "B")
+    compute.run(0.0, profile.loss_seconds, "loss")
+    for i in range(count - 1, -1, -1):
+        start = max(compute.free, gathered[i])
+        gather(i - 1, start, "B")
+        done = compute.run(start, backward[i], f"B {blocks[i].name}")
+        if gradients[i]:
+            link.run(done, reduce_scatter_seconds(cluster, group, gradients[i]), f"reduce-scatter {blocks[i].name}")
+    end = max(compute.free, link.free)
+    step_compute = sum(forward) + sum(backward) + profile.loss_seconds
+    update = optimizer_seconds(cluster, profile.parameter_bytes / n, profile.gradient_bytes / n,
+                               profile.optimizer_state_bytes / n)
+    compute.free = end
+    compute.run(end, update, "optimizer step")
+    static = sum(static_breakdown(sharded).values())
+    return LayoutEstimate(
+        "fsdp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
+        plan.predicted_peak_bytes if plan else minimum, static,
+        _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
+        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
+        notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
+
+
+def recompute_profile(profile: Profile) -> Profile:
+    """The profile as if every block were recomputed: it holds its input between forward and
+    backward, runs its forward again in backward, and holds its saved bytes during its backward."""
+    blocks = []
+    for block in profile.blocks:
+        working = 2 * block.output_bytes + 2 * block.largest_saved_bytes
+        held_input = block.input_bytes // max(block.calls, 1)
+        blocks.append(replace(block, saved_bytes=min(block.saved_bytes, held_input),
+                              largest_saved_bytes=min(block.largest_saved_bytes, held_input), saved_sizes=[],
+                              backward_seconds=block.backward_seconds + block.forward_seconds,
+                              forward_transient_bytes=working, backward_transient_bytes=working + block.saved_bytes))
+    return replace(profile, blocks=blocks)
+
+
+def microbatch_candidates(samples: int, ranks: int) -> list[int]:
+    """Micro-batch counts tried for a pipeline of ``ranks``: the smallest divisors of ``samples`` at
+    or above ranks and 4 x ranks (two, so that deep models plan in seconds: more micro-batches
+    shrink the bubble and, past the ranks, the bytes in flight, so the larger usually wins)."""
+    divisors = [m for m in range(1, samples + 1) if samples % m == 0]
+    picked = {next((m for m in divisors if m >= floor), None) for floor in (ranks, 4 * ranks)}
+    picked.discard(None)
+    return sorted(picked) or [samples]
+
+
+def cut_may_fit(profile: Profile, pieces: int, limit_bytes: int) -> bool:
+    """Whether ``profile``'s blocks cut into at most ``pieces`` contiguous pieces can each stay
+    within ``limit_bytes`` counting, per piece, its parameters, gradients and optimizer state, one
+    micro-batch of its saved activations and the largest working bytes of one of its blocks: less
+    than the partitioner counts, so a cut it finds must pass this first. Filling pieces greedily
+    answers exactly (the cost of a piece only grows with the blocks added)."""
+    state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
+    used, working, count = 0.0, 0, 1
+    for block, parameters, gradients in zip(profile.blocks, _block_parameter_bytes(profile),
+                                            _block_gradient_bytes(profile)):
+        held = parameters + gradients * (1 + state_share) + block.saved_bytes
+        block_working = _transient_bytes(block)
+        if held + block_working > limit_bytes:
+            return False
+        if used + held + max(working, block_working) > limit_bytes:
+            used, working, count = 0.0, 0, count + 1
+        used, working = used + held, max(working, block_working)
+    return count <= pieces
+
+
+def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, profiled_batch: int,
+                      pipeline_ranks: int, schedule: str) -> LayoutEstimate | None:
+    """A pipeline of ``pipeline_ranks`` stages (ranks) replicated over the rest of the GPUs; None
+    when the model has too few blocks for the stages."""
+    stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+    if len(profile.blocks) < pipeline_ranks * stages_per_rank:
+        return None
+    replicas = cluster.gpus // pipeline_ranks
+    samples = global_batch // replicas
+    group = consecutive_group(cluster, replicas)
+    across_nodes = replicas * pipeline_ranks > cluster.gpus_per_node
+    bytes_per_second, latency = cluster.effective(cluster.inter_node if across_nodes else cluster.intra_node)
+    overhead = 2 * latency + PIPELINE_ACTION_SECONDS
+    candidates = microbatch_candidates(samples, pipeline_ranks)
+    if stages_per_rank > 1:
+        # The partitioner's search for several stages per rank costs seconds on deep models: only
+        # the most micro-batches, the fewest bytes in flight and the smallest bubble, is tried.
+        candidates = candidates[-1:]
+    whole = scale_profile(profile, samples / profiled_batch)
+    layout = "pipeline" if replicas == 1 else "hybrid"
+    static_share = math.ceil((profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes)
+                             / pipeline_ranks)
+    # A rank holds whole stages; stages of a V-shaped or interleaved schedule are not neighbours,
+    # so for those only each stage alone is checked.
+    pieces = pipeline_ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
+    smallest = scale_profile(profile, samples / max(candidates) / profiled_batch)
+    best, least, tried = None, None, []
+    for plan_name, planned in (("keep all", whole), ("recompute all", None)):
+        if best is not None:
+            break       # every block kept fits: recomputing would only add time
+        planned = planned or recompute_profile(whole)
+        if not cut_may_fit(smallest if plan_name == "keep all" else recompute_profile(smallest), pieces,
+                           cluster.device.memory_bytes):
+            tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
+            continue
+        try:
+            partition = choose_microbatches(planned, pipeline_ranks, samples, cluster.device.memory_bytes, schedule,
+                                            stages_per_rank, bytes_per_second, overhead, candidates)
+        except PlanError as error:
+            least = error.minimum_bytes if least is None else min(least, error.minimum_bytes)
+            tried.append(f"{plan_name}: no cut fits")
+            continue
+        except InputError as error:          # no micro-batch count this schedule accepts
+            tried.append(f"{plan_name}: {error}")
+            continue
+        best = (plan_name, partition)
+    if best is None:
+        compute = sum(b.forward_seconds + b.backward_seconds for b in whole.blocks) + whole.loss_seconds
+        return LayoutEstimate(layout, replicas, pipeline_ranks, schedule, 0, samples, False, compute / pipeline_ranks,
+                              least or static_share, static_share, "no plan fits", 0.0, 0.0, compute / pipeline_ranks,
+                              notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
+                                     *tried[:-1]])
+    plan_name, partition = best
+    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    index = {block.name: i for i, block in enumerate(profile.blocks)}
+    rank_parameters, rank_gradients = [0.0] * pipeline_ranks, [0.0] * pipeline_ranks
+    for names, rank in zip(partition.stage_blocks, partition.stage_ranks):
+        rank_parameters[rank] += sum(parameters[index[name]] for name in names)
+        rank_gradients[rank] += sum(gradients[index[name]] for name in names)
+    state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
+    reduce = all_reduce_seconds(cluster, group, max(rank_gradients))
+    update = max(optimizer_seconds(cluster, p, g, g * state_share) for p, g in zip(rank_parameters, rank_gradients))
+    pipeline_seconds = partition.predicted_step_seconds
+    # Activations and their gradients crossing each cut, both ways, per micro-batch.
+    sends = sum(2 * crossing / bytes_per_second for crossing in partition.crossing_bytes[1:]) * partition.microbatches
+    return LayoutEstimate(
+        layout, replicas, pipeline_ranks, schedule, partition.microbatches, samples, True,
+        pipeline_seconds + reduce + update, max(partition.rank_bytes),
+        max(2 * p + g * state_share for p, g in zip(rank_parameters, rank_gradients)), plan_name,
+        sends / pipeline_ranks + reduce, reduce, pipeline_seconds * (1 - partition.bubble_fraction) + update,
+        notes=[f"bubble {partition.bubble_fraction:.0%}"] + ([f"{'; '.join(tried)}"] if tried else []),
+        partition=partition)
+
+
+def check_global_batch(global_batch: int, gpus: int) -> None:
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise InputError(f"global batch must be a positive integer, got {global_batch!r}")
+    if global_batch % gpus:
+        below = global_batch - global_batch % gpus
+        above = below + gpus
+        nearest = " or ".join(str(b) for b in (below, above) if b > 0)
+        raise InputError(f"a global batch of {global_batch} does not split evenly over {gpus} GPUs (each data-"
+                         f"parallel rank steps an equal share); use a multiple of {gpus}: {nearest}")
+
+
+def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster,
+                     global_batch: int) -> list[LayoutEstimate]:
+    """Every layout's estimate (module docstring), dp and fsdp first, then pipelines by depth."""
+    check_global_batch(global_batch, cluster.gpus)
+    if profiled_batch < 1:
+        raise InputError(f"the profiled batch must be at least 1 sample, got {profiled_batch}")
+    samples_per_rank = global_batch // cluster.gpus
+    per_rank = scale_profile(profile, samples_per_rank / profiled_batch)
+    estimates = [estimate_data_parallel(per_rank, cluster, samples_per_rank),
+                 estimate_fsdp(per_rank, cluster, samples_per_rank)]
+    for pipeline_ranks in (d for d in range(2, cluster.gpus + 1) if cluster.gpus % d == 0):
+        for schedule in SCHEDULES:
+            estimate = estimate_pipeline(profile, cluster, global_batch, profiled_batch, pipeline_ranks, schedule)
+            if estimate is not None:
+                estimates.append(estimate)
+    return estimates
+
+
+def recommend(estimates: list[LayoutEstimate]) -> LayoutEstimate | None:
+    """The fastest predicted step among the layouts that fit (the first listed, on ties)."""
+    fitting = [estimate for estimate in estimates if estimate.fits]
+    return min(fitting, key=lambda estimate: estimate.step_seconds) if fitting else None
+

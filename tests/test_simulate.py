@@ -1,0 +1,216 @@
+"""`oomless simulate`: collectives by the alpha-beta formulas, fsdp's bytes per rank by hand, dp
+against fsdp, the recommendation, the deep-model profile from a few layers, the command line and
+its errors. Nothing here times anything: `oomless simulate`'s speed on a 70B model is measured by
+hand (README), predictions against gloo runs are issue 14's item 4."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import oomless
+from oomless.models import MLP, TinyTransformer
+from oomless.plan.cluster import make_cluster
+from oomless.plan.collectives import (Group, all_gather_seconds, all_reduce_seconds, point_to_point_seconds,
+                                      reduce_scatter_seconds, ring_all_gather_seconds, ring_all_reduce_seconds,
+                                      ring_reduce_scatter_seconds, send_seconds)
+from oomless.plan.devices import Device, find_device, register_device
+from oomless.plan.layouts import estimate_data_parallel, estimate_fsdp, estimate_layouts, recommend
+from oomless.plan.microbatches import scale_profile
+from oomless.profile.fake import profile_for_target
+from oomless.profile.repeated import profile_few_layers
+
+SOURCE = Path(__file__).resolve().parents[1] / "src"
+MiB = 2**20
+
+
+def test_ring_formulas_against_hand_computed_values():
+    # 1 GB over 8 ranks on 100 GB/s links with 10 us per step.
+    assert ring_all_reduce_seconds(1e9, 8, 100e9, 1e-5) == pytest.approx(2 * 7 / 8 * 0.01 + 14e-5)   # 0.01764
+    assert ring_all_gather_seconds(1e9, 8, 100e9, 1e-5) == pytest.approx(7 / 8 * 0.01 + 7e-5)       # 0.00882
+    assert ring_reduce_scatter_seconds(1e9, 8, 100e9, 1e-5) == pytest.approx(0.00882)
+    assert point_to_point_seconds(1e9, 100e9, 1e-5) == pytest.approx(0.01001)
+    assert ring_all_reduce_seconds(1e9, 1, 100e9, 1e-5) == 0.0      # one rank: nothing to exchange
+
+
+def test_collectives_on_a_cluster_one_node_is_the_ring_two_nodes_go_in_two_levels():
+    links = {"intra_node": {"bytes_per_second": 100e9, "latency_seconds": 1e-5},
+             "inter_node": {"bytes_per_second": 10e9, "latency_seconds": 5e-5}, "efficiency": 1.0}
+    one_node = make_cluster("h100", 4, 1, overrides=links)
+    assert all_reduce_seconds(one_node, Group(4), 4e9) == pytest.approx(2 * 3 / 4 * 0.04 + 6e-5)
+    two_nodes = make_cluster("h100", 8, 2, overrides=links)
+    size = 4e9
+    # Reduce-scatter in the node, all-reduce of a quarter across the 2 nodes, all-gather in the node.
+    intra = 3 / 4 * size / 100e9 + 3 * 1e-5
+    across = 2 * 1 / 2 * (size / 4) / 10e9 + 2 * 5e-5
+    assert all_reduce_seconds(two_nodes, Group(4, 2), size) == pytest.approx(2 * intra + across)
+    gather = 1 / 2 * (size / 4) / 10e9 + 5e-5 + intra
+    assert all_gather_seconds(two_nodes, Group(4, 2), size) == pytest.approx(gather)
+    assert reduce_scatter_seconds(two_nodes, Group(4, 2), size) == pytest.approx(gather)
+    assert all_reduce_seconds(two_nodes, Group(1, 2), size) == pytest.approx(2 * 1 / 2 * 0.4 + 2 * 5e-5)
+    assert send_seconds(two_nodes, size, across_nodes=True) == pytest.approx(0.4 + 5e-5)
+    # The default H100 node: NVLink 4 at 450 GB/s each way, InfiniBand NDR 400 Gb/s per GPU, 80 %.
+    default = make_cluster("h100", 16, 2)
+    assert default.intra_node.bytes_per_second == 450e9 and default.inter_node.bytes_per_second == 50e9
+    assert default.effective(default.intra_node)[0] == pytest.approx(360e9)
+
+
+SIZES = (256, 1024, 1024, 16)
+
+
+def _mlp_profile(batch: int):
+    model = MLP(SIZES)
+    inputs = torch.randn(batch, SIZES[0])
+    return profile_for_target(model, inputs, "h100", loss_fn=oomless.sum_of_outputs,
+                              optimizer=torch.optim.Adam(model.parameters()))
+
+
+def test_fsdp_bytes_per_rank_are_the_shards_two_blocks_unsharded_and_the_activations():
+    ranks = 4
+    cluster = make_cluster("h100", ranks, 1)
+    profile = _mlp_profile(8)
+    layers = [(width_in * width_out + width_out) * 4 for width_in, width_out in zip(SIZES, SIZES[1:])]
+    parameters = sum(layers)                  # fp32 weights and biases of the three Linear layers
+    assert profile.parameter_bytes == parameters and profile.optimizer_state_bytes == 2 * parameters
+    fsdp = estimate_fsdp(profile, cluster, 8)
+    largest = max(layers)                     # the 1024 x 1024 layer: running + prefetched
+    sharded = math.ceil(parameters / ranks) + math.ceil(parameters / ranks) + math.ceil(2 * parameters / ranks)
+    assert fsdp.static_bytes == sharded + 2 * largest + 2 * largest + profile.input_bytes
+    dp = estimate_data_parallel(profile, cluster, 8)
+    assert dp.static_bytes == 4 * parameters + profile.input_bytes
+    assert fsdp.fits and dp.fits and fsdp.memory_plan == dp.memory_plan == "keep 5"
+    # Beyond the static bytes both hold the same activations (and working memory) of 8 samples.
+    assert fsdp.memory_per_rank_bytes - fsdp.static_bytes == dp.memory_per_rank_bytes - dp.static_bytes > 0
+    assert set(fsdp.decisions.values()) == {"keep"} and list(fsdp.decisions) == [b.name for b in profile.blocks]
+
+
+def test_fsdp_holds_less_per_rank_and_moves_more_than_dp():
+    cluster = make_cluster("h100", 8, 1)
+    profile = _mlp_profile(8)
+    dp, fsdp = estimate_data_parallel(profile, cluster, 8), estimate_fsdp(profile, cluster, 8)
+    assert fsdp.memory_per_rank_bytes < dp.memory_per_rank_bytes
+    # all-gather twice and reduce-scatter once, (n-1)/n S each, against all-reduce's 2 (n-1)/n S.
+    assert fsdp.communication_seconds > dp.communication_seconds
+
+
+@pytest.fixture(scope="module")
+def small_gpu():
+    """A made-up 256 MiB device with H100 speeds: a 100 MiB model with Adam does not fit it whole."""
+    h100 = find_device("h100")
+    return register_device(Device("test-256mib", 256 * MiB, h100.memory_bytes_per_second, h100.bf16_flops,
+                                  h100.fp16_flops, h100.fp32_flops, h100.tf32_flops,
+                                  h100.host_to_device_bytes_per_second, h100.device_to_host_bytes_per_second,
+                                  "made up for tests/test_simulate.py"))
+
+
+def _deep_mlp():
+    return MLP((1024,) * 26)                 # 25 layers of 4 MiB: 100 MiB of weights, 400 MiB with Adam
+
+
+def test_a_model_too_big_for_dp_is_recommended_fsdp_or_a_pipeline(small_gpu):
+    model = _deep_mlp()
+    simulation = oomless.simulate(model, torch.randn(2, 1024), global_batch=16, target="test-256mib", gpus=8,
+                                  loss_fn=oomless.sum_of_outputs, optimizer=torch.optim.Adam(model.parameters()))
+    dp = simulation.layout("dp x8")
+    assert not dp.fits and dp.memory_per_rank_bytes > small_gpu.memory_bytes
+    best = simulation.best
+    assert best is not None and best.layout in ("fsdp", "pipeline", "hybrid")
+    assert best.memory_per_rank_bytes <= small_gpu.memory_bytes
+
+
+def test_the_recommended_layout_is_the_fastest_that_fits(small_gpu):
+    model = _deep_mlp()
+    profile = profile_for_target(model, torch.randn(2, 1024), small_gpu, loss_fn=oomless.sum_of_outputs,
+                                 optimizer=torch.optim.Adam(model.parameters()))
+    estimates = estimate_layouts(profile, 2, make_cluster(small_gpu, 8, 2), 32)
+    names = {estimate.name for estimate in estimates}
+    assert {"dp x8", "fsdp x8", "pipeline pp8 1f1b", "hybrid dp2 x pp4 zero-bubble", "hybrid dp4 x pp2 gpipe"} <= names
+    fitting = [estimate for estimate in estimates if estimate.fits]
+    assert fitting and any(not estimate.fits for estimate in estimates)
+    best = recommend(estimates)
+    assert best.fits and best.step_seconds == min(estimate.step_seconds for estimate in fitting)
+    assert all(estimate.memory_per_rank_bytes <= small_gpu.memory_bytes for estimate in fitting)
+
+
+def test_a_deep_model_is_profiled_from_three_layers_and_extended():
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=500, dim=64, depth=9, heads=4, max_len=32)
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    optimizer = torch.optim.Adam(model.parameters())
+    whole = profile_for_target(model, tokens, "h100", loss_fn=oomless.sum_of_outputs, optimizer=optimizer)
+    few = profile_few_layers(model, tokens, "h100", loss_fn=oomless.sum_of_outputs, optimizer=optimizer)
+    assert len(model.blocks) == 9                               # put back as found
+    assert [block.name for block in few.blocks] == [block.name for block in whole.blocks]
+    for mine, theirs in zip(few.blocks, whole.blocks):
+        assert mine.saved_bytes == theirs.saved_bytes and mine.parameter_bytes == theirs.parameter_bytes
+        assert mine.forward_seconds == pytest.approx(theirs.forward_seconds)
+    for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes",
+                 "unassigned_saved_bytes", "input_bytes"):
+        assert getattr(few, name) == getattr(whole, name), name
+    assert any("3 of the 9 identical layers" in note for note in few.notes)
+
+
+def run_oomless(*arguments: str, cwd=None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(SOURCE)}
+    return subprocess.run([sys.executable, "-m", "oomless", *arguments], capture_output=True, text=True,
+                          env=environment, cwd=cwd, timeout=300)
+
+
+def test_the_command_line_prints_json_that_parses_and_draws_the_timeline(tmp_path):
+    completed = run_oomless("simulate", "transformer", "--input-shape", "2,32", "--global-batch", "16",
+                            "--target", "h100", "--gpus", "4", "--nodes", "2", "--json",
+                            "--plot", str(tmp_path / "timeline.png"), "--model-arg", "depth=4",
+                            "--model-arg", "max_len=32")
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout)
+    assert result["recommended"] in [layout["name"] for layout in result["layouts"]]
+    assert result["cluster"]["gpus"] == 4 and result["cluster"]["nodes"] == 2
+    assert {layout["layout"] for layout in result["layouts"]} == {"dp", "fsdp", "pipeline", "hybrid"}
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("--target", "h900", "--gpus", "8"), "unknown target device 'h900'; known: "),
+    (("--gpus", "12", "--nodes", "5"), "12 GPUs do not spread evenly over 5 nodes: give a number of nodes dividing 12 "
+                                       "(1, 2, 3, 4, 6, 12)"),
+    (("--gpus", "8", "--global-batch", "20"), "a global batch of 20 does not split evenly over 8 GPUs"),
+])
+def test_bad_input_is_one_line_naming_what_would_work(arguments, message):
+    base = {"--global-batch": "16", "--input-shape": "2,32"}
+    flags = dict(zip(arguments[::2], arguments[1::2]))
+    completed = run_oomless("simulate", "transformer", *[item for pair in {**base, **flags}.items() for item in pair])
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], completed.stderr
+
+
+def test_bad_input_in_the_python_api_raises_input_error():
+    model = MLP(SIZES)
+    inputs = torch.randn(2, SIZES[0])
+    with pytest.raises(oomless.InputError, match="use a multiple of 8: 16 or 24"):
+        oomless.simulate(model, inputs, global_batch=20, gpus=8)
+    with pytest.raises(oomless.InputError, match="known: "):
+        oomless.simulate(model, inputs, global_batch=16, target="tpu", gpus=8)
+    with pytest.raises(oomless.InputError, match=r"\(1, 2, 4, 8\)"):
+        oomless.simulate(model, inputs, global_batch=16, gpus=8, nodes=3)
+    with pytest.raises(oomless.InputError, match="unknown keys"):
+        oomless.simulate(model, inputs, global_batch=16, gpus=8, cluster={"nvlink": 1})
+
+
+def test_a_cluster_file_overrides_the_links_and_names_unknown_keys(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"inter_node": {"name": "RoCE 200G", "bytes_per_second": 25e9}, "efficiency": 0.9}))
+    cluster = make_cluster("h100", 16, 2, path=str(path))
+    assert cluster.inter_node.name == "RoCE 200G" and cluster.inter_node.bytes_per_second == 25e9
+    assert cluster.inter_node.latency_seconds == make_cluster("h100", 16, 2).inter_node.latency_seconds
+    assert cluster.intra_node.bytes_per_second == 450e9 and cluster.efficiency == 0.9
+    slower = all_reduce_seconds(cluster, Group(8, 2), 1e9)
+    assert slower > all_reduce_seconds(make_cluster("h100", 16, 2), Group(8, 2), 1e9)
+    path.write_text(json.dumps({"inter_node": {"gbps": 200}}))
+    with pytest.raises(oomless.InputError, match="unknown fields"):
+        make_cluster("h100", 16, 2, path=str(path))
