@@ -31,7 +31,9 @@ ROOT = BENCH_DIRECTORY.parent
 if str(BENCH_DIRECTORY) not in sys.path:
     sys.path.insert(0, str(BENCH_DIRECTORY))
 
-METHODS = ("plain", "checkpoint", "save_on_cpu", "oomless")
+METHODS = ("plain", "checkpoint", "save_on_cpu", "oomless", "oomless-split")
+# "oomless-split": oomless.plan(..., split=True), every U-Net stage computed in slabs (README, "Chains
+# computed in slabs"); "oomless" lets the planner decide (it splits only where no plan without fits).
 MULTIPLE = 8          # 2**depth of the U-Net
 TRIAL_TIMEOUT_SECONDS = 1800
 
@@ -41,8 +43,10 @@ def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: i
     """One training configuration in a fresh process; adds ``fits``."""
     config = {"model": "unet3d", "side": side, "batch": 1, "mode": method, "device": device, "threads": threads,
               "steps": steps, "memory_limit_bytes": memory_bytes, "precision": precision}
-    if method == "oomless":
+    if method.startswith("oomless"):
         config["memory"] = memory_bytes
+        config["split"] = True if method == "oomless-split" else None
+    config["mode"] = "oomless" if method.startswith("oomless") else method
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
     try:
@@ -60,11 +64,11 @@ def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: i
     result.pop("config", None)
     result["side"] = side
     result["wall_seconds"] = time.perf_counter() - started
-    if method == "oomless" and "refused" in result:
+    if method.startswith("oomless") and "refused" in result:
         result["fits"] = False
     else:
         result["fits"] = result["peak_bytes"] <= memory_bytes
-        if method == "oomless" and not result["fits"]:
+        if method.startswith("oomless") and not result["fits"]:
             result["broken_promise"] = True   # planned for the memory, measured over it
     return result
 
@@ -124,7 +128,7 @@ def plot(result: dict, path: Path) -> Path | None:
     methods = [name for name in METHODS if name in result["methods"]]
     sides = [result["methods"][name]["largest_side"] or 0 for name in methods]
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    bars = axes.bar(methods, [side**3 / 1e6 for side in sides], color=["tab:red", "tab:orange", "tab:gray", "tab:blue"][:len(methods)])
+    bars = axes.bar(methods, [side**3 / 1e6 for side in sides], color=["tab:red", "tab:orange", "tab:gray", "tab:blue", "tab:cyan"][:len(methods)])
     for bar, side in zip(bars, sides):
         axes.annotate(f"{side}^3", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     axes.set_ylabel("largest trainable volume (million voxels)")
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--memory", default=None, help="the fixed memory (default 1GiB on CPU, 8GiB on CUDA; 256MiB with --quick)")
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--start", type=int, default=16, help="the side the search starts from (a multiple of 8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="every method trains under this autocast (oomless: precision=; plain and checkpoint: "
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for method in methods:
         print(f"{method}: searching the largest side within {memory}", flush=True)
-        side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, 16, stop,
+        side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, args.start, stop,
                                     lambda line: print(line, flush=True), args.precision)
         result["methods"][method] = summarise(method, side, trials)
     result["seconds"] = time.perf_counter() - started
