@@ -103,3 +103,19 @@ def test_simulator_swap_is_free_only_when_transfers_hide():
     recompute = simulate(fast, ["recompute"] * 4)
     added = sum(block.forward_seconds for block in fast.blocks)
     assert recompute.step_seconds == pytest.approx(simulate(fast, ["keep"] * 4).step_seconds + added)
+
+
+@pytest.mark.parametrize("solver", ["greedy", "exact", "auto"])
+@pytest.mark.parametrize("link", [(1e9, "pcie"), (2e7, "disk")])
+def test_every_solver_plans_at_the_smallest_memory_it_names(solver, link):
+    """At PlanError's named minimum a plan exists (the most frugal one is the witness); each solver must
+    find one that fits, not its fastest candidate over the budget. Mixed blocks: some whose copies hide,
+    some cheaper to recompute, one large."""
+    blocks = [_block(f"b{i}", saved, forward) for i, (saved, forward) in
+              enumerate([(40, 50), (120, 2), (60, 80), (300, 5), (20, 1), (90, 120), (150, 3), (30, 40)])]
+    profile = _profile(blocks, link_bytes_per_second=link[0], kind=link[1])
+    with pytest.raises(oomless.PlanError) as error:
+        make_plan(profile, smallest_memory(profile) - MiB, solver=solver)
+    plan = make_plan(profile, error.value.minimum_bytes, solver=solver)
+    assert plan.predicted_peak_bytes <= error.value.minimum_bytes
+    assert set(plan.decisions.values()) != {"keep"}
