@@ -74,7 +74,8 @@ BUGS = [
                "low, high = max(0, low - op.halo), min(depth, high + op.halo)",
                "low, high = max(0, low - op.halo + 1), min(depth, high + op.halo)", ("tests/test_split.py",)),
     PlantedBug("slabbed normalisation without its statistics' backward", "runtime/slabs.py",
-               "            for low, high in ctx.bounds:\n                backpropagate(index, low, high, through_statistics)",
+               "            for low, high in ctx.bounds:\n"
+               "                backpropagate(index, low, high, through_statistics)",
                "            pass", ("tests/test_split.py",)),
 ]
 

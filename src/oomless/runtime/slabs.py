@@ -54,7 +54,8 @@ def why_not_sliceable(module: nn.Module) -> str | None:
     """Why ``module`` (a leaf of a chain) cannot run in slabs along AXIS; None when it can."""
     if type(module) in _CONVOLUTIONS:
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return f"{type(module).__name__} with padding {module.padding!r} ({module.padding_mode}): needs int zero padding"
+            return (f"{type(module).__name__} with padding {module.padding!r} ({module.padding_mode}): "
+                    "needs int zero padding")
         kernel, dilation = module.kernel_size[0], module.dilation[0]
         if module.stride[0] != 1 or dilation * (kernel - 1) != 2 * module.padding[0]:
             return (f"{type(module).__name__} stride {module.stride[0]}, kernel {kernel}, padding {module.padding[0]} "
@@ -93,7 +94,9 @@ class SlabChain:
 
     @classmethod
     def of(cls, modules: list[nn.Module]) -> "SlabChain | None":
-        if not any(type(leaf) in _CONVOLUTIONS for leaf in modules) or any(why_not_sliceable(leaf) is not None for leaf in modules):
+        if not any(type(leaf) in _CONVOLUTIONS for leaf in modules):
+            return None         # nothing a slab would shrink
+        if any(why_not_sliceable(leaf) is not None for leaf in modules):
             return None
         ops = []
         for leaf in modules:
