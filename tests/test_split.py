@@ -196,3 +196,14 @@ def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
     with pytest.raises(PlanError) as error:
         plan_splitting_the_floor(model, first, plan_profile, profile_split)
     assert error.value is first
+
+
+def test_a_profile_measured_split_plans_split(thin_slabs):
+    model = UNet3D(base_channels=4, depth=2)
+    volume = torch.randn(1, 1, 16, 16, 16)
+    measured = oomless.profile(model, volume, loss_fn=oomless.sum_of_outputs, split={"encoders.0": 4})
+    assert measured.split == {"encoders.0": 4}
+    assert "encoders.0" in [block.name for block in measured.blocks]     # one block: its ops do not run alone
+    assert type(model.encoders[0]) is ConvStage                           # profiling left the model unsplit
+    plan = oomless.plan(model, volume, "4GiB", loss_fn=oomless.sum_of_outputs, profile=measured)
+    assert plan.split == {"encoders.0": 4}

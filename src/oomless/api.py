@@ -44,7 +44,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
     keep/swap/recompute for every block instead of searching; storages smaller than
     ``min_swap_bytes`` are never swapped (the copy would cost more than it frees). A ``profile``
-    from `oomless.profile` is reused instead of measuring again.
+    from `oomless.profile` is reused instead of measuring again (where no plan fits it and ``split``
+    is None, the step is measured again with chains split, see below).
 
     With ``target`` (a device name such as "h100", or an `oomless.Device`), nothing runs for real:
     the step is profiled on meta tensors and timed by that device's roofline, so the model and the
@@ -146,16 +147,19 @@ def _split_request(model: nn.Module, split) -> dict[str, int]:
 
 
 def profile(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None, target=None,
-            dtype: torch.dtype | None = None, memory=None, precision: str = "fp32", compile=False) -> Profile:
+            dtype: torch.dtype | None = None, memory=None, precision: str = "fp32", compile=False,
+            split=None) -> Profile:
     """Measure one training step per block (see `oomless.profile.profiler`); plain data. Block
     times are measured under the plan for ``memory`` when given (else recomputing every block).
     With ``target``, profile on meta tensors for that device instead (`oomless.profile.fake`).
-    ``precision``, ``compile``: as for `plan`."""
+    ``precision``, ``compile``: as for `plan`; ``split`` (True or {chain: slabs}) measures the step
+    with those chains in slabs (None/False: unsplit)."""
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, None, 0, None, dtype, target,
                                   function="profile")
     autocast_dtype(precision)
     return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
-                              None if memory is None else parse_bytes(memory), precision, compile_options(compile))
+                              None if memory is None else parse_bytes(memory), precision, compile_options(compile),
+                              _split_request(model, split))
 
 
 def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100", gpus: int = 8, nodes: int = 1,

@@ -154,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
                               precision=args.precision)
     plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
+    if args.plot and plan.split:
+        # The planner split chains where no plan without fitted: the plot replays the step it measured.
+        profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
+                                  blocks=args.blocks, dtype=plan_kwargs.get("dtype"), precision=args.precision,
+                                  split=plan.split)
     if args.plot:
         from oomless.plan.plot import plot_plan
         print(f"memory over one step written to {plot_plan(profile, plan, args.plot)}",
