@@ -122,6 +122,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     except PlanError as error:
         if split is not None or decisions is not None or target is not None or precision != "fp32" or options:
             raise
+        if error.limiting_block is None:
+            raise   # static bytes alone exceed the budget (or the loss sets the floor): no split lowers that
         made = plan_splitting_the_floor(
             model, error, plan_profile,
             lambda chains: profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype,
