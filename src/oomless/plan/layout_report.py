@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from oomless.errors import InputError
 from oomless.plan.layouts import LayoutEstimate, Span
-from oomless.plan.schedules import rank_actions
+from oomless.plan.schedules import rank_actions, simulate_actions
 from oomless.sizes import format_bytes
 
 
@@ -121,39 +121,18 @@ def pipeline_spans(estimate: LayoutEstimate) -> list[Span]:
     partition = estimate.partition
     ranks, per_rank, microbatches = partition.ranks, partition.stages_per_rank, partition.microbatches
     orders = [rank_actions(partition.schedule, rank, ranks, per_rank, microbatches) for rank in range(ranks)]
-    stages = ranks * per_rank
 
     def seconds(stage: int, kind: str) -> float:
         total = partition.stage_seconds[stage] + partition.overhead_seconds
         forward = total * partition.forward_fraction
         return {"F": forward, "B": total - forward}.get(kind, (total - forward) / 2)
 
-    finished, spans = {}, []
-    position, free = [0] * ranks, [0.0] * ranks
-    left = sum(map(len, orders))
-    while left:
-        progressed = False
-        for rank, order in enumerate(orders):
-            while position[rank] < len(order):
-                stage, kind, microbatch = order[position[rank]]
-                if kind == "F":
-                    needs = [("F", stage - 1, microbatch)] if stage else []
-                elif kind in "BI":
-                    needs = [("F", stage, microbatch)] + ([("grad", stage + 1, microbatch)]
-                                                          if stage < stages - 1 else [])
-                else:
-                    needs = [("grad", stage, microbatch)]
-                if any(need not in finished for need in needs):
-                    break
-                start = max([free[rank], *map(finished.get, needs)])
-                free[rank] = start + seconds(stage, kind)
-                finished["grad" if kind in "BI" else kind, stage, microbatch] = free[rank]
-                spans.append(Span(f"rank {rank}", kind, start, free[rank]))
-                position[rank] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            break
+    spans = []
+
+    def record(rank: int, kind: str, start: float, end: float) -> None:
+        spans.append(Span(f"rank {rank}", kind, start, end))
+
+    simulate_actions(orders, seconds, record)
     return spans
 
 

@@ -250,11 +250,13 @@ def rank_in_flight(schedule: str, rank: int, ranks: int, stages_per_rank: int,
     return peaks, sorted(kept)
 
 
-def simulate_actions(orders: list[list[Action]], action_seconds: Callable[[int, str], float]) -> float:
+def simulate_actions(orders: list[list[Action]], action_seconds: Callable[[int, str], float],
+                     on_action: Callable[[int, str, float, float], None] | None = None) -> float:
     """Makespan of every rank running its ``orders`` in turn, each action as soon as its inputs
     exist (a forward after the previous stage's forward of its micro-batch; a backward or input-
     gradient pass after the next stage's and its own forward; a weight pass after its own input-
-    gradient pass), taking ``action_seconds(stage, kind)``, with free communication."""
+    gradient pass), taking ``action_seconds(stage, kind)``, with free communication.
+    ``on_action(rank, kind, start, end)`` is told each action's times (the timeline plot)."""
     stages = 1 + max((action.stage for order in orders for action in order), default=0)
     finished: dict[tuple[str, int, int], float] = {}   # ("F" or "grad" or "W", stage, micro-batch)
     position, free_at = [0] * len(orders), [0.0] * len(orders)
@@ -273,8 +275,11 @@ def simulate_actions(orders: list[list[Action]], action_seconds: Callable[[int, 
                     needs = [("grad", stage, microbatch)]
                 if any(need not in finished for need in needs):
                     break
-                free_at[rank] = max([free_at[rank], *map(finished.get, needs)]) + action_seconds(stage, kind)
+                start = max([free_at[rank], *map(finished.get, needs)])
+                free_at[rank] = start + action_seconds(stage, kind)
                 finished["grad" if kind in "BI" else kind, stage, microbatch] = free_at[rank]
+                if on_action is not None:
+                    on_action(rank, kind, start, free_at[rank])
                 position[rank] += 1
                 left -= 1
                 ran = True
