@@ -155,17 +155,28 @@ def _block_seconds(profile: Profile, plan) -> tuple[list[float], list[float]]:
     return forward, backward
 
 
-def _block_gradient_bytes(profile: Profile) -> list[float]:
-    """Each block's share of the gradients (blocks sharing a tied weight split it by their sizes)."""
+def _block_shares(profile: Profile, total_bytes: float) -> list[float]:
+    """``total_bytes`` (the gradients, the parameters) split over the blocks by their parameter bytes
+    (blocks sharing a tied weight split it by their sizes)."""
     total = sum(block.parameter_bytes for block in profile.blocks)
-    scale = profile.gradient_bytes / total if total else 0.0
+    scale = total_bytes / total if total else 0.0
     return [block.parameter_bytes * scale for block in profile.blocks]
 
 
-def _block_parameter_bytes(profile: Profile) -> list[float]:
-    total = sum(block.parameter_bytes for block in profile.blocks)
-    scale = profile.parameter_bytes / total if total else 0.0
-    return [block.parameter_bytes * scale for block in profile.blocks]
+def _finish_step(name: str, ranks: int, samples_per_rank: int, plan, minimum: int, static: int,
+                 compute: "_Stream", link: "_Stream", step_compute: float, update_seconds: float,
+                 spans: list[Span]) -> LayoutEstimate:
+    """The optimizer step once compute and communication are both done, and the estimate of a
+    data-parallel layout (dp, fsdp) from its streams."""
+    end = max(compute.free, link.free)
+    compute.free = end
+    compute.run(end, update_seconds, "optimizer step")
+    return LayoutEstimate(
+        name, ranks, 1, None, 1, samples_per_rank, plan is not None, compute.free,
+        plan.predicted_peak_bytes if plan else minimum, static,
+        _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
+        step_compute + update_seconds, timeline=spans, decisions=plan.decisions if plan else {},
+        notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
 
 
 def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
@@ -173,7 +184,7 @@ def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank:
     n, device = cluster.gpus, cluster.device
     plan, minimum = _memory_plan(profile, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
-    gradients = _block_gradient_bytes(profile)
+    gradients = _block_shares(profile, profile.gradient_bytes)
     group = consecutive_group(cluster, n)
     spans: list[Span] = []
     compute, link = _Stream("compute", spans), _Stream("communication", spans)
@@ -188,24 +199,16 @@ def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank:
         if bucket >= DDP_BUCKET_BYTES or i == 0:
             link.run(done, all_reduce_seconds(cluster, group, bucket), f"all-reduce {format_bytes(int(bucket))}")
             bucket, first = 0.0, None
-    end = max(compute.free, link.free)
-    step_compute = compute.busy
     update = optimizer_seconds(cluster, profile.parameter_bytes, profile.gradient_bytes, profile.optimizer_state_bytes)
-    compute.free = end
-    compute.run(end, update, "optimizer step")
-    static = sum(static_breakdown(profile).values())
-    return LayoutEstimate(
-        "dp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
-        plan.predicted_peak_bytes if plan else minimum, static,
-        _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
-        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
-        notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
+    return _finish_step("dp", n, samples_per_rank, plan, minimum, sum(static_breakdown(profile).values()),
+                        compute, link, compute.busy, update, spans)
 
 
 def fsdp_static_profile(profile: Profile, ranks: int) -> Profile:
     """One fsdp rank's profile for the memory planner: parameters, gradients and optimizer state
     sharded over ``ranks``, plus two blocks' unsharded parameters and gradients (the largest)."""
-    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    parameters = _block_shares(profile, profile.parameter_bytes)
+    gradients = _block_shares(profile, profile.gradient_bytes)
     largest_parameters = 2 * math.ceil(max(parameters, default=0))
     largest_gradients = 2 * math.ceil(max(gradients, default=0))
     return replace(profile,
@@ -220,7 +223,8 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
     sharded = fsdp_static_profile(profile, n)
     plan, minimum = _memory_plan(sharded, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
-    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    parameters = _block_shares(profile, profile.parameter_bytes)
+    gradients = _block_shares(profile, profile.gradient_bytes)
     group = consecutive_group(cluster, n)
     spans: list[Span] = []
     compute, link = _Stream("compute", spans), _Stream("communication", spans)
@@ -246,19 +250,10 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
         done = compute.run(start, backward[i], f"B {blocks[i].name}")
         if gradients[i]:
             link.run(done, reduce_scatter_seconds(cluster, group, gradients[i]), f"reduce-scatter {blocks[i].name}")
-    end = max(compute.free, link.free)
-    step_compute = sum(forward) + sum(backward) + profile.loss_seconds
     update = optimizer_seconds(cluster, profile.parameter_bytes / n, profile.gradient_bytes / n,
                                profile.optimizer_state_bytes / n)
-    compute.free = end
-    compute.run(end, update, "optimizer step")
-    static = sum(static_breakdown(sharded).values())
-    return LayoutEstimate(
-        "fsdp", n, 1, None, 1, samples_per_rank, plan is not None, compute.free,
-        plan.predicted_peak_bytes if plan else minimum, static,
-        _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
-        step_compute + update, timeline=spans, decisions=plan.decisions if plan else {},
-        notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
+    return _finish_step("fsdp", n, samples_per_rank, plan, minimum, sum(static_breakdown(sharded).values()),
+                        compute, link, sum(forward) + sum(backward) + profile.loss_seconds, update, spans)
 
 
 def recompute_profile(profile: Profile) -> Profile:
@@ -293,8 +288,8 @@ def cut_may_fit(profile: Profile, pieces: int, limit_bytes: int) -> bool:
     answers exactly (the cost of a piece only grows with the blocks added)."""
     state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
     used, working, count = 0.0, 0, 1
-    for block, parameters, gradients in zip(profile.blocks, _block_parameter_bytes(profile),
-                                            _block_gradient_bytes(profile)):
+    for block, parameters, gradients in zip(profile.blocks, _block_shares(profile, profile.parameter_bytes),
+                                            _block_shares(profile, profile.gradient_bytes)):
         held = parameters + gradients * (1 + state_share) + block.saved_bytes
         block_working = _transient_bytes(block)
         if held + block_working > limit_bytes:
@@ -358,7 +353,8 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
                               notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
                                      *tried[:-1]])
     plan_name, partition = best
-    parameters, gradients = _block_parameter_bytes(profile), _block_gradient_bytes(profile)
+    parameters = _block_shares(profile, profile.parameter_bytes)
+    gradients = _block_shares(profile, profile.gradient_bytes)
     index = {block.name: i for i, block in enumerate(profile.blocks)}
     rank_parameters, rank_gradients = [0.0] * pipeline_ranks, [0.0] * pipeline_ranks
     for names, rank in zip(partition.stage_blocks, partition.stage_ranks):
