@@ -14,10 +14,10 @@ from torch import nn
 
 import oomless
 from oomless.errors import ApplyError, InputError, PlanError
-from oomless.models.unet3d import ConvStage, UNet3D
+from oomless.models.unet3d import ConvStage, DecoderStage, UNet3D
 from oomless.plan.splitting import plan_splitting_the_floor
 from oomless.runtime import slabs as slabs_module
-from oomless.runtime.slabs import SlabChain, leaves, run_in_slabs
+from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
 from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
 
 from tests.conftest import train_steps
@@ -62,7 +62,7 @@ def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, norm, slabs):
     x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)          # 13 rows: slabs of unequal size
     x_reference = x.detach().clone().requires_grad_()
     weights = torch.randn(2, 6, 13, 7, 6)
-    output = run_in_slabs(SlabChain.of(leaves(stage)), x, slabs)
+    output = run_in_slabs(SlabGraph.chain(leaves(stage)), x, slabs)
     (output * weights).sum().backward()
     expected = reference(x_reference)
     (expected * weights).sum().backward()
@@ -82,7 +82,7 @@ def test_eval_mode_uses_the_running_statistics_and_leaves_them(thin_slabs):
     reference = copy.deepcopy(stage)
     x = torch.randn(1, 3, 11, 5, 5)
     with torch.no_grad():
-        assert _close(run_in_slabs(SlabChain.of(leaves(stage)), x, 4), reference(x))
+        assert _close(run_in_slabs(SlabGraph.chain(leaves(stage)), x, 4), reference(x))
     for buffer, other in zip(stage.buffers(), reference.buffers()):
         assert torch.equal(buffer, other)
 
@@ -92,20 +92,128 @@ def test_chains_in_two_dimensions_and_an_input_without_gradient(thin_slabs):
     chain = nn.Sequential(nn.Conv2d(2, 4, 5, padding=2), nn.BatchNorm2d(4), nn.LeakyReLU(0.1), nn.Conv2d(4, 4, 1))
     reference = copy.deepcopy(chain)
     x = torch.randn(3, 2, 17, 9)
-    output = run_in_slabs(SlabChain.of(leaves(chain)), x, 6)
+    output = run_in_slabs(SlabGraph.chain(leaves(chain)), x, 6)
     output.square().sum().backward()
     reference(x).square().sum().backward()
     for parameter, other in zip(chain.parameters(), reference.parameters()):
         assert _close(parameter.grad, other.grad)
 
 
+def _assert_same_step(module, reference, inputs, slabs):
+    """``module`` split into ``slabs`` and ``reference`` unsplit: same output, input, parameter gradients and buffers."""
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    reference_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    output = run_in_slabs(SlabGraph.of(module), tuple(inputs), slabs)
+    expected = reference(*reference_inputs)
+    weights = torch.randn_like(expected)
+    (output * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert _close(output, expected)
+    for x, other in zip(inputs, reference_inputs):
+        assert x.grad is None if other.grad is None else _close(x.grad, other.grad)
+        assert torch.equal(x, other)                            # no op wrote into an input
+    for (name, parameter), other in zip(module.named_parameters(), reference.parameters()):
+        assert _close(parameter.grad, other.grad), name
+    for (name, buffer), other in zip(module.named_buffers(), reference.buffers()):
+        assert torch.equal(buffer, other) if not buffer.is_floating_point() else _close(buffer, other), name
+
+
+@pytest.mark.parametrize("norm", ["batch", "group"])
+@pytest.mark.parametrize("slabs", [1, 3, 7])
+def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, norm, slabs):
+    """Upsample (transposed convolution, kernel = stride), concatenate the skip, a stage: a graph
+    torch.fx traces; slab bounds at odd rows of the output fall inside an upsampled input row."""
+    torch.manual_seed(0)
+    stage = DecoderStage(6, 3, 3)
+    if norm == "group":
+        stage.conv[1], stage.conv[4] = nn.GroupNorm(3, 3), nn.GroupNorm(1, 3)
+    graph = SlabGraph.of(stage)
+    assert [node.kind for node in graph.nodes][:4] == ["input", "input", "up", "cat"]
+    x, skip = torch.randn(2, 6, 5, 4, 3, requires_grad=True), torch.randn(2, 3, 10, 8, 6, requires_grad=True)
+    _assert_same_step(stage, copy.deepcopy(stage), [x, skip], slabs)
+
+
+class _Residual(nn.Module):
+    """A residual unit: its input feeds a convolution path (with an in-place activation) and the
+    addition, with halos of 1 and 2 rows on the way; a function applied after the addition."""
+
+    def __init__(self, channels: int, shared_inplace: bool = False):
+        super().__init__()
+        self.shared_inplace = shared_inplace
+        self.act = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv3d(channels, channels, 3, padding=1)
+        self.norm = nn.InstanceNorm3d(channels, affine=True)
+        self.conv2 = nn.Conv3d(channels, channels, 5, padding=2)
+
+    def forward(self, x):
+        hidden = self.conv1(x)
+        if self.shared_inplace:     # the addition reads hidden after the activation changed it
+            return self.conv2(self.act(hidden)) + hidden
+        return F.relu(self.conv2(self.act(self.norm(hidden))) + x)
+
+
+def test_a_residual_unit_and_a_single_convolution_in_slabs_equal_the_unsplit_ones(thin_slabs):
+    torch.manual_seed(0)
+    unit = _Residual(3)
+    _assert_same_step(unit, copy.deepcopy(unit), [torch.randn(2, 3, 11, 5, 4, requires_grad=True)], 4)
+    head = nn.Conv3d(4, 2, 3, padding=1)
+    _assert_same_step(head, copy.deepcopy(head), [torch.randn(1, 4, 9, 6, 6, requires_grad=True)], 5)
+    # An input that needs no gradient gets none.
+    head = nn.Conv3d(4, 2, 1)
+    _assert_same_step(head, copy.deepcopy(head), [torch.randn(1, 4, 9, 6, 6)], 3)
+
+
+class _Branching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) if x.sum() > 0 else x       # data-dependent: torch.fx cannot trace it
+
+
+class _Mean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) - x.mean()                  # a whole-volume reduction
+
+
+class _CatAlongDepth(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x, y):
+        return self.conv(torch.cat([x, y], dim=2))
+
+
+def test_graphs_that_cannot_run_in_slabs_are_refused():
+    assert SlabGraph.of(_Residual(2)) is not None
+    assert SlabGraph.of(_Residual(2, shared_inplace=True)) is None      # order matters: not a graph
+    assert SlabGraph.of(_Branching()) is None
+    assert SlabGraph.of(_Mean()) is None
+    assert SlabGraph.of(_CatAlongDepth()) is None
+    assert SlabGraph.of(nn.ConvTranspose3d(2, 2, kernel_size=3, stride=2)) is None     # overlapping rows
+    assert SlabGraph.of(nn.ConvTranspose3d(2, 2, kernel_size=2, stride=2)) is not None
+    assert SlabGraph.of(nn.ModuleList([nn.Conv3d(2, 2, 3, padding=1)])) is None
+    model = UNet3D(base_channels=4, depth=1)
+    apply_split(model, {"decoders.0": 2})
+    with pytest.raises(InputError, match="positional inputs"):
+        model.decoders[0](torch.randn(1, 8, 2, 4, 4), skip=torch.randn(1, 4, 4, 8, 8))
+    remove_split(model)
+
+
 def test_what_cannot_run_in_slabs_is_no_chain():
-    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Dropout(0.2)))) is None
-    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, stride=2, padding=1), nn.ReLU()))) is None
-    assert SlabChain.of(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=0), nn.ReLU()))) is None
-    assert SlabChain.of(leaves(nn.Sequential(nn.ReLU(), nn.Tanh()))) is None        # no convolution: nothing to gain
-    assert split_candidates(UNet3D(depth=2)) == ["encoders.0", "encoders.1", "encoders.2", "decoders.0.conv",
-                                                  "decoders.1.conv"]
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Dropout(0.2)))) is None
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, stride=2, padding=1), nn.ReLU()))) is None
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.Conv3d(1, 2, 3, padding=0), nn.ReLU()))) is None
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.ReLU(), nn.Tanh()))) is None        # no convolution: nothing to gain
+    # Stages, whole decoder stages (upsample, concatenate, stage: traced with torch.fx) and the head.
+    assert split_candidates(UNet3D(depth=2)) == ["encoders.0", "encoders.1", "encoders.2", "decoders.0",
+                                                  "decoders.1", "head"]
 
 
 def test_split_is_a_transform_in_place_and_remove_undoes_it():
@@ -157,7 +265,7 @@ def test_bad_split_requests_are_refused():
     model = UNet3D(base_channels=4, depth=2)
     volume = torch.randn(1, 1, 8, 8, 8)
     with pytest.raises(ApplyError, match="not chains"):
-        oomless.plan(model, volume, "1GiB", split={"head": 4})
+        oomless.plan(model, volume, "1GiB", split={"pool": 4})
     with pytest.raises(InputError, match="precision"):
         oomless.plan(model, volume, "1GiB", split=True, precision="bf16")
     with pytest.raises(InputError, match="split must be"):
@@ -171,8 +279,8 @@ def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
     """plan/splitting.py's choice, with profiling and planning replaced by fakes that say which
     floor each set of split chains has."""
     model = UNet3D(base_channels=4, depth=2)
-    floors = {(): ("decoders.1.conv.0", 100), ("decoders.1.conv",): ("encoders.0.3", 80),
-              ("decoders.1.conv", "encoders.0"): ("head", 70)}
+    floors = {(): ("decoders.1.conv.0", 100), ("decoders.1",): ("encoders.0.3", 80),
+              ("decoders.1", "encoders.0"): ("pool", 70)}
     asked = []
 
     def profile_split(chains):
@@ -189,10 +297,10 @@ def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
 
     first = PlanError("too small", minimum_bytes=100, floor_block="decoders.1.conv.0")
     made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
-    assert asked == [("decoders.1.conv",), ("decoders.1.conv", "encoders.0")]
-    assert made.split == {"decoders.1.conv": DEFAULT_SLABS, "encoders.0": DEFAULT_SLABS}
+    assert asked == [("decoders.1",), ("decoders.1", "encoders.0")]
+    assert made.split == {"decoders.1": DEFAULT_SLABS, "encoders.0": DEFAULT_SLABS}
     # Where splitting never fits and never lowers the floor below the first, the first error stands.
-    floors[("decoders.1.conv",)] = ("head", 120)
+    floors[("decoders.1",)] = ("pool", 120)
     with pytest.raises(PlanError) as error:
         plan_splitting_the_floor(model, first, plan_profile, profile_split)
     assert error.value is first

@@ -1,10 +1,14 @@
 """Split chains of a model: each computed in slabs along its first spatial axis (`runtime.slabs`).
 
-    apply_split(model, {"encoders.0": 8, "decoders.2.conv": 8})
+    apply_split(model, {"encoders.0": 8, "decoders.2": 8})
     remove_split(model)
 
-A chain is an ``nn.Sequential`` (nested ones are looked through) of convolutions that keep the size
-along that axis, normalisations and pointwise ops, such as a U-Net stage. Splitting is a transform
+A chain is a module whose ops can all run in slabs (`SlabGraph.of`): an ``nn.Sequential`` (nested
+ones are looked through) of convolutions that keep the size along that axis, normalisations and
+pointwise ops, such as a U-Net stage; a module whose forward torch.fx traces to such ops plus
+upsampling transposed convolutions, concatenation along channels and addition, such as a U-Net
+decoder stage (upsample, concatenate the skip, a stage) or a residual unit; a single convolution,
+such as a segmentation head. Splitting is a transform
 of the module in place, the way ``torch.distributed.fsdp.fully_shard`` transforms one: the module's
 class becomes a subclass of it whose ``forward`` runs the chain in slabs, parameter names and hooks
 stay as they are, and `remove_split` gives the module its class back. (Hooks cannot replace what a
@@ -16,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
-from oomless.runtime.slabs import AXIS, SlabChain, leaves, run_in_slabs
+from oomless.runtime.slabs import AXIS, SlabGraph, run_in_slabs
 
 DEFAULT_SLABS = 16   # as many as oneDNN's minimum thickness allows up to this (runtime/slabs.py)
 STATE_ATTRIBUTE = "_oomless_split"
@@ -25,13 +29,14 @@ STATE_ATTRIBUTE = "_oomless_split"
 class SplitChain:
     """Mixed into a chain's class by `apply_split`: its forward computes the chain in slabs."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        slabs, modules = getattr(self, STATE_ATTRIBUTE)
-        chain = SlabChain.of(modules)      # each call: train/eval mode decides which norms use batch statistics
-        if chain is None or not isinstance(x, torch.Tensor) or x.dim() <= AXIS:
-            raise InputError(f"{type(self).__name__} is split into slabs along dimension {AXIS} and needs one "
-                             f"tensor (N, C, D, ...) as input; remove the split (oomless.remove) to call it otherwise")
-        return run_in_slabs(chain, x, slabs)
+    def forward(self, *inputs, **keywords) -> torch.Tensor:
+        slabs, graph = getattr(self, STATE_ATTRIBUTE)
+        if (keywords or len(inputs) != len(graph.inputs)
+                or not all(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > AXIS for x in inputs)):
+            raise InputError(f"{type(self).__name__} is split into slabs along dimension {AXIS} and needs "
+                             f"{len(graph.inputs)} floating-point tensor(s) (N, C, D, ...) as positional inputs; "
+                             "remove the split (oomless.remove) to call it otherwise")
+        return run_in_slabs(graph, inputs, slabs)
 
 
 _split_classes: dict[type, type] = {}
@@ -53,10 +58,7 @@ def split_candidates(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if module is model or any(name.startswith(outer + ".") for outer in taken):
             continue
-        ops = leaves(module)
-        if ops == [module] or len(ops) < 2:
-            continue
-        if SlabChain.of(ops) is not None:
+        if SlabGraph.of(module) is not None:
             names.append(name)
             taken.append(name)
     return names
@@ -77,7 +79,7 @@ def apply_split(model: nn.Module, split: dict[str, int]) -> None:
         module = modules[name]
         if is_split(module):
             continue
-        object.__setattr__(module, STATE_ATTRIBUTE, (slabs, leaves(module)))
+        object.__setattr__(module, STATE_ATTRIBUTE, (slabs, SlabGraph.of(module)))
         module.__class__ = _split_class(type(module))
 
 
