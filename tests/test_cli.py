@@ -83,3 +83,24 @@ def test_plan_prints_json():
     # The default MLP is Linear, ReLU, Linear, ReLU, Linear: one block per Sequential item.
     assert [block["name"] for block in plan["blocks"]] == ["0", "1", "2", "3", "4"]
     assert {block["decision"] for block in plan["blocks"]} <= {"keep", "swap", "recompute"}
+
+
+def test_split_flag_chooses_chains_in_slabs(tmp_path):
+    """`--split all` computes every chain in slabs, `off` none (`auto`, the default, only where no plan fits)."""
+    common = ("plan", "unet3d", "--memory", "4GiB", "--size", "16", "--model-arg", "base_channels=4",
+              "--model-arg", "depth=2", "--json")
+    every = run_oomless(*common, "--split", "all")
+    assert every.returncode == 0, every.stderr
+    assert set(json.loads(every.stdout)["split"]) == {"encoders.0", "encoders.1", "encoders.2", "decoders.0",
+                                                      "decoders.1", "head"}
+    none = run_oomless(*common, "--split", "off")
+    assert none.returncode == 0, none.stderr
+    assert json.loads(none.stdout)["split"] == {}
+    args = build_parser().parse_args(["train", "--memory", "1GiB", "--split", "all"])
+    assert config_from_args(args).split == "all"
+    refused = run_oomless("train", "--size", "16", "--split", "all", "--steps", "1", cwd=tmp_path)
+    assert refused.returncode == 2 and "--split all needs --memory" in refused.stderr
+    trained = run_oomless("train", "--size", "16", "--depth", "2", "--base-channels", "4", "--steps", "2",
+                          "--device", "cpu", "--memory", "2GiB", "--split", "all", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    assert trained.stdout.startswith("done: 2 steps, loss ")

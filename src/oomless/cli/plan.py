@@ -69,6 +69,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         help="with --target: cast parameters and inputs to this dtype (default: the model's own)")
     parser.add_argument("--precision", choices=tuple(_DTYPES), default="fp32",
                         help="the step under torch.autocast in this dtype (weights stay fp32; default %(default)s)")
+    parser.add_argument("--split", choices=("auto", "all", "off"), default="auto",
+                        help="compute chains (U-Net stages) in slabs along depth: auto (where no plan fits without; "
+                             "default), all, off")
     parser.add_argument("--solver", choices=("auto", "greedy", "exact"), default="auto",
                         help="plan search (default %(default)s: exact up to 300 blocks, and greedy)")
     parser.add_argument("--plot", default=None, metavar="PNG",
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
     # A registered model returns logits, not a loss: plan the backward of their sum, as a loss would.
     plan_kwargs = {"memory": args.memory, "target": args.target, "loss_fn": oomless.sum_of_outputs,
-                   "precision": args.precision,
+                   "precision": args.precision, "split": {"auto": None, "all": True, "off": False}[args.split],
                    "optimizer": optimizer(model.parameters(), lr=1e-3) if optimizer else None}
     if args.blocks:
         plan_kwargs["blocks"] = args.blocks
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         plan_kwargs["dtype"] = getattr(torch, _DTYPES[args.dtype])
     profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
                               blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
-                              precision=args.precision)
+                              precision=args.precision, split=plan_kwargs["split"])
     plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
     if args.plot and plan.split:

@@ -6,7 +6,7 @@ from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.parallel.config import OVERLAP_MODES, PARALLEL_MODES, ParallelConfig
 from oomless.plan.partition import SCHEDULES as PIPELINE_SCHEDULES
-from oomless.train.config import SEGMENTATION_MODELS, TrainConfig
+from oomless.train.config import SEGMENTATION_MODELS, SPLIT_CHOICES, TrainConfig
 
 
 def parse_size(text: str) -> int | tuple[int, int, int]:
@@ -55,6 +55,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=defaults.precision,
                         help="forward under torch.autocast in this dtype (fp16 with loss scaling); weights stay fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block of the model (regional)")
+    parser.add_argument("--split", choices=SPLIT_CHOICES, default=defaults.split,
+                        help="compute U-Net stages in slabs along depth: auto (where no plan fits without; default), "
+                             "all, off")
     add_data_arguments(parser)
     parallel = ParallelConfig()
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
@@ -146,7 +149,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
         progress=not args.quiet, deterministic=args.deterministic, max_grad_norm=args.max_grad_norm,
-        precision=args.precision, compile=args.compile,
+        precision=args.precision, compile=args.compile, split=args.split,
         parallel=ParallelConfig(mode=args.parallel, overlap="none" if args.no_overlap else args.overlap, average_every=args.average_every,
                                 bucket_cap_mb=args.bucket_cap_mb, timeout_seconds=args.timeout, stages=args.stages,
                                 schedule=args.schedule, microbatches=args.microbatches,

@@ -16,6 +16,9 @@ from oomless.runtime.precision import autocast_dtype, check_precision
 from oomless.sizes import parse_bytes
 
 SEGMENTATION_MODELS = ("unet3d", "monai-unet")
+# --split: the planner splits chains into slabs where no plan fits without (auto), every chain, or none.
+SPLIT_CHOICES = ("auto", "all", "off")
+SPLIT_REQUESTS = {"auto": None, "all": True, "off": False}
 
 # Fields that change the trajectory of a run: resuming under different values would silently
 # produce a run that equals neither the old nor the new configuration, so it is refused.
@@ -57,6 +60,7 @@ class TrainConfig:
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
     precision: str = "fp32"                 # "bf16" | "fp16": forward under torch.autocast (runtime/precision.py)
     compile: bool = False                   # torch.compile each block in place (runtime/compile.py)
+    split: str = "auto"                     # chains in slabs (runtime/split.py): "auto" (the planner's choice) | "all" | "off"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig | None = None
 
@@ -93,6 +97,11 @@ class TrainConfig:
         if self.data is not None:
             self.data.validate(multiple)
         autocast_dtype(self.precision)          # raises InputError naming the choices
+        if self.split not in SPLIT_CHOICES:
+            raise InputError(f"split must be one of {', '.join(SPLIT_CHOICES)}, got {self.split!r}")
+        if self.split == "all" and (self.precision != "fp32" or self.compile or self.memory is None):
+            raise InputError("--split all needs --memory and works with --precision fp32 without --compile "
+                             "(chains in slabs do not compose with autocast or compile yet); use --split auto or off")
         layouts = [self.parallel] + [self.parallel.with_layout(layout)
                                      for _, layout in self.parallel.switch + self.parallel.switch_when]
         if self.precision != "fp32" and any(layout.pipelined for layout in layouts):

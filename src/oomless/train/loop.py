@@ -36,7 +36,7 @@ from oomless.runtime.precision import apply_precision, load_loss_scale_state, lo
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
                                       save_weights)
-from oomless.train.config import TrainConfig
+from oomless.train.config import SPLIT_REQUESTS, TrainConfig
 from oomless.train.losses import segmentation_loss
 
 
@@ -108,7 +108,7 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
     alone = None if config.parallel.mode == "none" else False
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
-                        compile=config.compile,
+                        compile=config.compile, split=SPLIT_REQUESTS[config.split],
                         loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
                         update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone)
     if strategy.ranks.world_size > 1:
