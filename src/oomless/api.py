@@ -20,7 +20,9 @@ from oomless.runtime.install import install_plan, installed_state, uninstall_pla
 from oomless.runtime.ledger import Stats
 from oomless.runtime.precision import (apply_precision, autocast_dtype, check_can_apply, precision_state,
                                        remove_precision)
-from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
+from oomless.runtime.split import (DEFAULT_SLABS, apply_split, inside, remove_split, split_candidates,
+                                   stream_outer_modules)
+from oomless.runtime.stream import STREAM
 from oomless.runtime.update_in_backward import apply_update_in_backward, remove_update_in_backward
 from oomless.sizes import parse_bytes
 
@@ -144,11 +146,13 @@ def _split_request(model: nn.Module, split) -> dict[str, int]:
     if split is None or split is False:
         return {}
     if split is True:
-        chains = split_candidates(model)
-        if not chains:
+        # The outer level streamed where it can be (it runs the chains there itself), and every other chain.
+        outer = stream_outer_modules(model)
+        chains = [name for name in split_candidates(model) if outer is None or not inside(name, outer)]
+        if not chains and outer is None:
             raise InputError("split=True, but the model has no chain of convolutions, normalisations and pointwise "
                              "ops (an nn.Sequential such as a U-Net stage) to compute in slabs; use split=None")
-        return {name: DEFAULT_SLABS for name in chains}
+        return {**({STREAM: DEFAULT_SLABS} if outer is not None else {}), **{name: DEFAULT_SLABS for name in chains}}
     if isinstance(split, dict):
         return dict(split)
     raise InputError(f"split must be None, True, False or a dict {{chain name: slabs}}, got {split!r}")
@@ -233,7 +237,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         apply_compile(model, plan.decisions, plan.compile)   # first: the plan's hooks then know to run eagerly
     try:
         if plan.split:
-            apply_split(model, plan.split)
+            apply_split(model, plan.split, blocks=list(plan.decisions))
         install_plan(model, plan, device)
     except Exception:
         remove_split(model)

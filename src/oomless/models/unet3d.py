@@ -8,6 +8,7 @@ policy finds them without configuration: each stage is one unit of keep/swap/rec
 """
 
 import torch
+import torch.fx
 from torch import nn
 
 from oomless.errors import InputError
@@ -40,6 +41,17 @@ class DecoderStage(nn.Module):
         return self.conv(torch.cat([self.up(x), skip], dim=1))
 
 
+@torch.fx.wrap
+def check_volume(volume: torch.Tensor, depth: int) -> None:
+    """UNet3D's input: (N, C, D, H, W) with sides divisible by 2**depth. Wrapped for torch.fx: a traced
+    forward (oomless streams the outer level of a traced model) calls it rather than tracing into it."""
+    if volume.dim() != 5:
+        raise InputError(f"UNet3D expects (N, C, D, H, W), got shape {tuple(volume.shape)}")
+    multiple = 2**depth
+    if any(side % multiple for side in volume.shape[2:]):
+        raise InputError(f"UNet3D(depth={depth}) needs D, H, W divisible by {multiple}, got {tuple(volume.shape[2:])}")
+
+
 class UNet3D(nn.Module):
     """3D U-Net with ``depth`` down/up steps; spatial sizes must be divisible by ``2**depth``."""
 
@@ -60,13 +72,7 @@ class UNet3D(nn.Module):
         self.head = nn.Conv3d(widths[0], out_channels, kernel_size=1)
 
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
-        if volume.dim() != 5:
-            raise InputError(f"UNet3D expects (N, C, D, H, W), got shape {tuple(volume.shape)}")
-        multiple = 2**self.depth
-        if any(side % multiple for side in volume.shape[2:]):
-            raise InputError(
-                f"UNet3D(depth={self.depth}) needs D, H, W divisible by {multiple}, got {tuple(volume.shape[2:])}"
-            )
+        check_volume(volume, self.depth)
         skips = []
         x = volume
         for encoder in self.encoders[:-1]:

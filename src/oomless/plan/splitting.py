@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import PlanError
-from oomless.runtime.split import DEFAULT_SLABS, split_candidates
+from oomless.runtime.split import DEFAULT_SLABS, inside, split_candidates, stream_outer_modules
+from oomless.runtime.stream import STREAM
 from oomless.sizes import format_bytes
 
 
@@ -23,6 +24,10 @@ from oomless.sizes import format_bytes
 # U-Net at 160^3 on CPU, planned for 1 GiB at 1023 MiB, peaked at 1043 MiB); where splitting lowers the
 # floor, a split plan has room there.
 NEAR_FLOOR = 1.10
+
+
+def _named(chains) -> str:
+    return ", ".join(chain if chain != STREAM else "the outer level (streamed)" for chain in chains)
 
 
 def _overlaps(chain: str, block: str) -> bool:
@@ -35,14 +40,23 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
     (the first one where splitting did not lower it: slabs hold a slab's intermediates, but the
     chain's whole input, output gradient and input gradient stay)."""
     candidates = split_candidates(model)
+    outer = stream_outer_modules(model)
     chosen: dict[str, int] = {}
     first, first_minimum, best, best_chains = error, error.minimum_bytes, error, []
     while True:
         block = error.floor_block
-        more = [chain for chain in candidates if chain not in chosen and block is not None and _overlaps(chain, block)]
+        if outer is not None and STREAM not in chosen and block is not None and inside(block, outer):
+            # The floor is at the outer level: stream it, in place of splitting its chains (a chain in
+            # slabs keeps its inputs, output and their gradients whole; the streamed level none of them).
+            chosen = {chain: slabs for chain, slabs in chosen.items() if not inside(chain, outer)}
+            more = [STREAM]
+        else:
+            more = [chain for chain in candidates
+                    if chain not in chosen and block is not None and _overlaps(chain, block)
+                    and not (STREAM in chosen and inside(chain, outer))]
         if not more:
             if best is not first:
-                best.args = (f"{best.args[0]} (with {', '.join(best_chains)} computed in slabs; without: smallest "
+                best.args = (f"{best.args[0]} (with {_named(best_chains)} computed in slabs; without: smallest "
                              f"budget {format_bytes(first_minimum or 0)})",)
             raise best
         chosen.update({chain: DEFAULT_SLABS for chain in more})
@@ -60,7 +74,8 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
                 best, best_chains = again, list(chosen)
             continue
         made.split = dict(chosen)
-        made.notes.append(f"split into slabs: {', '.join(chosen)} (the block that set the floor; without splitting "
+        made.notes.append(f"split into slabs: {_named(chosen)} "
+                          f"(the block that set the floor; without splitting "
                           f"the smallest budget is {format_bytes(first_minimum or 0)})")
         return made
 

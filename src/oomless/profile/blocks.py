@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from oomless.errors import InputError
 from oomless.runtime.split import is_split
+from oomless.runtime.stream import outer_modules
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -87,6 +88,10 @@ def _first_names(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
 def find_blocks(model: nn.Module, blocks: Iterable | None = None) -> list[tuple[str, nn.Module]]:
     """Return ``[(qualified name, module)]`` in registration order; blocks never nest."""
     found = _first_names(_default_blocks(model) if blocks is None else _selected_blocks(model, list(blocks)))
+    # A streamed model's outer level runs its modules' ops itself, in slabs: they are no blocks.
+    outer = outer_modules(model)
+    found = [(name, module) for name, module in found
+             if not any(name == other or name.startswith(other + ".") or other.startswith(name + ".") for other in outer)]
     if not found:
         raise InputError("the model has no child modules to use as blocks; pass blocks=[...] "
                          "naming the modules whose activations should be planned")

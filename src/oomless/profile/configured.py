@@ -25,7 +25,7 @@ def profile_configured(model: nn.Module, example_inputs, loss_fn, optimizer, blo
                        split: dict[str, int] | None = None) -> Profile:
     if split:
         check_split_composes(target, precision, compile_with)
-        apply_split(model, split)
+        apply_split(model, split, blocks=[name for name, _ in find_blocks(model, blocks)])
         try:
             measured = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
                                           memory_bytes, precision, compile_with)

@@ -55,6 +55,7 @@ _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU
 _POINTWISE_FUNCTIONS = {torch.relu, F.relu, torch.sigmoid, torch.tanh, F.gelu, F.silu, F.elu, F.leaky_relu}
 _CONCATENATIONS = {torch.cat, torch.concat, torch.concatenate}
 _ADDITIONS = {operator.add, torch.add}
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = _BATCH_NORMS + _INSTANCE_NORMS + (nn.GroupNorm,)
@@ -62,13 +63,29 @@ _NORMS = _BATCH_NORMS + _INSTANCE_NORMS + (nn.GroupNorm,)
 
 @dataclass
 class _Node:
-    kind: str                   # "input" | "conv" | "up" | "norm" | "pointwise" | "cat" | "add"
+    kind: str                   # "input" | "conv" | "up" | "down" | "norm" | "pointwise" | "cat" | "add"
     inputs: tuple[int, ...] = ()
     module: object = None       # the nn.Module (conv, up, norm, pointwise) or function (pointwise)
     halo: int = 0               # conv: rows needed on each side along AXIS
-    scale: int = 1              # up: output rows per input row along AXIS
+    scale: int = 1              # up: output rows per input row along AXIS; down: input rows per output row
     inplace: bool = False       # pointwise: writes into its input
     function: object = None     # conv, up: the functional form (its class may be swapped once split)
+    recomputed: bool = False    # norm: computed again for another graph; leaves running statistics alone
+
+
+def _first(value) -> int:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def why_not_downsampling(module: nn.Module) -> str | None:
+    """Why ``module`` cannot downsample slabs along AXIS (a pooling whose windows do not overlap); None when it can."""
+    if not isinstance(module, _POOLS):
+        return f"{type(module).__name__} is not a pooling"
+    kernel, stride = _first(module.kernel_size), _first(module.stride if module.stride is not None else module.kernel_size)
+    if (kernel != stride or _first(module.padding) != 0 or module.ceil_mode
+            or _first(getattr(module, "dilation", 1)) != 1 or getattr(module, "return_indices", False)):
+        return f"{type(module).__name__} kernel {kernel}, stride {stride}: needs kernel = stride, no padding or ceil mode"
+    return None
 
 
 def why_not_sliceable(module: nn.Module) -> str | None:
@@ -112,7 +129,9 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
     return isinstance(module, _INSTANCE_NORMS + (nn.GroupNorm,))
 
 
-def _module_node(module: nn.Module, source: int) -> _Node | None:
+def _module_node(module: nn.Module, source: int, downsampling: bool = False) -> _Node | None:
+    if downsampling and why_not_downsampling(module) is None:
+        return _Node("down", (source,), module, scale=_first(module.kernel_size))
     if why_not_sliceable(module) is not None:
         return None
     if type(module) in _CONVOLUTIONS:
@@ -124,6 +143,39 @@ def _module_node(module: nn.Module, source: int) -> _Node | None:
     return _Node("pointwise", (source,), module, inplace=bool(getattr(module, "inplace", False)))
 
 
+def fx_node(fx_node: torch.fx.Node, root: nn.Module, index: dict, downsampling: bool = False) -> _Node | None:
+    """The slab op of one torch.fx node (its inputs mapped through ``index``); None where it is not
+    one (poolings only with ``downsampling``: a graph of their own cannot downsample its output)."""
+    args, kwargs = fx_node.args, fx_node.kwargs
+    if fx_node.op == "call_module":
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.fx.Node):
+            return None
+        return _module_node(root.get_submodule(fx_node.target), index[args[0]], downsampling)
+    if fx_node.op != "call_function":
+        return None
+    if fx_node.target in _CONCATENATIONS:
+        tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if (dim != 1 or set(kwargs) - {"dim"} or not isinstance(tensors, (list, tuple))
+                or not all(isinstance(item, torch.fx.Node) for item in tensors)):
+            return None
+        return _Node("cat", tuple(index[item] for item in tensors))
+    if fx_node.target in _ADDITIONS:
+        if len(args) != 2 or kwargs or not all(isinstance(item, torch.fx.Node) for item in args):
+            return None
+        return _Node("add", tuple(index[item] for item in args))
+    if fx_node.target in _POINTWISE_FUNCTIONS:
+        if len(args) != 1 or set(kwargs) - {"inplace"} or not isinstance(args[0], torch.fx.Node):
+            return None
+        return _Node("pointwise", (index[args[0]],), fx_node.target)     # run out of place
+    return None
+
+
+def writes_into_a_shared_value(nodes: list[_Node]) -> bool:
+    """Whether an in-place op writes into a value another op reads (then the order of ops matters)."""
+    readers = [sum(source in node.inputs for node in nodes) for source in range(len(nodes))]
+    return any(node.inplace and readers[node.inputs[0]] > 1 for node in nodes)
+
+
 def _traced_nodes(module: nn.Module) -> tuple[list[_Node], list[int], int] | None:
     """(nodes, input node indices, output node index) of ``module``'s forward as torch.fx traces it;
     None where it does not trace or uses an op that cannot run in slabs."""
@@ -132,43 +184,21 @@ def _traced_nodes(module: nn.Module) -> tuple[list[_Node], list[int], int] | Non
     except Exception:       # any Python the tracer cannot follow: not a graph of slab ops
         return None
     nodes, index, inputs, output = [], {}, [], None
-    for fx_node in graph.nodes:
-        args, kwargs = fx_node.args, fx_node.kwargs
-        if fx_node.op == "placeholder":
+    for node_of_fx in graph.nodes:
+        if node_of_fx.op == "placeholder":
             node = _Node("input")
             inputs.append(len(nodes))
-        elif fx_node.op == "output":
-            output = index.get(args[0]) if isinstance(args[0], torch.fx.Node) else None
+        elif node_of_fx.op == "output":
+            output = index.get(node_of_fx.args[0]) if isinstance(node_of_fx.args[0], torch.fx.Node) else None
             break
-        elif fx_node.op == "call_module":
-            if len(args) != 1 or kwargs or not isinstance(args[0], torch.fx.Node):
-                return None
-            node = _module_node(module.get_submodule(fx_node.target), index[args[0]])
-        elif fx_node.op == "call_function" and fx_node.target in _CONCATENATIONS:
-            tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            if (dim != 1 or set(kwargs) - {"dim"} or not isinstance(tensors, (list, tuple))
-                    or not all(isinstance(item, torch.fx.Node) for item in tensors)):
-                return None
-            node = _Node("cat", tuple(index[item] for item in tensors))
-        elif fx_node.op == "call_function" and fx_node.target in _ADDITIONS:
-            if len(args) != 2 or kwargs or not all(isinstance(item, torch.fx.Node) for item in args):
-                return None
-            node = _Node("add", tuple(index[item] for item in args))
-        elif fx_node.op == "call_function" and fx_node.target in _POINTWISE_FUNCTIONS:
-            if len(args) != 1 or set(kwargs) - {"inplace"} or not isinstance(args[0], torch.fx.Node):
-                return None
-            node = _Node("pointwise", (index[args[0]],), fx_node.target)     # run out of place
         else:
-            return None
+            node = fx_node(node_of_fx, module, index)
         if node is None:
             return None
-        index[fx_node] = len(nodes)
+        index[node_of_fx] = len(nodes)
         nodes.append(node)
-    if output is None or not inputs:
+    if output is None or not inputs or writes_into_a_shared_value(nodes):
         return None
-    readers = [sum(source in node.inputs for node in nodes) for source in range(len(nodes))]
-    if any(node.inplace and readers[node.inputs[0]] > 1 for node in nodes):
-        return None         # later readers of the value would see it changed: order matters, not a graph
     return nodes, inputs, output
 
 
@@ -236,6 +266,10 @@ class SlabGraph:
                 depth, height = shapes[node.inputs[0]]
                 stride = node.module.stride
                 shapes.append((depth * node.scale, height * (stride[1] if len(stride) > 1 else 1)))
+            elif node.kind == "down":
+                depth, height = shapes[node.inputs[0]]
+                kernel = node.module.kernel_size
+                shapes.append((depth // node.scale, height // (kernel[1] if isinstance(kernel, tuple) else kernel)))
             else:
                 sizes = {shapes[source] for source in node.inputs}
                 if len(sizes) != 1:
@@ -256,6 +290,8 @@ class SlabGraph:
                     rows = (max(0, low - node.halo), min(depths[source], high + node.halo))
                 elif node.kind == "up":
                     rows = (low // node.scale, -(-high // node.scale))
+                elif node.kind == "down":
+                    rows = (low * node.scale, min(depths[source], high * node.scale))
                 else:
                     rows = (low, high)
                 if source in need:
@@ -290,6 +326,8 @@ class SlabGraph:
                 first, last = low // node.scale, -(-high // node.scale)
                 value = _upsample(node, rows(source, first, last)).narrow(
                     AXIS, low - first * node.scale, high - low)
+            elif node.kind == "down":      # forward, not the module's call: its hooks are for when it runs whole
+                value = node.module.forward(rows(node.inputs[0], low * node.scale, high * node.scale))
             elif node.kind == "norm":
                 value = _normalise(node.module, rows(node.inputs[0], low, high), *statistics[index])
             elif node.kind == "pointwise":
@@ -297,7 +335,7 @@ class SlabGraph:
                 value = rows(source, low, high)
                 if node.inplace and self.nodes[source].kind == "input":
                     value = value.clone()       # an in-place op must not write into the input
-                value = node.module(value)
+                value = node.module.forward(value) if isinstance(node.module, nn.Module) else node.module(value)
             elif node.kind == "cat":
                 value = torch.cat([rows(source, low, high) for source in node.inputs], dim=1)
             else:
@@ -407,7 +445,8 @@ def _statistics(graph: SlabGraph, xs, depths: list[int], count: int) -> tuple[di
             values += grouped.numel() // sums.numel()
         mean = total / values
         variance = (total_squares / values - mean.square()).clamp_min(0)
-        _update_running_statistics(norm, mean, variance, values)
+        if not graph.nodes[index].recomputed:
+            _update_running_statistics(norm, mean, variance, values)
         statistics[index] = (mean.to(xs[0].dtype), variance.to(xs[0].dtype))
         counts[index] = values
     return statistics, counts

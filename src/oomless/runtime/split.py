@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
 from oomless.runtime.slabs import AXIS, SlabGraph, run_in_slabs
+from oomless.runtime.stream import STATE_ATTRIBUTE as STREAM_STATE
+from oomless.runtime.stream import STREAM, apply_stream, is_streamed, outer_level, outer_modules, remove_stream
 
 DEFAULT_SLABS = 16   # as many as oneDNN's minimum thickness allows up to this (runtime/slabs.py)
 STATE_ATTRIBUTE = "_oomless_split"
@@ -52,11 +54,16 @@ def is_split(module: nn.Module) -> bool:
     return isinstance(module, SplitChain)
 
 
+def inside(name: str, names) -> bool:
+    return any(name == other or name.startswith(other + ".") or other.startswith(name + ".") for other in names)
+
+
 def split_candidates(model: nn.Module) -> list[str]:
-    """Qualified names of the largest chains in ``model`` that can run in slabs (never the model itself)."""
-    names, taken = [], []
+    """Qualified names of the largest chains in ``model`` that can run in slabs (never the model
+    itself; none a streamed outer level runs)."""
+    names, taken, outer = [], [], outer_modules(model)
     for name, module in model.named_modules():
-        if module is model or any(name.startswith(outer + ".") for outer in taken):
+        if module is model or any(name.startswith(other + ".") for other in taken) or inside(name, outer):
             continue
         if SlabGraph.of(module) is not None:
             names.append(name)
@@ -64,8 +71,40 @@ def split_candidates(model: nn.Module) -> list[str]:
     return names
 
 
-def apply_split(model: nn.Module, split: dict[str, int]) -> None:
-    """Split each named chain into that many slabs; all or nothing (`ApplyError` names what is wrong)."""
+def stream_candidate(model: nn.Module, blocks: list[str] | None = None):
+    """The model's outer level as `runtime.stream` would stream it (`OuterLevel`), or why not (str).
+    Its forward is traced down to the blocks and the chains (each called whole below the outer level,
+    so that a chain can still be split and a block's hooks still fire)."""
+    if blocks is None:
+        from oomless.profile.blocks import find_blocks      # here: profile.blocks imports this module
+        blocks = [name for name, _ in find_blocks(model)]
+    return outer_level(model, set(blocks) | set(split_candidates(model)))
+
+
+def stream_outer_modules(model: nn.Module, blocks: list[str] | None = None) -> set[str] | None:
+    """The modules streaming would run itself, or None where the model's outer level cannot stream."""
+    found = stream_candidate(model, blocks)
+    return None if isinstance(found, str) else found.outer_modules
+
+
+def apply_split(model: nn.Module, split: dict[str, int], blocks: list[str] | None = None) -> None:
+    """Split each named chain into that many slabs, and with ``STREAM`` ("") stream the model's outer
+    level (`runtime.stream`, its forward traced down to ``blocks``, default the block policy's); all
+    or nothing (`ApplyError` names what is wrong)."""
+    if STREAM in split:
+        slabs = split[STREAM]
+        if not isinstance(slabs, int) or slabs < 1:
+            raise InputError(f"split= needs a whole number of slabs >= 1 per chain, got {{'': {slabs!r}}}")
+        found = stream_candidate(model, blocks)
+        if isinstance(found, str):
+            raise ApplyError(f"split= names '' (the model's outer level streamed), but {found}")
+        apply_stream(model, found, slabs)
+        try:
+            apply_split(model, {name: slabs for name, slabs in split.items() if name != STREAM})
+        except Exception:
+            remove_stream(model)
+            raise
+        return
     modules = dict(model.named_modules())
     candidates = set(split_candidates(model)) | {name for name, module in modules.items() if is_split(module)}
     wrong = [name for name in split if name not in candidates]
@@ -97,7 +136,8 @@ def check_split_composes(target, precision: str, compile_with: dict | None) -> N
 
 
 def remove_split(model: nn.Module) -> None:
-    """Every split chain of ``model`` back to its own class."""
+    """Every split chain of ``model`` back to its own class, and the outer level no longer streamed."""
+    remove_stream(model)
     for module in model.modules():
         if is_split(module):
             module.__class__ = next(base for base in type(module).__bases__ if base is not SplitChain)
@@ -106,4 +146,10 @@ def remove_split(model: nn.Module) -> None:
 
 def split_names(model: nn.Module) -> dict[str, int]:
     """{name: slabs} of the chains split now."""
-    return {name: getattr(module, STATE_ATTRIBUTE)[0] for name, module in model.named_modules() if is_split(module)}
+    names = {STREAM: outer_slabs(model)} if is_streamed(model) else {}
+    names.update({name: getattr(module, STATE_ATTRIBUTE)[0] for name, module in model.named_modules() if is_split(module)})
+    return names
+
+
+def outer_slabs(model: nn.Module) -> int:
+    return getattr(model, STREAM_STATE).slabs

@@ -1,0 +1,138 @@
+"""The outer level of a U-shaped model streamed in slabs (runtime/stream.py, split={"": slabs}).
+
+Not bit-equal to the unstreamed step, for the reasons tests/test_split.py gives (normalisation
+statistics and weight gradients are sums in another order): within 1e-5 relative.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import oomless
+from oomless.errors import ApplyError, InputError
+from oomless.models.unet3d import UNet3D
+from oomless.runtime import slabs as slabs_module
+from oomless.runtime.split import apply_split, remove_split, split_names, stream_candidate
+from oomless.runtime.stream import STREAM, is_streamed
+
+from tests.conftest import train_steps
+
+
+@pytest.fixture
+def thin_slabs(monkeypatch):
+    monkeypatch.setattr(slabs_module, "ONEDNN_MIN_INPUT_ELEMENTS", 0)
+
+
+def _loss(volume):
+    target = (volume[:, 0] > 0).long()
+    return lambda output: F.cross_entropy(output, target)
+
+
+def test_a_streamed_unet_trains_like_plain_pytorch(thin_slabs):
+    torch.manual_seed(0)
+    model = UNet3D(base_channels=4, depth=2)
+    reference = copy.deepcopy(model)
+    volume = torch.randn(2, 1, 16, 16, 16)
+    loss_fn = _loss(volume)
+    plan = oomless.plan(model, volume, "4GiB", loss_fn=loss_fn, split=True)
+    # Streamed, and the chains below the outer level split (those at it run inside the stream).
+    assert plan.split == {STREAM: 16, "encoders.1": 16, "encoders.2": 16, "decoders.0": 16}
+    # The outer level's modules run inside the stream, in slabs: they are no blocks of the plan.
+    assert not any(name.startswith(("encoders.0", "decoders.1", "head")) for name in plan.decisions)
+    oomless.apply(model, plan)
+    assert is_streamed(model) and split_names(model) == plan.split
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    train_steps(model, optimizer, volume, loss_fn, steps=3)
+    train_steps(reference, reference_optimizer, volume, loss_fn, steps=3)
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        if value.is_floating_point():     # BatchNorm's running statistics too: they move once per step
+            assert (value - expected).abs().max() <= 1e-5 * max(expected.abs().max().item(), 1.0), name
+        else:
+            assert torch.equal(value, expected), name
+    with pytest.raises(InputError, match="divisible by 4"):     # the model's own input check still runs
+        model(torch.randn(1, 1, 14, 16, 16))
+    oomless.remove(model)
+    assert type(model) is UNet3D and list(model.state_dict()) == list(reference.state_dict())
+
+
+def test_each_gradient_path_of_the_outer_encoder_is_taken_once(thin_slabs):
+    """The outer encoder's parameters get gradient through the skip (in the decoder's slabs) and
+    through the downsampling (in the encoder's): one step's gradients equal plain PyTorch's."""
+    torch.manual_seed(1)
+    model = UNet3D(base_channels=4, depth=1)
+    reference = copy.deepcopy(model)
+    volume = torch.randn(1, 1, 12, 8, 6)
+    apply_split(model, {STREAM: 5})
+    weights = torch.randn(1, 2, 12, 8, 6)
+    (model(volume) * weights).sum().backward()
+    (reference(volume) * weights).sum().backward()
+    for (name, parameter), other in zip(model.named_parameters(), reference.parameters()):
+        assert (parameter.grad - other.grad).abs().max() <= 1e-5 * other.grad.abs().max() + 1e-5, name
+    remove_split(model)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x, y):
+        return self.conv(x) + y
+
+
+class _NoDownsampling(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv3d(2, 1, 3, padding=1))
+
+
+class _Branching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) if x.sum() > 0 else x
+
+
+@pytest.mark.parametrize("model, reason", [
+    (_TwoInputs(), "more than one input"),
+    (_NoDownsampling(), "leaves the input's resolution 0 times"),
+    (_Branching(), "torch.fx cannot trace"),
+])
+def test_what_cannot_stream_says_why(model, reason):
+    assert reason in stream_candidate(model)
+    with pytest.raises(ApplyError, match="outer level"):
+        apply_split(model, {STREAM: 4})
+    assert not is_streamed(model)
+
+
+def test_the_planner_streams_the_outer_level_where_the_floor_is():
+    """plan/splitting.py, with profiling and planning replaced by fakes that say which floor each
+    set of split chains has: a floor in an inner block splits its chains; one at the outer level
+    streams it, in place of its chains split so far."""
+    model = UNet3D(base_channels=4, depth=2)
+    floors = {(): ("encoders.1.3", 100), ("encoders.1",): ("decoders.1.conv.0", 95),
+              ("encoders.1", STREAM): ("encoders.2.0", 90), ("encoders.1", STREAM, "encoders.2"): ("pool", 70)}
+    asked = []
+
+    def profile_split(chains):
+        asked.append(tuple(chains))
+        return tuple(chains)
+
+    def plan_profile(profile, memory=75):
+        block, floor = floors[profile]
+        if floor > memory:
+            raise oomless.PlanError("too small", minimum_bytes=floor, floor_block=block)
+        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
+                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
+                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+
+    from oomless.plan.splitting import plan_splitting_the_floor
+    first = oomless.PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
+    made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
+    assert asked == [("encoders.1",), ("encoders.1", STREAM), ("encoders.1", STREAM, "encoders.2")]
+    assert set(made.split) == {STREAM, "encoders.1", "encoders.2"} and "outer level (streamed)" in made.notes[-1]
