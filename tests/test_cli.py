@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from oomless.cli.main import build_parser, main
+from oomless.errors import InputError
 from oomless.cli.train import config_from_args, parse_size
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
@@ -100,6 +101,9 @@ def test_split_flag_chooses_chains_in_slabs(tmp_path):
     assert config_from_args(args).split == "all"
     refused = run_oomless("train", "--size", "16", "--split", "all", "--steps", "1", cwd=tmp_path)
     assert refused.returncode == 2 and "--split all needs --memory" in refused.stderr
+    args = build_parser().parse_args(["train", "--memory", "1GiB", "--split", "all", "--parallel", "dp"])
+    with pytest.raises(InputError, match="global-batch statistics"):
+        config_from_args(args).validate()
     trained = run_oomless("train", "--size", "16", "--depth", "2", "--base-channels", "4", "--steps", "2",
                           "--device", "cpu", "--memory", "2GiB", "--split", "all", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr

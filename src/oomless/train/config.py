@@ -102,6 +102,9 @@ class TrainConfig:
         if self.split == "all" and (self.precision != "fp32" or self.compile or self.memory is None):
             raise InputError("--split all needs --memory and works with --precision fp32 without --compile "
                              "(chains in slabs do not compose with autocast or compile yet); use --split auto or off")
+        if self.split == "all" and self.parallel.mode != "none":
+            raise InputError(f"--split all is for one process: under --parallel {self.parallel.mode} BatchNorm takes "
+                             "global-batch statistics, which chains in slabs do not compute yet; use --split off")
         layouts = [self.parallel] + [self.parallel.with_layout(layout)
                                      for _, layout in self.parallel.switch + self.parallel.switch_when]
         if self.precision != "fp32" and any(layout.pipelined for layout in layouts):

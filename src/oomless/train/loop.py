@@ -108,7 +108,10 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
     alone = None if config.parallel.mode == "none" else False
     plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
-                        compile=config.compile, split=SPLIT_REQUESTS[config.split],
+                        compile=config.compile,
+                        # Not under a parallel layout yet: its global BatchNorm replaces the modules a
+                        # chain in slabs computes with (their statistics would be each rank's own).
+                        split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
                         loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
                         update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone)
     if strategy.ranks.world_size > 1:
