@@ -136,3 +136,90 @@ def test_the_planner_streams_the_outer_level_where_the_floor_is():
     made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
     assert asked == [("encoders.1",), ("encoders.1", STREAM), ("encoders.1", STREAM, "encoders.2")]
     assert set(made.split) == {STREAM, "encoders.1", "encoders.2"} and "outer level (streamed)" in made.notes[-1]
+
+
+class _SmallU(nn.Module):
+    """conv -> pool -> mid -> up -> cat(skip) -> head: the smallest U; subclasses change its forward."""
+
+    def __init__(self, channels: int = 2):
+        super().__init__()
+        self.conv = nn.Conv3d(1, channels, 3, padding=1)
+        self.pool = nn.MaxPool3d(2)
+        self.mid = nn.Conv3d(channels, channels, 3, padding=1)
+        self.up = nn.ConvTranspose3d(channels, channels, 2, stride=2)
+        self.head = nn.Conv3d(2 * channels, 2, 1)
+
+
+class _DropoutBelow(_SmallU):
+    def forward(self, x):
+        y = self.conv(x)
+        hidden = F.dropout(self.mid(self.pool(y)), 0.5, self.training)      # reads self.training
+        return self.head(torch.cat([self.up(hidden), y], 1))
+
+
+class _SkipBranch(_SmallU):
+    """The skip from its own branch (with a BatchNorm), not from the pooling's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2), nn.ReLU())
+
+    def forward(self, x):
+        hidden = self.mid(self.pool(self.conv(x)))
+        return self.head(torch.cat([self.up(hidden), self.branch(x)], 1))
+
+
+def test_eval_mode_and_a_skip_from_its_own_branch_stream_like_plain_pytorch(thin_slabs):
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, 8, 6, 6)
+    model = _DropoutBelow()
+    reference = copy.deepcopy(model)
+    apply_split(model, {STREAM: 4})
+    model.eval(), reference.eval()
+    with torch.no_grad():        # traced in training mode, run in eval: traced again, no dropout
+        assert torch.allclose(model(x), reference(x), atol=1e-6) and torch.equal(model(x), model(x))
+    model = _SkipBranch()
+    reference = copy.deepcopy(model)
+    apply_split(model, {STREAM: 4})
+    model(x), reference(x)
+    assert model.branch[1].num_batches_tracked == reference.branch[1].num_batches_tracked == 1
+    assert torch.allclose(model.branch[1].running_mean, reference.branch[1].running_mean, atol=1e-6)
+
+
+class _StoresFeatures(_SmallU):
+    def __init__(self):
+        super().__init__()
+        self.features = []
+
+    def forward(self, x):
+        y = self.conv(x)
+        hidden = self.mid(self.pool(y))
+        self.features.append(hidden)
+        return self.head(torch.cat([self.up(hidden), y], 1))
+
+
+class _InPlaceOnTheSkip(_SmallU):
+    def forward(self, x):
+        y = self.conv(x)
+        z = F.relu(y, inplace=True)             # the concatenation reads y after this wrote into it
+        return self.head(torch.cat([self.up(self.mid(self.pool(z))), y], 1))
+
+
+class _AboveTheInput(_SmallU):
+    def __init__(self):
+        super().__init__()
+        self.larger = nn.ConvTranspose3d(2, 1, 2, stride=2)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.larger(self.head(torch.cat([self.up(self.mid(self.pool(y))), y], 1)))
+
+
+def test_models_streaming_would_change_are_refused_and_left_as_they_were():
+    stores = _StoresFeatures()
+    assert "stores values on the model" in stream_candidate(stores) and stores.features == []
+    assert "in-place op" in stream_candidate(_InPlaceOnTheSkip())
+    assert "goes above the input's" in stream_candidate(_AboveTheInput())
+    model = _SkipBranch()
+    model.head.register_forward_hook(lambda module, inputs, output: output * 2)
+    assert "hooks are registered on head" in stream_candidate(model)

@@ -154,8 +154,9 @@ def fx_node(fx_node: torch.fx.Node, root: nn.Module, index: dict, downsampling: 
     if fx_node.op != "call_function":
         return None
     if fx_node.target in _CONCATENATIONS:
-        tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        if (dim != 1 or set(kwargs) - {"dim"} or not isinstance(tensors, (list, tuple))
+        tensors = args[0] if args else kwargs.get("tensors")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if (dim != 1 or set(kwargs) - {"dim", "tensors"} or not isinstance(tensors, (list, tuple))
                 or not all(isinstance(item, torch.fx.Node) for item in tensors)):
             return None
         return _Node("cat", tuple(index[item] for item in tensors))
@@ -166,7 +167,8 @@ def fx_node(fx_node: torch.fx.Node, root: nn.Module, index: dict, downsampling: 
     if fx_node.target in _POINTWISE_FUNCTIONS:
         if len(args) != 1 or set(kwargs) - {"inplace"} or not isinstance(args[0], torch.fx.Node):
             return None
-        return _Node("pointwise", (index[args[0]],), fx_node.target)     # run out of place
+        # Run out of place; marked in place so that a write into a value read twice is refused.
+        return _Node("pointwise", (index[args[0]],), fx_node.target, inplace=bool(kwargs.get("inplace", False)))
     return None
 
 
@@ -333,8 +335,8 @@ class SlabGraph:
             elif node.kind == "pointwise":
                 source = node.inputs[0]
                 value = rows(source, low, high)
-                if node.inplace and self.nodes[source].kind == "input":
-                    value = value.clone()       # an in-place op must not write into the input
+                if node.inplace and (self.nodes[source].kind == "input" or _shares_storage(value, given)):
+                    value = value.clone()       # an in-place op must not write into an input
                 value = node.module.forward(value) if isinstance(node.module, nn.Module) else node.module(value)
             elif node.kind == "cat":
                 value = torch.cat([rows(source, low, high) for source in node.inputs], dim=1)
@@ -346,6 +348,12 @@ class SlabGraph:
                 if left[source] == 0:
                     del values[source]
         return values[target]
+
+
+def _shares_storage(value: torch.Tensor, given: dict) -> bool:
+    """Whether ``value`` is a view of one of the inputs (e.g. through an Identity)."""
+    pointer = value.untyped_storage().data_ptr()
+    return any(tensor.untyped_storage().data_ptr() == pointer for tensor, _ in given.values())
 
 
 def _convolve(node: _Node, x: torch.Tensor, zero_rows: tuple[int, int]) -> torch.Tensor:

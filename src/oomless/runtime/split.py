@@ -95,10 +95,11 @@ def apply_split(model: nn.Module, split: dict[str, int], blocks: list[str] | Non
         slabs = split[STREAM]
         if not isinstance(slabs, int) or slabs < 1:
             raise InputError(f"split= needs a whole number of slabs >= 1 per chain, got {{'': {slabs!r}}}")
-        found = stream_candidate(model, blocks)
-        if isinstance(found, str):
-            raise ApplyError(f"split= names '' (the model's outer level streamed), but {found}")
-        apply_stream(model, found, slabs)
+        if not is_streamed(model):
+            found = stream_candidate(model, blocks)
+            if isinstance(found, str):
+                raise ApplyError(f"split= names '' (the model's outer level streamed), but {found}")
+            apply_stream(model, found, slabs)
         try:
             apply_split(model, {name: slabs for name, slabs in split.items() if name != STREAM})
         except Exception:

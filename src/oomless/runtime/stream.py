@@ -61,6 +61,8 @@ class OuterLevel:
     checks: list                    # (function, args with None for the input, kwargs) run on the input first
     outer_modules: set[str]         # modules only the outer level runs: not called as modules while streamed
     slabs: int = 16
+    training: bool = True           # the model's mode when traced (Python in its forward may read it)
+    blocks: set[str] = None         # what the forward was traced down to
 
 
 @dataclass
@@ -118,12 +120,58 @@ def _level(ops: list[_Node] | None, levels: list[int]) -> int | None:
     return known[-1]
 
 
-def outer_level(model: nn.Module, blocks: set[str], slabs: int = 16) -> OuterLevel | str:
-    """The model's forward cut into the three parts, or why it cannot be streamed."""
+def _trace(model: nn.Module, blocks: set[str]) -> torch.fx.Graph | str:
+    """The model's forward (its own class's, when streamed already) traced down to ``blocks``; the
+    model's state left as it was (a forward that stores values on the model, e.g. features for a
+    second loss, is refused: streamed, it would store nothing)."""
+    before = [(module, dict(module.__dict__), {name: list(value) for name, value in module.__dict__.items()
+                                               if isinstance(value, list)})
+              for module in model.modules()]
+    streamed_class = type(model) if is_streamed(model) else None
+    if streamed_class is not None:
+        model.__class__ = _unstreamed_class(model)
     try:
         traced = _BlockTracer(blocks).trace(model)
     except Exception as error:       # any Python the tracer cannot follow
-        return f"torch.fx cannot trace its forward ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        traced = f"torch.fx cannot trace its forward ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    finally:
+        if streamed_class is not None:
+            model.__class__ = streamed_class
+    changed = False
+    for module, attributes, lists in before:
+        now = module.__dict__
+        if (now.keys() != attributes.keys() or any(now[name] is not value for name, value in attributes.items())
+                or any(len(now[name]) != len(items) or any(a is not b for a, b in zip(now[name], items))
+                       for name, items in lists.items())):
+            changed = True
+            now.clear()
+            now.update(attributes)
+            for name, items in lists.items():
+                attributes[name][:] = items
+    return "its forward stores values on the model" if changed else traced
+
+
+def _unstreamed_class(model: nn.Module) -> type:
+    return next(base for base in type(model).__bases__ if base is not StreamedModel)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(getattr(module, name) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                  "_backward_pre_hooks"))
+
+
+def outer_level(model: nn.Module, blocks: set[str], slabs: int = 16) -> OuterLevel | str:
+    """The model's forward cut into the three parts, or why it cannot be streamed."""
+    traced = _trace(model, blocks)
+    if isinstance(traced, str):
+        return traced
+    try:
+        return _cut(model, traced, blocks, slabs)
+    except Exception as error:     # a shape of model the analysis does not know: not streamed, and why
+        return f"its traced forward could not be cut into levels ({type(error).__name__}: {error})"
+
+
+def _cut(model: nn.Module, traced: torch.fx.Graph, blocks: set[str], slabs: int) -> OuterLevel | str:
     ops: dict[torch.fx.Node, _Op] = {}
     placeholders, checks, output = [], [], None
     for node in traced.nodes:
@@ -141,12 +189,14 @@ def outer_level(model: nn.Module, blocks: set[str], slabs: int = 16) -> OuterLev
         else:
             slab_ops, arguments = _ops_of(node, model)
             level = _level(slab_ops, [ops[argument].level for argument in arguments])
-            if level is None:
-                return f"{node.target if node.op != 'call_function' else node.target.__name__} mixes resolutions " \
-                       "or is not a slab op at the input's resolution"
+            if level is None or level < 0:
+                return f"{node.target if node.op != 'call_function' else node.target.__name__} mixes resolutions, " \
+                       "goes above the input's, or is not a slab op at the input's resolution"
             ops[node] = _Op(node, slab_ops, arguments, level)
     if len(placeholders) != 1 or not isinstance(output, torch.fx.Node):
         return "its forward takes more than one input or returns more than one tensor"
+    if any(op.nodes and op.nodes[0].inplace and len(op.arguments[0].users) > 1 for op in ops.values()):
+        return "an in-place op writes into a tensor another op reads (the order of ops matters)"
     (source,) = placeholders
     downs = [op for op in ops.values() if op.level == 1 and op.arguments and all(ops[a].level == 0 for a in op.arguments)]
     rises = [op for op in ops.values() if op.level == 0 and any(ops[a].level >= 1 for a in op.arguments)]
@@ -164,13 +214,29 @@ def outer_level(model: nn.Module, blocks: set[str], slabs: int = 16) -> OuterLev
     inner_nodes = {op.node for op in inner} | {down.node}
     if any(argument not in inner_nodes for op in inner for argument in op.arguments):
         return "an op below the outer level reads a tensor of the outer level other than the downsampling's"
-    (inner_output,) = [argument for argument in rise.arguments if ops[argument].level >= 1] or [None]
-    if inner_output is None or len([a for a in rise.arguments if ops[a].level >= 1]) != 1:
+    from_below = [argument for argument in rise.arguments if ops[argument].level >= 1]
+    if len(from_below) != 1:
         return "the upsampling back to the input's resolution takes more than one tensor from below"
+    (inner_output,) = from_below
+    outer_nodes = {op.node for op in outer} | {source}
+    feeds_down = _ancestors(down.node, outer_nodes)
+    needed = set().union(*(_ancestors(op.node, outer_nodes) for op in decoder)) | {op.node for op in decoder}
+    unused = [op for op in encoder if op.node not in feeds_down and op.node not in needed]
+    if unused:
+        return f"{unused[0].node.target} runs at the input's resolution but neither the output nor the pooling uses it"
+    modules = dict(model.named_modules())
+    outer_modules = ({str(op.node.target) for op in outer + [down] if op.node.op == "call_module"}
+                     - {str(op.node.target) for op in inner if op.node.op == "call_module"})
+    # User hooks on a module only the outer level runs would never fire (its ops run in slabs, not
+    # through the module). A module also called below (the pooling) keeps its hooks there.
+    hooked = [name for name in sorted(outer_modules) if any(_hooked(module) for module in modules[name].modules())]
+    if hooked or any(getattr(nn.modules.module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return f"hooks are registered on {hooked[0] if hooked else 'every module'}, and the outer level runs its ops itself"
 
-    encode = _graph([source], encoder + [down], _ancestors(down.node), down.node, ops, recomputed=False)
-    needed = set().union(*(_ancestors(op.node) for op in decoder)) | {op.node for op in decoder}
-    decode = _graph([source, inner_output], encoder + decoder, needed, output, ops, recomputed_before=rise.node)
+    encode = _graph([source], encoder + [down], feeds_down, down.node, ops)
+    # The outer encoder's normalisations that also feed the pooling move their running statistics in
+    # `encode`; computed again for the decoder, they leave them alone.
+    decode = _graph([source, inner_output], encoder + decoder, needed, output, ops, recomputed=feeds_down)
     if encode is None or decode is None:
         return "an in-place op at the input's resolution writes into a tensor another op reads"
     graph = torch.fx.Graph()
@@ -179,16 +245,15 @@ def outer_level(model: nn.Module, blocks: set[str], slabs: int = 16) -> OuterLev
         values[op.node] = graph.node_copy(op.node, lambda argument: values[argument])
     graph.output(values[inner_output])
     inner_module = torch.fx.GraphModule(model, graph, class_name="InnerLevel")
-    outer_modules = ({str(op.node.target) for op in outer + [down] if op.node.op == "call_module"}
-                     - {str(op.node.target) for op in inner if op.node.op == "call_module"})
-    return OuterLevel(encode, decode, inner_module, checks, outer_modules, slabs)
+    return OuterLevel(encode, decode, inner_module, checks, outer_modules, slabs, model.training, set(blocks))
 
 
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+def _ancestors(node: torch.fx.Node, within: set[torch.fx.Node] | None = None) -> set[torch.fx.Node]:
+    """The nodes ``node`` is computed from (only through nodes ``within``, where given)."""
     seen, stack = set(), list(node.all_input_nodes)
     while stack:
         current = stack.pop()
-        if current not in seen:
+        if current not in seen and (within is None or current in within):
             seen.add(current)
             stack.extend(current.all_input_nodes)
     return seen
@@ -205,22 +270,18 @@ def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def _graph(inputs: list[torch.fx.Node], members: list[_Op], wanted: set[torch.fx.Node], output: torch.fx.Node,
-           ops: dict, recomputed: bool = False, recomputed_before: torch.fx.Node | None = None) -> SlabGraph | None:
+           ops: dict, recomputed: set[torch.fx.Node] = frozenset()) -> SlabGraph | None:
     """A SlabGraph of the ``members`` that ``output`` needs (``wanted``, in trace order), reading
-    ``inputs``; normalisations before ``recomputed_before`` (the outer encoder's, computed again for
-    the decoder) leave running statistics alone."""
+    ``inputs``; normalisations of the ``recomputed`` ops leave running statistics alone."""
     nodes = [_Node("input") for _ in inputs]
     at = {node: index for index, node in enumerate(inputs)}
-    recomputing = recomputed_before is not None
     for op in members:
-        if op.node is recomputed_before:
-            recomputing = False
         if op.node not in wanted and op.node is not output:
             continue
         first = len(nodes)
         for slab_op in op.nodes:
             mapped = tuple(at[op.arguments[-1 - source]] if source < 0 else first + source for source in slab_op.inputs)
-            nodes.append(replace(slab_op, inputs=mapped, recomputed=(recomputing or recomputed) and slab_op.kind == "norm"))
+            nodes.append(replace(slab_op, inputs=mapped, recomputed=op.node in recomputed and slab_op.kind == "norm"))
         at[op.node] = len(nodes) - 1
     if writes_into_a_shared_value(nodes):
         return None
@@ -236,9 +297,17 @@ class StreamedModel:
             raise InputError(f"{type(self).__name__} streams its outer level in slabs and takes one floating-point "
                              "tensor as input; remove the split (oomless.remove) to call it otherwise")
         x = inputs[0]
+        if state.training != self.training:
+            # Traced in the other mode: Python in the forward that reads self.training ran as it was then.
+            found = outer_level(self, state.blocks, state.slabs)
+            if isinstance(found, str):
+                raise InputError(f"{type(self).__name__}'s outer level cannot be streamed in "
+                                 f"{'training' if self.training else 'eval'} mode: {found}; remove the split "
+                                 "(oomless.remove) to run it so")
+            object.__setattr__(self, STATE_ATTRIBUTE, found)
+            state = found
         for check in state.checks:
-            check.target(*[x if isinstance(argument, torch.fx.Node) else argument for argument in check.args],
-                         **check.kwargs)
+            check.target(*torch.fx.node.map_arg(check.args, lambda _: x), **torch.fx.node.map_arg(check.kwargs, lambda _: x))
         downsampled = run_in_slabs(state.encode, x, state.slabs)
         return run_in_slabs(state.decode, (x, state.inner(downsampled)), state.slabs)
 
@@ -264,7 +333,7 @@ def apply_stream(model: nn.Module, found: OuterLevel, slabs: int) -> None:
 
 def remove_stream(model: nn.Module) -> None:
     if is_streamed(model):
-        model.__class__ = next(base for base in type(model).__bases__ if base is not StreamedModel)
+        model.__class__ = _unstreamed_class(model)
         object.__delattr__(model, STATE_ATTRIBUTE)
 
 
