@@ -51,11 +51,22 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
             else:
                 result, measured = (train(config), {}) if share is None else _train_at_share(config, share)
             results[name] = {"losses": [record["loss"] for record in result.history],
-                             "steps_done": result.steps_done, "layouts": result.layouts, **measured}
+                             "steps_done": result.steps_done, "layouts": result.layouts,
+                             **_parameter_elements(result.model), **measured}
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
+
+
+def _parameter_elements(model) -> dict:
+    """Elements of the model's parameters in all, and those this rank holds (its shards under fsdp)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(model.parameters())
+    return {"parameter_elements": sum(param.numel() for param in parameters),
+            "local_parameter_elements": sum((param.to_local() if isinstance(param, DTensor) else param).numel()
+                                            for param in parameters)}
 
 
 def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:
