@@ -15,7 +15,7 @@ from torch import nn
 import oomless
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.models.unet3d import ConvStage, DecoderStage, UNet3D
-from oomless.plan.splitting import plan_splitting_the_floor
+from oomless.plan.splitting import NEAR_FLOOR, plan_splitting_near_the_floor, plan_splitting_the_floor
 from oomless.runtime import slabs as slabs_module
 from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
 from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
@@ -315,3 +315,36 @@ def test_a_profile_measured_split_plans_split(thin_slabs):
     assert type(model.encoders[0]) is ConvStage                           # profiling left the model unsplit
     plan = oomless.plan(model, volume, "4GiB", loss_fn=oomless.sum_of_outputs, profile=measured)
     assert plan.split == {"encoders.0": 4}
+
+
+def test_near_the_floor_the_planner_splits_where_that_lowers_the_floor():
+    """plan/splitting.py: a budget within NEAR_FLOOR of the smallest budget without splitting is planned
+    split where splitting lowers the floor; far from it, or where splitting does not lower it, the
+    plan without splitting stands (fakes say the floor of each set of split chains)."""
+    model = UNet3D(base_channels=4, depth=2)
+    floors = {(): ("decoders.1.conv.0", 100), ("decoders.1",): ("encoders.0.3", 80)}
+    asked = []
+
+    def profile_split(chains):
+        asked.append(tuple(chains))
+        return tuple(chains)
+
+    def plan_profile(profile, memory=105):
+        block, floor = floors[profile]
+        if floor > memory:
+            raise PlanError("too small", minimum_bytes=floor, floor_block=block, limiting_block=block)
+        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
+                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
+                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+
+    unsplit = plan_profile(())
+    made = plan_splitting_near_the_floor(model, unsplit, (), plan_profile, profile_split)
+    assert made.split == {"decoders.1": DEFAULT_SLABS} and asked == [("decoders.1",)]
+    assert "within 10%" in made.notes[-1]
+    # Far from the floor: nothing measured again.
+    asked.clear()
+    roomy = plan_profile((), memory=NEAR_FLOOR * 100 + 1)
+    assert plan_splitting_near_the_floor(model, roomy, (), plan_profile, profile_split) is roomy and not asked
+    # Splitting raises the floor (thin slabs): the plan without splitting stands.
+    floors[("decoders.1",)] = ("pool", 101)
+    assert plan_splitting_near_the_floor(model, unsplit, (), plan_profile, profile_split) is unsplit

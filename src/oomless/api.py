@@ -9,7 +9,7 @@ from oomless.arguments import check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
-from oomless.plan.splitting import plan_splitting_the_floor
+from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting_the_floor
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
@@ -70,12 +70,13 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     ``compile`` True (or a dict of torch.compile options) compiles each block in place, profiled
     compiled and composed with the plan (`oomless.runtime.compile`).
 
-    ``split`` computes chains of convolutions, normalisations and pointwise ops (a U-Net stage) in
-    slabs along the first spatial axis, so that one stage's backward holds a slab of its
-    intermediates, not the whole volume's (`oomless.runtime.split`; results within ~1e-6 relative of
-    the unsplit step, not bit-equal). None: the planner splits the chains where the smallest plan
-    without splitting does not fit ``memory`` (those in the block that sets the floor, again while
-    that lowers it); True: every chain; a dict {chain name: slabs}; False: never.
+    ``split`` computes chains of convolutions, normalisations and pointwise ops (a U-Net stage, a
+    decoder stage, a head) in slabs along the first spatial axis, so that one stage's backward holds
+    a slab of its intermediates, not the whole volume's (`oomless.runtime.split`; results within
+    ~1e-6 relative of the unsplit step, not bit-equal). None: the planner splits the chains where the
+    smallest plan without splitting does not fit ``memory``, or where ``memory`` is within 10 % of that
+    smallest budget and splitting lowers it (those in the block that sets the floor, again while that
+    lowers it; `oomless.plan.splitting`); True: every chain; a dict {chain name: slabs}; False: never.
     """
     memory_bytes = parse_bytes(memory)
     autocast_dtype(precision)
@@ -115,23 +116,28 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             raise InputError(f"decisions must give keep|swap|recompute for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
 
-    def plan_profile(measured: Profile) -> Plan:
+    def plan_profile(measured: Profile, budget: int = memory_bytes) -> Plan:
         return plan_with_static_decisions(
             measured, model, optimizer, request,
-            lambda device_profile: make_plan(device_profile, memory_bytes, decisions, min_swap_bytes=min_swap_bytes,
+            lambda device_profile: make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes,
                                              solver=solver))
 
+    def profile_split(chains: dict[str, int]) -> Profile:
+        return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype, memory_bytes,
+                                  precision, None, chains)
+
+    may_split = split is None and decisions is None and target is None and precision == "fp32" and not options
     try:
         made = plan_profile(profile)
     except PlanError as error:
-        if split is not None or decisions is not None or target is not None or precision != "fp32" or options:
+        if not may_split:
             raise
         if error.limiting_block is None:
             raise   # static bytes alone exceed the budget (or the loss sets the floor): no split lowers that
-        made = plan_splitting_the_floor(
-            model, error, plan_profile,
-            lambda chains: profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype,
-                                              memory_bytes, precision, None, chains))
+        made = plan_splitting_the_floor(model, error, plan_profile, profile_split)
+    else:
+        if may_split and split_candidates(model):
+            made = plan_splitting_near_the_floor(model, made, profile, plan_profile, profile_split)
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
     return made
