@@ -12,7 +12,10 @@ import inspect
 import torch
 import torch.nn as nn
 
-from torch.distributed.tensor import DTensor
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:          # a build without torch.distributed: no sharded parameters either
+    DTensor = ()
 
 from oomless.errors import ApplyError
 from oomless.profile.tensors import tensors_in
