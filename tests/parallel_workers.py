@@ -44,14 +44,29 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
         for name, overrides in jobs:
             overrides = dict(overrides)
             share = overrides.pop("plan_share", None)
+            cycle = overrides.pop("plan_cycle", None)
             config = tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides)
-            result, measured = (train(config), {}) if share is None else _train_at_share(config, share)
+            if cycle is not None:
+                result, measured = _train_cycling(config, cycle)
+            else:
+                result, measured = (train(config), {}) if share is None else _train_at_share(config, share)
             results[name] = {"losses": [record["loss"] for record in result.history],
-                             "steps_done": result.steps_done, "layouts": result.layouts, **measured}
+                             "steps_done": result.steps_done, "layouts": result.layouts,
+                             **_parameter_elements(result.model), **measured}
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
+
+
+def _parameter_elements(model) -> dict:
+    """Elements of the model's parameters in all, and those this rank holds (its shards under fsdp)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(model.parameters())
+    return {"parameter_elements": sum(param.numel() for param in parameters),
+            "local_parameter_elements": sum((param.to_local() if isinstance(param, DTensor) else param).numel()
+                                            for param in parameters)}
 
 
 def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:
@@ -175,3 +190,26 @@ def _train_at_share(config, share: float | str):
                     "swapped": swapped, "recomputed": recomputed,
                     "peak_activation_bytes": stats.peak_activation_bytes, "offloaded_bytes": stats.offloaded_bytes,
                     "recomputed_blocks": stats.recomputed_blocks, "resident_peak_bytes": result.peak_memory_bytes}
+
+
+def _train_cycling(config, cycle: list[str]):
+    """``train(config)`` with the plan's decisions forced to ``cycle`` repeated over the blocks in order
+    (e.g. ["recompute", "swap"]), swaps of any size; returns the result and what the runtime did."""
+    import oomless
+    from oomless.train import train
+
+    planning = oomless.plan
+
+    def plan(model, example_inputs, memory, **kwargs):
+        made = planning(model, example_inputs, "1TiB", min_swap_bytes=0, **kwargs)
+        return made.with_decisions({name: cycle[index % len(cycle)] for index, name in enumerate(made.decisions)})
+
+    oomless.plan = plan
+    try:
+        result = train(config)
+    finally:
+        oomless.plan = planning
+    stats = result.stats
+    return result, {"offloaded_bytes": stats.offloaded_bytes, "recomputed_blocks": stats.recomputed_blocks,
+                    "peak_activation_bytes": stats.peak_activation_bytes,
+                    "decisions": oomless.installed_plan(result.model).decisions}

@@ -40,7 +40,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
          profile: Profile | None = None, dtype: torch.dtype | None = None, solver: str = "auto",
          update_in_backward: bool | None = None, offload_optimizer_state: bool | None = None,
          offload_parameters: bool | None = None, max_grad_norm: float | None = None,
-         accumulation_steps: int = 1, precision: str = "fp32", compile=False, split=None) -> Plan:
+         accumulation_steps: int = 1, precision: str = "fp32", compile=False, split=None,
+         shard_over: int = 1) -> Plan:
     """Profile one step of ``model`` on ``example_inputs`` and plan it for ``memory`` bytes.
 
     ``blocks`` overrides the block policy (module types or qualified names); ``decisions`` forces
@@ -61,7 +62,10 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     ``offload_parameters`` keeps each block's parameters there between uses (with the update in
     backward; `oomless.runtime.offload_parameters`).
     The loop's ``max_grad_norm`` (clipping by global norm) and ``accumulation_steps`` (micro-batches
-    per optimizer step) decide what is possible.
+    per optimizer step) decide what is possible. ``shard_over=N``: the parameters, gradients and
+    optimizer state are sharded over N ranks by FSDP2 (`oomless.parallel.sharded`, ``--parallel
+    fsdp``), so the plan counts one rank's: its shard, plus the root's and two blocks' parameters and
+    gradients unsharded (`oomless.plan.static.sharded_device_bytes`); the three above are then off.
 
     ``precision`` "bf16" or "fp16" profiles, plans and (once applied) trains the step under
     ``torch.autocast`` for that dtype, fp16 with loss scaling (`oomless.runtime.precision`).
@@ -91,7 +95,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                              "itself; leave them None (or False), or use precision='bf16'")
         update_in_backward = offload_optimizer_state = offload_parameters = False
     request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
-                            accumulation_steps)
+                            accumulation_steps, shard_over)
     request.check()
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
                                   profile, dtype, target, solver)

@@ -61,7 +61,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     add_data_arguments(parser)
     parallel = ParallelConfig()
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default=parallel.mode,
-                        help="under torchrun: dp (synchronous, overlapped update), local-sgd or async (relaxed), "
+                        help="under torchrun: dp (synchronous, overlapped update), fsdp (sharded: FSDP2 per block), "
+                             "local-sgd or async (relaxed), "
                              "pipeline (one stage per process) or hybrid (pipeline x data parallel)")
     parser.add_argument("--overlap", choices=OVERLAP_MODES, default=parallel.overlap,
                         help="dp: each bucket's update must be done before its modules' next forward (default), "

@@ -1,11 +1,12 @@
 """Data, pipeline and hybrid parallel training on torch.distributed (gloo on CPU, NCCL on GPUs),
 launched by ``torchrun``.
 
-- `config.py`          `ParallelConfig`: mode dp | local-sgd | async | pipeline | hybrid, overlap, bucket
+- `config.py`          `ParallelConfig`: mode dp | fsdp | local-sgd | async | pipeline | hybrid, overlap, bucket
                        size, timeout, stages, schedule, micro-batches, layout switches.
 - `process_group.py`   join the group torchrun describes; equal shards of the global batch; collectives
                        that fail name the rank and the collective.
 - `data_parallel.py`   the strategies the training loop calls; synchronous DDP.
+- `sharded.py`         sharded data parallel on FSDP2 (fully_shard per block, then the root).
 - `overlap.py`         per-bucket optimizer update after its all-reduce; each module's next forward
                        waits only for its own parameters' update.
 - `relaxed.py`         local SGD and asynchronous averaging with bounded staleness.
@@ -16,6 +17,7 @@ launched by ``torchrun``.
 - `pipeline_training.py` the loop's pipeline / hybrid layout: cut chosen by the partitioner.
 
     torchrun --nproc-per-node 2 -m oomless train --parallel dp --global-batch 4 --size 32
+    torchrun --nproc-per-node 2 -m oomless train --parallel fsdp --global-batch 4 --size 32
     torchrun --nproc-per-node 4 -m oomless train --parallel hybrid --stages 2 --switch-at 10:dp
 """
 
@@ -36,6 +38,10 @@ def make_strategy(config: ParallelConfig, ranks: Ranks, device: torch.device) ->
 
         _check_pipeline_world(config, ranks)
         return PipelineTraining(config, ranks, device)
+    if config.sharded:
+        from oomless.parallel.sharded import ShardedDataParallel   # torch.distributed.fsdp only when asked
+
+        return ShardedDataParallel(config, ranks, device)
     kinds = {"none": SingleProcess, "dp": SynchronousDataParallel, "local-sgd": LocalSGD,
              "async": AsynchronousAveraging}
     return kinds[config.mode](config, ranks, device)

@@ -7,6 +7,8 @@ Modes (see `oomless.parallel` for the trade-offs):
   optimizer update runs as soon as its all-reduce lands and may run on behind the next forward, in
   which each module waits only for its own parameters' update; ``"backward"``: the updates run
   while backward computes the other buckets and are all done when it returns; ``"none"``: plain DDP.
+- ``fsdp``: synchronous sharded data parallel on FSDP2 (``fully_shard`` per block, then the root):
+  every rank holds 1/N of the parameters, gradients and optimizer state (`oomless.parallel.sharded`).
 - ``local-sgd``: every rank steps on its own shard; parameters are averaged every ``average_every`` steps.
 - ``async``: every rank steps on its own shard; the parameter average of step k runs while step k+1
   computes and is applied one step late (staleness bounded by one step).
@@ -29,8 +31,8 @@ from dataclasses import dataclass, field
 from oomless.errors import InputError
 from oomless.plan.schedules import SINGLE_STAGE_SCHEDULES, check_schedule
 
-PARALLEL_MODES = ("none", "dp", "local-sgd", "async", "pipeline", "hybrid")
-SYNCHRONOUS_MODES = ("none", "dp", "pipeline", "hybrid")
+PARALLEL_MODES = ("none", "dp", "fsdp", "local-sgd", "async", "pipeline", "hybrid")
+SYNCHRONOUS_MODES = ("none", "dp", "fsdp", "pipeline", "hybrid")
 PIPELINE_MODES = ("pipeline", "hybrid")
 OVERLAP_MODES = ("forward", "backward", "none")
 
@@ -63,6 +65,10 @@ class ParallelConfig:
     @property
     def pipelined(self) -> bool:
         return self.mode in PIPELINE_MODES
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "fsdp"
 
     @property
     def resolved_stages_per_rank(self) -> int:
@@ -114,6 +120,13 @@ class ParallelConfig:
             raise InputError(f"switch steps must be distinct, at least 1 and in order, got {steps}")
         for _, layout in self.switch + self.switch_when:
             self.with_layout(layout)
+        layouts = [self.mode] + [layout.partition(":")[0] for _, layout in self.switch + self.switch_when]
+        if "fsdp" in layouts and len(layouts) > 1:
+            # A switch rebuilds the model from the old one's state_dict and the optimizer from its
+            # state_dict (train.loop._rebuilt): under fsdp those are each rank's shards, not the model.
+            raise InputError("switching layout to or from fsdp is not supported yet (--switch-at / --switch-when "
+                             "with fsdp); train under fsdp throughout, or switch between dp, local-sgd, async, "
+                             "pipeline and hybrid, or resume an fsdp checkpoint under another --parallel")
         for condition, _ in self.switch_when:
             parse_condition(condition)
         return self

@@ -27,6 +27,7 @@ class SingleProcess:
     """One process, no collectives: the reference every other strategy is compared to."""
 
     relaxed = False
+    shards_parameters = False       # True under fsdp: the model's parameters are each rank's shard
 
     def __init__(self, config: ParallelConfig, ranks: Ranks, device: torch.device):
         self.config, self.ranks, self.device = config, ranks, device
@@ -76,6 +77,18 @@ class SingleProcess:
 
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return value
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+        """(model state, optimizer state) with full tensors, as one process holds them, for checkpoints,
+        ``--save`` and validation; read on rank 0. Every rank calls it (a collective where sharded)."""
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
+                        optimizer_state: dict | None) -> None:
+        """Load a full state (`full_state`'s, or a checkpoint's) into this layout's model and optimizer."""
+        model.load_state_dict(model_state)
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
 
     def collective(self, name: str):
         return named_collective(name, self.config.timeout_seconds)

@@ -77,6 +77,9 @@ class Plan:
     precision: str = "fp32"          # "bf16" | "fp16": the step runs under torch.autocast (runtime/precision.py)
     compile: dict | None = None      # torch.compile options of each block ({} = defaults); None: eager (runtime/compile.py)
     split: dict[str, int] = field(default_factory=dict)   # chains computed in slabs: {name: slabs} (runtime/split.py)
+    # Parameters, gradients and optimizer state sharded over this many ranks (FSDP2, --parallel fsdp;
+    # plan.static.sharded_device_bytes): the static bytes counted are one rank's.
+    shard_over: int = 1
 
     @property
     def decisions(self) -> dict[str, str]:

@@ -28,7 +28,16 @@ plan's notes:
 
 The activation planner (`plan.planner.make_plan`) is given the profile as the device sees it under a
 placement (`device_view`): the same step with fewer static bytes on the device.
+
+Sharded data parallel (``shard_over=N``, `oomless.parallel.sharded`: FSDP2 per block, then the root)
+changes what the device holds before any placement: each rank keeps its shard of every parameter,
+gradient and optimizer state (1/N of dim 0, rounded up, as FSDP pads it), plus, unsharded, the
+root's own parameters and gradients (FSDP keeps the root unsharded through the step) and those of
+two blocks (the one computing and the one gathered ahead); `sharded_device_bytes`. FSDP decides where
+parameters and gradients live, so none of the placements above is possible then.
 """
+
+import math
 
 import collections
 import dataclasses
@@ -51,6 +60,9 @@ STATE_PARAMETERS_IN_FLIGHT = 3
 # Blocks whose parameters are on the device at once when they are offloaded: the running one, the
 # prefetched one, and one whose updated parameters are still being copied out.
 PARAMETER_BLOCKS_IN_FLIGHT = 3
+# Blocks unsharded at once under FSDP: the one computing, and the next one all-gathered ahead
+# (FSDP2's implicit prefetch: forward and backward each issue the next block's all-gather first).
+SHARDED_BLOCKS_UNSHARDED = 2
 
 
 @dataclasses.dataclass
@@ -62,8 +74,12 @@ class StaticRequest:
     offload_parameters: bool | None = None       # idem
     max_grad_norm: float | None = None           # the loop clips by global norm
     accumulation_steps: int = 1                  # micro-batches per optimizer step
+    shard_over: int = 1                          # ranks sharing the static bytes (FSDP2); 1: not sharded
 
     def check(self) -> None:
+        if not isinstance(self.shard_over, int) or isinstance(self.shard_over, bool) or self.shard_over < 1:
+            raise InputError(f"shard_over is the number of ranks the parameters, gradients and optimizer state are "
+                             f"sharded over (FSDP2; 1: none), a positive int, got {self.shard_over!r}")
         for name in ("update_in_backward", "offload_optimizer_state", "offload_parameters"):
             if getattr(self, name) not in (None, True, False):
                 raise InputError(f"{name} must be True, False or None (the planner decides), got {getattr(self, name)!r}")
@@ -150,6 +166,35 @@ def parameter_bytes_offloaded(model: nn.Module, profile: Profile) -> int:
     return min(profile.parameter_bytes, int(-(-profile.parameter_bytes * on_device // total)))
 
 
+def sharded_device_bytes(model: nn.Module, profile: Profile, ranks: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes one of ``ranks`` FSDP ranks holds at once when
+    each of ``profile``'s blocks is its own FSDP unit and the root the last (module docstring); each
+    at most the unsharded total. Counted in elements on the model and scaled to the profile's bytes,
+    so a target's dtype applies."""
+    from oomless.runtime.offload_parameters import parameters_owned_by_blocks
+
+    parameters = list(dict.fromkeys(model.parameters()))
+    trainable = [param for param in parameters if param.requires_grad]
+
+    def shard_elements(params) -> int:
+        return sum(math.ceil(param.shape[0] / ranks) * (param.numel() // param.shape[0]) if param.dim() else
+                   param.numel() for param in params if param.numel())
+
+    modules = dict(model.named_modules())
+    blocks = [(block.name, modules[block.name]) for block in profile.blocks if block.name in modules]
+    owned = [sum(param.numel() for param in params) for params in parameters_owned_by_blocks(model, blocks)]
+    total, total_trainable = sum(p.numel() for p in parameters), sum(p.numel() for p in trainable)
+    root = total_trainable - sum(owned)             # trainable parameters no block holds: the root's unit
+    unsharded = root + SHARDED_BLOCKS_UNSHARDED * max(owned, default=0)
+
+    def scaled(full_bytes: int, elements: int, of: int) -> int:
+        return min(full_bytes, -(-full_bytes * elements // of)) if of else full_bytes
+
+    return (scaled(profile.parameter_bytes, shard_elements(parameters) + unsharded, total),
+            scaled(profile.gradient_bytes, shard_elements(trainable) + unsharded, total_trainable),
+            scaled(profile.optimizer_state_bytes, shard_elements(trainable), total_trainable))
+
+
 def device_view(profile: Profile, gradient_device_bytes: int, state_device_bytes: int | None = None,
                 parameter_device_bytes: int | None = None) -> Profile:
     """The profile with only the static bytes the device holds."""
@@ -164,12 +209,16 @@ def _state_tier(profile: Profile) -> str:
 
 
 def static_parts(profile: Profile, gradient_device_bytes: int, state_device_bytes: int,
-                 parameter_device_bytes: int) -> list[StaticPart]:
+                 parameter_device_bytes: int, shard_over: int = 1) -> list[StaticPart]:
     gradients_where = ON_DEVICE if gradient_device_bytes >= profile.gradient_bytes else IN_BACKWARD
     state_where = ON_DEVICE if state_device_bytes >= profile.optimizer_state_bytes else \
         f"{_state_tier(profile)}; on the device around each parameter's update"
     parameters_where = ON_DEVICE if parameter_device_bytes >= profile.parameter_bytes else \
         f"{_state_tier(profile)}; each block's on the device around its forward, backward and update"
+    if shard_over > 1:
+        gradients_where = parameters_where = (f"device, sharded over {shard_over} ranks (FSDP2); unsharded: the "
+                                              f"root's and {SHARDED_BLOCKS_UNSHARDED} blocks' at a time")
+        state_where = f"device, sharded over {shard_over} ranks (FSDP2)"
     return [StaticPart("parameters", profile.parameter_bytes, parameter_device_bytes, parameters_where),
             StaticPart("gradients", profile.gradient_bytes, min(gradient_device_bytes, profile.gradient_bytes),
                        gradients_where),
@@ -212,6 +261,10 @@ class _Candidates:
         self.profile, self.optimizer, self.request = profile, optimizer, request
         self.plan_activations = plan_activations
         accumulating = request.accumulation_steps > 1
+        # What the device holds with nothing moved: all of it, or this rank's shard under FSDP.
+        self.parameters_held, self.gradients_held, self.state_held = (
+            sharded_device_bytes(model, profile, request.shard_over) if request.shard_over > 1 else
+            (profile.parameter_bytes, profile.gradient_bytes, profile.optimizer_state_bytes))
         self.gradients_in_backward = profile.gradient_bytes if accumulating else \
             gradient_bytes_in_backward(model, profile)
         self.state_offloaded = state_bytes_offloaded(model, profile)
@@ -221,9 +274,9 @@ class _Candidates:
 
     def device_bytes(self, placement: Placement) -> tuple[int, int, int]:
         """(gradients, optimizer state, parameters) on the device at once."""
-        gradients = self.gradients_in_backward if placement.update_in_backward else self.profile.gradient_bytes
-        state = self.state_offloaded if placement.offload_optimizer_state else self.profile.optimizer_state_bytes
-        parameters = self.parameters_offloaded if placement.offload_parameters else self.profile.parameter_bytes
+        gradients = self.gradients_in_backward if placement.update_in_backward else self.gradients_held
+        state = self.state_offloaded if placement.offload_optimizer_state else self.state_held
+        parameters = self.parameters_offloaded if placement.offload_parameters else self.parameters_held
         return gradients, state, parameters
 
     def plan(self, placement: Placement) -> Plan | PlanError:
@@ -263,8 +316,11 @@ def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, re
     """Decide the static placements, make the activation plan for them with
     ``plan_activations(device_profile) -> Plan`` and record both in the returned plan."""
     request.check()
-    per_parameter_blocker = why_not_per_parameter(optimizer)
-    in_backward_blocker = why_not_in_backward(optimizer, request.max_grad_norm)
+    sharded_blocker = (f"the parameters, gradients and optimizer state are sharded over {request.shard_over} ranks "
+                       "(shard_over; FSDP2 decides where they live and steps each rank's shard after the "
+                       "reduce-scatter)") if request.shard_over > 1 else None
+    per_parameter_blocker = sharded_blocker or why_not_per_parameter(optimizer)
+    in_backward_blocker = sharded_blocker or why_not_in_backward(optimizer, request.max_grad_norm)
     parameters_blocker = in_backward_blocker or (
         "they are written out after their update in backward, which gradient accumulation delays"
         if request.accumulation_steps > 1 else None)
@@ -306,7 +362,8 @@ def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, re
     chosen.offload_optimizer_state = placement.offload_optimizer_state
     chosen.offload_parameters = placement.offload_parameters
     chosen.accumulation_steps = request.accumulation_steps
-    chosen.static_parts = static_parts(profile, *candidates.device_bytes(placement))
+    chosen.static_parts = static_parts(profile, *candidates.device_bytes(placement), shard_over=request.shard_over)
+    chosen.shard_over = request.shard_over
     # The activation planner saw the device's static bytes; plain PyTorch holds all of them.
     chosen.plain_peak_bytes += sum(part.total_bytes - part.device_bytes for part in chosen.static_parts)
     # The activation simulator times the step without the placement's own work: add it.

@@ -12,6 +12,11 @@ import inspect
 import torch
 import torch.nn as nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:          # a build without torch.distributed: no sharded parameters either
+    DTensor = ()
+
 from oomless.errors import ApplyError
 from oomless.profile.tensors import tensors_in
 from oomless.runtime.ledger import Ledger
@@ -23,8 +28,14 @@ STATE_ATTRIBUTE = "_oomless"
 
 
 def _storage_keys(tensors) -> set[tuple]:
-    return {(t.device, t.untyped_storage().data_ptr()) for t in tensors
+    return {(t.device, t.untyped_storage().data_ptr()) for t in map(_local, tensors)
             if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
+def _local(tensor):
+    """The tensor that owns the bytes: a DTensor's (an FSDP-sharded parameter's) local shard; a
+    DTensor has no storage of its own."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class InstalledPlan:
@@ -46,6 +57,7 @@ class InstalledPlan:
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None
+        self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         modules = dict(model.named_modules())
         missing = [name for name in plan.decisions if name not in modules]
         if missing:
@@ -122,6 +134,8 @@ class InstalledPlan:
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):
             self.engine.block_index, self.engine.decision = index, decision
+            if self._hooks_context is not None:
+                self._mark_gathered_parameters(index, module)
             self.engine.poll()
             if self.recorder is not None and torch.is_grad_enabled():
                 self.recorder.block_started(index, args)
@@ -130,9 +144,24 @@ class InstalledPlan:
     def _block_exit(self, index: int):
         def hook(module, args, output):
             self.engine.block_index, self.engine.decision = None, KEEP
+            gathered = self._gathered_keys.pop(index, None)
+            if gathered:
+                self.engine.resident_storages -= gathered
             if self.recorder is not None and torch.is_grad_enabled():
                 self.recorder.block_finished(index, output)
         return hook
+
+
+    def _mark_gathered_parameters(self, index: int, module: nn.Module) -> None:
+        """Count the block's parameters as resident while it runs, also those that did not exist when
+        the model's forward began: FSDP all-gathers a sharded block's parameters into fresh storages
+        in its own pre-hook, which runs before this one (fully_shard prepends it), and frees them
+        after the block. Kept out of the set once the block is done: a later activation may be
+        allocated where those storages were."""
+        keys = _storage_keys(module.parameters()) - self.engine.resident_storages
+        if keys:
+            self._gathered_keys[index] = keys
+            self.engine.resident_storages |= keys
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -48,9 +48,10 @@ def _to_savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return savable
 
 
-def save_weights(path: Path | str, model: nn.Module) -> Path:
-    """Write ``model.state_dict()`` as a safetensors file, atomically; load with ``safetensors.torch.load_file``."""
-    tensors = _to_savable(model.state_dict())
+def save_weights(path: Path | str, model: nn.Module, model_state: dict | None = None) -> Path:
+    """Write ``model.state_dict()`` (or ``model_state``: the full state of a sharded model) as a
+    safetensors file, atomically; load with ``safetensors.torch.load_file``."""
+    tensors = _to_savable(model.state_dict() if model_state is None else model_state)
     return atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata={"format": "pt"}))
 
 
@@ -141,13 +142,18 @@ class CheckpointState:
     path: Path | None = None
 
 
-def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """This process's RNG states and, if given, model and optimizer: (tensors, JSON-ready metadata)."""
+def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                  full_state: tuple[dict, dict] | None = None) -> tuple[dict, dict]:
+    """This process's RNG states and, if given, model and optimizer: (tensors, JSON-ready metadata).
+    ``full_state``: (model state, optimizer state) to write instead of the model's and optimizer's
+    own state_dict (a sharded layout's full tensors, gathered by its strategy's ``full_state``)."""
     tensors, meta = {}, {}
+    model_state, optimizer_state = full_state if full_state is not None else (
+        model.state_dict() if model is not None else None, optimizer.state_dict() if optimizer is not None else None)
     if model is not None:
-        tensors.update({f"model.{name}": tensor.detach().cpu() for name, tensor in model.state_dict().items()})
+        tensors.update({f"model.{name}": tensor.detach().cpu() for name, tensor in model_state.items()})
     if optimizer is not None:
-        optimizer_tensors, meta["optimizer"] = _split_optimizer_state(optimizer.state_dict())
+        optimizer_tensors, meta["optimizer"] = _split_optimizer_state(optimizer_state)
         tensors.update({name: tensor.detach().cpu() for name, tensor in optimizer_tensors.items()})
     if model is not None and loss_scale_state(model) is not None:
         meta["loss_scale"] = loss_scale_state(model)        # fp16: resuming continues with the same scale
@@ -158,12 +164,14 @@ def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | No
 
 def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     data_position: int, trajectory: dict | None = None, keep: int = 2,
-                    other_ranks: list[tuple[dict, dict]] | None = None) -> Path:
+                    other_ranks: list[tuple[dict, dict]] | None = None,
+                    full_state: tuple[dict, dict] | None = None) -> Path:
     """Write ``step-NNNNNNNN.safetensors`` atomically, with its checksum, then delete all but the
     newest ``keep`` (only once the new file is on disk, so a crash never leaves fewer).
 
-    ``other_ranks[r - 1]`` is rank r's `process_state` (gathered by `oomless.parallel.rank_state`)."""
-    tensors, process_meta = process_state(model, optimizer)
+    ``other_ranks[r - 1]`` is rank r's `process_state` (gathered by `oomless.parallel.rank_state`);
+    ``full_state``: the model's and optimizer's full state where they are sharded (`process_state`)."""
+    tensors, process_meta = process_state(model, optimizer, full_state)
     ranks_meta = {}
     for rank, (rank_tensors, rank_meta) in enumerate(other_ranks or [], start=1):
         tensors.update({f"rank.{rank}.{name}": tensor for name, tensor in rank_tensors.items()})
@@ -213,12 +221,16 @@ def _check_shapes(path: Path, model_state: dict[str, torch.Tensor], model: nn.Mo
 
 
 def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True, rank: int = 0, expected_settings: dict | None = None) -> CheckpointState:
+                    restore_rng: bool = True, rank: int = 0, expected_settings: dict | None = None,
+                    load_state=None) -> CheckpointState:
     """Restore model, optimizer and RNG states in place from ``path``; return step and data position.
 
     The file's checksum, then ``expected_settings`` (`check_settings`), then every shape are checked
     before anything is restored: a refused checkpoint (`CheckpointError`) leaves the model as it was.
-    ``rank``: a data-parallel rank restores its own entries (``rank.<r>.``) where the file has them."""
+    ``rank``: a data-parallel rank restores its own entries (``rank.<r>.``) where the file has them.
+    ``load_state(model, optimizer, model_state, optimizer_state)`` loads the file's full tensors
+    instead of ``load_state_dict`` (a sharded layout keeps its shard of each: the strategy's
+    ``load_full_state``)."""
     path = Path(path)
     meta, tensors = read_checkpoint_file(path)
     if expected_settings is not None:
@@ -234,10 +246,16 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith("rank.")}
     model_state = {name[len("model."):]: tensor for name, tensor in tensors.items() if name.startswith("model.")}
     _check_shapes(path, model_state, model, optimizer, meta.get("optimizer"))
-    model.load_state_dict(model_state)
+    optimizer_state = None
     if optimizer is not None:
         optimizer_tensors = {name: tensor for name, tensor in tensors.items() if name.startswith("optimizer.")}
-        optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, meta["optimizer"]))
+        optimizer_state = _join_optimizer_state(optimizer_tensors, meta["optimizer"])
+    if load_state is not None:
+        load_state(model, optimizer, model_state, optimizer_state)
+    else:
+        model.load_state_dict(model_state)
+        if optimizer is not None:
+            optimizer.load_state_dict(optimizer_state)
     load_loss_scale_state(model, meta.get("loss_scale"))
     if restore_rng:
         _set_rng_state({name: tensor for name, tensor in tensors.items() if name.startswith("rng.")}, meta["rng"])

@@ -114,6 +114,11 @@ class TrainConfig:
         if self.compile and any(layout.pipelined for layout in layouts):
             raise InputError("--compile is not supported with pipeline or hybrid layouts yet (each stage is planned "
                              "on its own, uncompiled); drop --compile there, or use dp / local-sgd / async")
+        if self.parallel.sharded and (self.precision != "fp32" or self.compile):
+            option = f"--precision {self.precision}" if self.precision != "fp32" else "--compile"
+            raise InputError(f"{option} is not supported with --parallel fsdp yet (FSDP's own mixed precision and "
+                             "per-block compile are not composed with its sharding here); use --precision fp32 "
+                             "without --compile under fsdp, or --parallel dp")
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:

@@ -7,7 +7,7 @@ or ``oomless train --size 48 --memory 1GiB --steps 20 --seed 0``. With ``memory=
 PyTorch; with a budget the model goes through ``oomless.fit`` once and the loop itself is unchanged,
 which is the point: oomless is a transform on the model, not a different training loop.
 
-Under ``torchrun`` with ``parallel=ParallelConfig(mode="dp"|"local-sgd"|"async")`` every process runs
+Under ``torchrun`` with ``parallel=ParallelConfig(mode="dp"|"fsdp"|"local-sgd"|"async")`` every process runs
 this same loop on its shard of the global batch; the strategy from `oomless.parallel` owns every
 collective, rank 0 prints, writes checkpoints (with every rank's state) and ``--save``.
 """
@@ -100,7 +100,8 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     exactly as a plain one would.
 
     Under data parallel every rank plans on its own shard, then all take rank 0's plan: recomputed
-    blocks run collectives (global BatchNorm) in backward, so the ranks' plans must agree."""
+    blocks run collectives (global BatchNorm) in backward, so the ranks' plans must agree. Under fsdp
+    the plan counts this rank's shard of the parameters, gradients and optimizer state (``shard_over``)."""
     import oomless
 
     volumes, labels = example
@@ -113,7 +114,8 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
                         # chain in slabs computes with (their statistics would be each rank's own).
                         split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
                         loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
-                        update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone)
+                        update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone,
+                        shard_over=strategy.ranks.world_size if strategy.shards_parameters else 1)
     if strategy.ranks.world_size > 1:
         import torch.distributed as dist
 
@@ -142,8 +144,9 @@ def _find_resumable(config: TrainConfig, console: Console) -> tuple[Path, int] |
 
 
 def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console,
-            rank: int = 0) -> None:
-    state = load_checkpoint(path, model, optimizer, rank=rank, expected_settings=config.trajectory())
+            rank: int = 0, load_state=None) -> None:
+    state = load_checkpoint(path, model, optimizer, rank=rank, expected_settings=config.trajectory(),
+                            load_state=load_state)
     console.print(f"resumed from {path} at step {state.step}")
 
 
@@ -221,7 +224,8 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                     apply_compile(model, [name for name, _ in find_blocks(model)], {})
             if step != start_step:
                 load_loss_scale_state(model, loss_scale)
-            if step == start_step and resumable:
+            resume_now = step == start_step and resumable
+            if resume_now and not strategy.shards_parameters:
                 # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
                 _resume(config, resumable[0], model, optimizer, console, ranks.rank)
             model.train()
@@ -229,6 +233,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             # `train_model` (DDP under dp, the model itself otherwise).
             train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example,
                                            memory=config.memory_bytes if layout.pipelined else None)
+            if resume_now and strategy.shards_parameters:
+                # Sharded: the file's full tensors go into each rank's shards, which exist only now.
+                _resume(config, resumable[0], model, optimizer, console, ranks.rank, strategy.load_full_state)
             if layout.pipelined and config.progress and ranks.is_first:
                 console.print(str(strategy.partition), soft_wrap=True)
                 for stage, stage_plan in zip(strategy.pipeline.stage_indices, strategy.plans):
@@ -374,8 +381,16 @@ class _Run:
             self.console.print(f"step {steps_done}: validation skipped under a pipelined layout", soft_wrap=True)
             return
         strategy.synchronize(model)            # no update in flight: the weights validated are the step's
+        evaluated = model
+        if strategy.shards_parameters:
+            # Rank 0 validates alone, and a sharded model's forward needs every rank: a full copy.
+            model_state, _ = strategy.full_state(model, None)
+            if strategy.ranks.is_first:
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    evaluated = build_segmentation_model(self.config).to(self.device)
+                evaluated.load_state_dict(model_state)
         if strategy.ranks.is_first:
-            record = self.validation.run(model, self.device, steps_done)
+            record = self.validation.run(evaluated, self.device, steps_done)
             self.console.print(self.validation.describe(record), soft_wrap=True)
             self.started += record["seconds"]      # throughput counts training, not validation
         strategy.barrier()                     # the other ranks wait rather than run ahead of the collectives
@@ -384,11 +399,12 @@ class _Run:
         config = self.config
         strategy.synchronize(model)            # no update or average in flight; every rank holds all state
         other_ranks = gather_other_ranks(strategy, model, optimizer)
+        full_state = strategy.full_state(model, optimizer) if strategy.shards_parameters else None
         if strategy.ranks.is_first:
             save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
                             data_position=steps_done * config.global_batch,
                             trajectory=config.trajectory(), keep=config.keep_checkpoints,
-                            other_ranks=other_ranks)
+                            other_ranks=other_ranks, full_state=full_state)
 
 
 def _result(config: TrainConfig, console: Console, device: torch.device, ranks, run: _Run, strategy, model,
@@ -411,8 +427,10 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         console.print(f"predicted vs measured: peak {format_bytes(plan.predicted_peak_bytes)} vs {format_bytes(peak)}"
                       f" (budget {format_bytes(plan.memory_bytes)}), step {plan.predicted_step_seconds:.3f} s vs "
                       f"{seconds_per_step:.3f} s", soft_wrap=True)
+    model_state = strategy.full_state(model, None)[0] if config.save is not None and strategy.shards_parameters \
+        else None
     if config.save is not None and ranks.is_first:
-        console.print(f"saved weights to {save_weights(config.save, model)}")
+        console.print(f"saved weights to {save_weights(config.save, model, model_state)}")
     strategy.barrier()                          # the file exists before any rank returns
     return TrainResult(
         steps_done=max(config.steps, run.start_step),
