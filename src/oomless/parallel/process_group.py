@@ -34,6 +34,9 @@ class Ranks:
         return self.rank == 0
 
 
+_world_of_one_set_here = False     # RANK, WORLD_SIZE and MASTER_* were set by this process, not torchrun
+
+
 def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     """Join (or reuse) the default process group; a single process without torchrun is world size 1."""
     if not config.distributed:
@@ -41,10 +44,14 @@ def join_process_group(config: ParallelConfig, device: torch.device) -> Ranks:
     if dist.is_initialized():
         guard_gloo_exit()
         return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=False)
-    if "WORLD_SIZE" not in os.environ:
+    global _world_of_one_set_here
+    if "WORLD_SIZE" not in os.environ or _world_of_one_set_here:
         # Launched as a plain process: a world of one, so `--parallel dp` still runs (and equals plain).
+        # A fresh port each time: an earlier run's store in this process may still hold its port.
+        port = os.environ.get("MASTER_PORT") if not _world_of_one_set_here else None
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+                           "MASTER_PORT": port or str(_free_port())})
+        _world_of_one_set_here = True
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
