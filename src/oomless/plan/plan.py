@@ -38,6 +38,9 @@ class StaticPart:
         return f"{self.name} {format_bytes(self.device_bytes)} of {format_bytes(self.total_bytes)} ({self.where})"
 
 
+STREAMED = "the outer level, streamed"     # how split={"": slabs} (runtime/stream.py) reads
+
+
 @dataclass
 class Plan:
     """The plan for one model and budget. Its promise: ``predicted_peak_bytes`` (static bytes, the
@@ -130,6 +133,7 @@ class Plan:
             f"step {self.predicted_step_seconds * 1e3:.1f} ms; plain PyTorch: peak "
             f"{format_bytes(self.plain_peak_bytes)}, step {self.plain_step_seconds * 1e3:.1f} ms",
         ] + ([f"split into slabs along the first spatial axis: "
-              f"{', '.join(f'{name} ({slabs})' for name, slabs in self.split.items())}"] if self.split else [])
+              f"{', '.join(f'{name or STREAMED} ({slabs})' for name, slabs in self.split.items())}"]
+             if self.split else [])
         lines += [f"note: {note}" for note in self.notes]
         return buffer.getvalue() + "\n".join(lines)
