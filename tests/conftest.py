@@ -40,6 +40,9 @@ def planner_at_share(share: float | str = "minimum"):
                                   compile=kwargs.get("compile", False))
         smallest = minimum_memory(profile)
         budget = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
+        # The budget is this unsplit profile's: no chains in slabs (near its floor the planner would
+        # measure a split step again and plan that one; tests/test_split.py covers splitting).
+        kwargs["split"] = False
         made = plan_for_memory(model, example_inputs, budget, profile=profile, min_swap_bytes=0, **kwargs)
         plan.made.append((made, budget))
         return made
