@@ -95,3 +95,25 @@ def train_steps(model, optimizer, inputs, loss_fn, steps=2):
         loss_fn(model(inputs)).backward()
         optimizer.step()
     return model
+
+
+class FakeFloors:
+    """Profiling and planning replaced for plan/splitting.py's tests: ``floors`` maps each tuple of
+    split chains (in the order chosen) to (the block that sets the floor, the floor); a plan for a
+    budget below the floor raises `PlanError` naming them. ``asked`` records each split measured."""
+
+    def __init__(self, floors: dict, memory: int):
+        self.floors, self.memory, self.asked = floors, memory, []
+
+    def profile_split(self, chains) -> tuple:
+        self.asked.append(tuple(chains))
+        return tuple(chains)
+
+    def plan_profile(self, profile: tuple, memory: int | None = None):
+        memory = self.memory if memory is None else memory
+        block, floor = self.floors[profile]
+        if floor > memory:
+            raise oomless.PlanError("too small", minimum_bytes=floor, floor_block=block, limiting_block=block)
+        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
+                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
+                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])

@@ -20,7 +20,7 @@ from oomless.runtime import slabs as slabs_module
 from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
 from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
 
-from tests.conftest import train_steps
+from tests.conftest import FakeFloors, train_steps
 
 TOLERANCE = 1e-5
 
@@ -282,19 +282,8 @@ def test_the_planner_splits_the_chains_of_the_block_that_sets_the_floor():
     # Floors in blocks below the outer level (there, tests/test_stream.py: the planner streams it).
     floors = {(): ("encoders.1.3", 100), ("encoders.1",): ("encoders.2.0", 80),
               ("encoders.1", "encoders.2"): ("pool", 70)}
-    asked = []
-
-    def profile_split(chains):
-        asked.append(tuple(chains))
-        return tuple(chains)
-
-    def plan_profile(profile, memory=75):
-        block, floor = floors[profile]
-        if floor > memory:
-            raise PlanError("too small", minimum_bytes=floor, floor_block=block)
-        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
-                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
-                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+    fakes = FakeFloors(floors, memory=75)
+    asked, plan_profile, profile_split = fakes.asked, fakes.plan_profile, fakes.profile_split
 
     first = PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
     made = plan_splitting_the_floor(model, first, plan_profile, profile_split)
@@ -324,19 +313,8 @@ def test_near_the_floor_the_planner_splits_where_that_lowers_the_floor():
     plan without splitting stands (fakes say the floor of each set of split chains)."""
     model = UNet3D(base_channels=4, depth=2)
     floors = {(): ("encoders.1.3", 100), ("encoders.1",): ("encoders.2.0", 80)}
-    asked = []
-
-    def profile_split(chains):
-        asked.append(tuple(chains))
-        return tuple(chains)
-
-    def plan_profile(profile, memory=105):
-        block, floor = floors[profile]
-        if floor > memory:
-            raise PlanError("too small", minimum_bytes=floor, floor_block=block, limiting_block=block)
-        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
-                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
-                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+    fakes = FakeFloors(floors, memory=105)
+    asked, plan_profile, profile_split = fakes.asked, fakes.plan_profile, fakes.profile_split
 
     unsplit = plan_profile(())
     made = plan_splitting_near_the_floor(model, unsplit, (), plan_profile, profile_split)

@@ -18,7 +18,7 @@ from oomless.runtime import slabs as slabs_module
 from oomless.runtime.split import apply_split, remove_split, split_names, stream_candidate
 from oomless.runtime.stream import STREAM, is_streamed
 
-from tests.conftest import train_steps
+from tests.conftest import FakeFloors, train_steps
 
 
 @pytest.fixture
@@ -117,19 +117,8 @@ def test_the_planner_streams_the_outer_level_where_the_floor_is():
     model = UNet3D(base_channels=4, depth=2)
     floors = {(): ("encoders.1.3", 100), ("encoders.1",): ("decoders.1.conv.0", 95),
               ("encoders.1", STREAM): ("encoders.2.0", 90), ("encoders.1", STREAM, "encoders.2"): ("pool", 70)}
-    asked = []
-
-    def profile_split(chains):
-        asked.append(tuple(chains))
-        return tuple(chains)
-
-    def plan_profile(profile, memory=75):
-        block, floor = floors[profile]
-        if floor > memory:
-            raise oomless.PlanError("too small", minimum_bytes=floor, floor_block=block)
-        return oomless.Plan(memory_bytes=memory, device="cpu", static_bytes=0, reserve_bytes=0, activation_budget=0,
-                            predicted_peak_bytes=floor, predicted_activation_peak_bytes=0, predicted_step_seconds=0,
-                            plain_peak_bytes=0, plain_step_seconds=0, blocks=[])
+    fakes = FakeFloors(floors, memory=75)
+    asked, plan_profile, profile_split = fakes.asked, fakes.plan_profile, fakes.profile_split
 
     from oomless.plan.splitting import plan_splitting_the_floor
     first = oomless.PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
