@@ -45,8 +45,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from oomless.errors import InputError
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
-from oomless.parallel.data_parallel import Collectives
-from oomless.parallel.process_group import sum_across_ranks
+from oomless.parallel.data_parallel import Collectives, SynchronousDataParallel
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
@@ -162,10 +161,8 @@ class ShardedDataParallel(Collectives):
         rebind_optimizer(optimizer, before, model)
         return model
 
-    def sum_across_ranks(self):
-        if self.ranks.world_size == 1:
-            return None
-        return sum_across_ranks
+    # Global-batch statistics (BatchNorm, Dice) are summed across ranks as under dp.
+    sum_across_ranks = SynchronousDataParallel.sum_across_ranks
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.collective("FSDP all-gather / reduce-scatter during backward"):

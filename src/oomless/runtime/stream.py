@@ -90,16 +90,12 @@ def _ops_of(node: torch.fx.Node, root: nn.Module) -> tuple[list[_Node] | None, l
                 if op.kind == "input":
                     continue
                 local[index] = len(ops)
-                ops.append(_with_inputs(op, tuple(local[source] for source in op.inputs)))
+                ops.append(replace(op, inputs=tuple(local[source] for source in op.inputs)))
             # The graph's output last: a graph whose output is not its last op is taken as opaque.
             return (ops if local[graph.output] == len(ops) - 1 else None), arguments
     index = {argument: -1 - position for position, argument in enumerate(arguments)}
     op = fx_node(node, root, index, downsampling=True)
     return (None if op is None else [op]), arguments
-
-
-def _with_inputs(op: _Node, inputs: tuple[int, ...]) -> _Node:
-    return replace(op, inputs=inputs)
 
 
 def _level(ops: list[_Node] | None, levels: list[int]) -> int | None:
