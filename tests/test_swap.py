@@ -186,3 +186,38 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
         assert tier.calls.index(("release", fetched + 2)) < tier.calls.index(("prefetch", fetched))
     for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
+    """Backward reaches a recomputed block while earlier blocks' copies out are still running (a slow
+    disk, a short loss): the recomputed tensors join the ledger only after those copies have made room."""
+    blocks = 5
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.sum()     # noqa: E731
+    decisions = {str(index): "swap" for index in range(blocks - 1)} | {str(blocks - 1): "recompute"}
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, decisions=decisions)
+    storage_bytes = BATCH * WIDTH * 4
+    budget = 2 * storage_bytes
+    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=0,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
+                                       for block in plan.blocks])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    stats = oomless.stats(model)
+    assert stats.recomputed_blocks == 1
+    # The forward leaves the last two swapped outputs on the ledger (copies not finished, the budget
+    # full); the recomputed block's own output needs one of them to finish first.
+    assert stats.peak_activation_bytes == budget, "the budget is reached and never passed"
+    last_put = tier.tickets("put")[-1]
+    assert ("wait_out", last_put - 1) in tier.calls
+    assert stats.resident_activation_bytes == 0
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"

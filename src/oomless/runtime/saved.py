@@ -93,7 +93,7 @@ class ForwardRegistry:
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
-        self.engine.make_room(entry.num_bytes, block_index)
+        self.engine.make_room(entry.num_bytes, self.engine.forward_limit(block_index))
         ledger = self.engine.ledger
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
@@ -121,7 +121,11 @@ class ForwardRegistry:
         self.reached(entry.block_index)
         if not entry.fetched:
             if not entry.fetch_issued:
-                self._issue(entry)   # needed now: asked for ahead of the prefetches below
+                # Needed now: asked for ahead of the prefetches below, once copies out still on the
+                # ledger have made room for it (or none is left to wait for).
+                if not entry.on_ledger:
+                    engine.make_room(entry.num_bytes, engine.backward_limit(self.backward_block, self.backward_block))
+                self._issue(entry)
             self.prefetched_unused_bytes -= entry.num_bytes
             self.prefetch()
             entry.device_data = engine.tier.get(entry.ticket)
@@ -207,6 +211,9 @@ class SavedTensorEngine:
         if self.registry is not None:
             self.registry.reached(block_index)
         self._recomputed_on_ledger = self.recompute_bytes.get(block_index, 0)
+        # Copies out may still hold earlier blocks' bytes on the ledger (a slow disk, a short loss):
+        # they finish before the recomputed tensors join them over the limit.
+        self.make_room(self._recomputed_on_ledger, self.backward_limit(block_index, block_index))
         # The last recomputed block has no later unpack to take it off: the end of backward does.
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_moved)
         self.ledger.add(self._recomputed_on_ledger)
@@ -250,13 +257,13 @@ class SavedTensorEngine:
     def has_room(self, num_bytes: int, limit: int | None) -> bool:
         return limit is None or self.ledger.resident_activation_bytes + num_bytes <= limit
 
-    def make_room(self, num_bytes: int, block_index: int) -> None:
-        """Before a saved storage goes on the ledger: if that would pass the activation budget,
-        wait for earlier swaps' copies to finish. The plan predicts this never happens; when copies
-        fall behind the prediction, waiting keeps the budget a promise (on CUDA this is a host
-        synchronisation, the only one the runtime makes, and only in that case)."""
+    def make_room(self, num_bytes: int, limit: int | None) -> None:
+        """Before bytes go on the ledger (a saved storage, a recomputed block's tensors, a storage
+        fetched on demand): if that would pass ``limit``, the running phase's share of the
+        activation budget, wait for earlier swaps' copies to finish. The plan predicts this never
+        happens; when copies fall behind the prediction, waiting keeps the budget a promise (on CUDA
+        this is a host synchronisation, the only one the runtime makes, and only in that case)."""
         self.poll()
-        limit = self.forward_limit(block_index)
         while not self.has_room(num_bytes, limit) and self.pending_out:
             entry = self.pending_out[0]
             started = time.perf_counter()
