@@ -35,7 +35,8 @@ def _transient_bytes(block) -> int:
 
 # The reserve is measured (`profile.recorder`), exactly, at each change of the ledger; what varies
 # between two profiles of the same step on CPU (heap pages glibc keeps, page granularity) is carried
-# by this share of it on top. Profiles with estimated bytes (meta tensors) carry 20 %.
+# by this share of it on top, or by what the profiler's rehearsal of a plan held over its prediction,
+# whichever is more. Profiles with estimated bytes (meta tensors) carry 20 %.
 MEASURED_MARGIN = 0.05
 ESTIMATED_MARGIN = 0.2
 
@@ -58,7 +59,8 @@ def _least_other_bytes(profile: Profile) -> int:
 def _margin_bytes(profile: Profile) -> int:
     measured = all(block.forward_other_bytes is not None and block.backward_other_bytes is not None
                    for block in profile.blocks) and profile.loss_other_bytes is not None
-    return int(_worst_other_bytes(profile) * (MEASURED_MARGIN if measured else ESTIMATED_MARGIN))
+    share = int(_worst_other_bytes(profile) * (MEASURED_MARGIN if measured else ESTIMATED_MARGIN))
+    return max(share, profile.rehearsal_excess_bytes)
 
 
 def reserve_bytes(profile: Profile) -> int:
@@ -141,6 +143,23 @@ def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) 
         max_pending_out_bytes = 256 * 2**20
     _, timeline = _frugal_plan(profile, max_pending_out_bytes)
     return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+
+
+def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int]:
+    """(decisions, predicted bytes beyond static memory without the margin) of the plan the profiler's
+    timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest plan; without
+    a budget, every block recomputed."""
+    names = [block.name for block in profile.blocks]
+    max_pending_out_bytes = 256 * 2**20 if profile.link.kind == "disk" else None
+    if memory_bytes is None:
+        decisions = ["recompute"] * len(names)
+        return dict(zip(names, decisions)), simulate(profile, decisions, None, max_pending_out_bytes).total_peak_bytes
+    try:
+        made = make_plan(profile, memory_bytes)
+    except PlanError:
+        decisions, timeline = _frugal_plan(profile, max_pending_out_bytes)
+        return dict(zip(names, decisions)), timeline.total_peak_bytes
+    return made.decisions, made.predicted_peak_bytes - made.static_bytes - _margin_bytes(profile)
 
 
 def _with_margin(num_bytes: int) -> int:

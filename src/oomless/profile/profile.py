@@ -66,6 +66,9 @@ class Profile:
     precision: str = "fp32"         # the autocast the step ran under (runtime/precision.py)
     compiled: bool = False          # whether the blocks ran torch.compile'd (runtime/compile.py)
     split: dict[str, int] = field(default_factory=dict)   # chains computed in slabs: {name: slabs} (runtime/split.py)
+    # What the profiler's timing step, run under a plan, held beyond static bytes over the simulator's
+    # prediction for that plan (0: within it, or not rehearsed): the planner's margin covers it.
+    rehearsal_excess_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:

@@ -7,10 +7,13 @@ parameters never count), output, input and parameter bytes. The model's paramete
 gradients and RNG are left exactly as they were.
 """
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
+from oomless.plan.planner import rehearsal_plan
 from oomless.profile.blocks import children_as_blocks, find_blocks
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
@@ -70,9 +73,11 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                      plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_bytes=0, min_swap_bytes=0,
                      blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
                              for name in names])
-    # Memory is read at every ledger change in the sizing step (no ``decisions``) only: the timing
-    # step's block times must not pay for the readings.
-    recorder = Recorder(names, device, base_bytes, parameters=model.parameters(), measure_memory=decisions is None)
+    # Memory is read at every ledger change in the sizing step (no ``decisions``); the timing step,
+    # whose block times must not pay for readings, reads only at phase changes: its highest reading
+    # checks the plan's prediction.
+    recorder = Recorder(names, device, base_bytes, parameters=model.parameters(),
+                        every_ledger_change=decisions is None)
     install_plan(model, measuring, device, recorder=recorder)
     tier = installed_state(model).tier
     if tier is not None:
@@ -97,22 +102,6 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         recorder.close()
         uninstall_plan(model)
     return recorder, loss_seconds
-
-
-def _timing_decisions(sized: Profile, memory_bytes: int | None) -> dict[str, str] | None:
-    """The decisions to time blocks under, once sizes are known. The all-swap sizing step's times are
-    inflated by its transfers (on CPU they share the cores with compute); the plan for the budget,
-    made from those sizes, fits and moves only what it must. Without a budget: recompute every
-    block (no transfers, only block inputs held). None (no plan fits) keeps the sizing times."""
-    from oomless.errors import PlanError
-    from oomless.plan.planner import make_plan
-
-    if memory_bytes is None:
-        return {block.name: "recompute" for block in sized.blocks}
-    try:
-        return make_plan(sized, memory_bytes).decisions
-    except PlanError:
-        return None
 
 
 # A first step that keeps more than a quarter of its own peak rise is a fresh process starting up.
@@ -144,6 +133,13 @@ def _refined(found, recorder) -> list | None:
     return refined if changed else None
 
 
+# Per model: memory its earlier profiles' steps left held in the process (on CPU, oneDNN keeps a
+# kernel's workspace for its shapes after the step's tensors are freed: a whole-volume feature map
+# for a 3D U-Net). A later profile of the same model starts above it and its steps reuse it, so they
+# would not see it; the training steps hold it all the same: every later reading counts it.
+_LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
 def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None,
                   memory_bytes: int | None = None) -> Profile:
     """Measure one training step of ``model`` (no optimizer step), per block.
@@ -171,7 +167,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
     # memory the training steps will hold too.
     probe = MemoryProbe(device)
-    baseline = {"bytes": probe.current()}
+    left_before = _LEFT_BEHIND.get(model, 0)
+    baseline = {"bytes": probe.current() - left_before}
 
     def measure(decisions: dict[str, str] | None = None):
         for p in parameters:
@@ -192,7 +189,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             # step treats it). Measured again, from what the process holds now.
             notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
                          "sizes measured again on a second step")
-            baseline["bytes"] = probe.current()
+            baseline["bytes"] = probe.current() - left_before
             recorder, loss_seconds = measure()
         return recorder, loss_seconds
 
@@ -203,11 +200,17 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             found = refined
             recorder, loss_seconds = measure()
         sized = _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes)
-        timing = _timing_decisions(sized, memory_bytes)
-        if timing is not None:
-            timer, sized.loss_seconds = measure(timing)
-            sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
-            _merge_timing_step(sized, timer)
+        # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
+        # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
+        timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
+        timer, sized.loss_seconds = measure(timing)
+        sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
+        _merge_timing_step(sized, timer)
+        # The timing step rehearses a plan: what it held beyond the simulator's prediction (phases
+        # measured a little differently in two steps: heap pages glibc keeps, page granularity) is
+        # carried by every plan made from this profile (`plan.planner.margin_bytes`).
+        sized.rehearsal_excess_bytes = max(timer.highest_above_static_bytes - predicted_bytes, 0)
+        _LEFT_BEHIND[model] = max(probe.current() - baseline["bytes"], left_before)
     finally:
         with torch.no_grad():
             for p, grad in zip(parameters, saved_grads):

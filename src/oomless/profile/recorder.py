@@ -9,8 +9,10 @@ changes: between two changes the ledger is constant, so the peak of device memor
 the ledger, less what the step started with, less the gradients accumulated so far, is what the
 step held beyond saved activations then: outputs the forward still references (U-Net skips),
 gradients flowing in backward, op workspaces, saves outside every block, and the loss's own tensors.
-Each interval's reading goes to the phase that ran: a block's forward, the loss (from the end of the
-forward to the first block's backward), or a block's backward.
+Each interval's reading goes to the phase that ran: a block's forward (what runs before the first
+block, such as a streamed outer level's encoder, counts in the first block's), the loss (from the end
+of the forward to the first block's backward), or a block's backward. A rehearsal step (the plan's
+own decisions) reads only at phase changes: its highest reading is what the plan's step really holds.
 """
 
 import time
@@ -23,6 +25,7 @@ from oomless.profile.rss import MemoryProbe
 from oomless.profile.tensors import storage_bytes, tensors_in
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
+_BEFORE_BLOCKS = -2  # the forward before its first block
 
 
 class Recorder:
@@ -30,10 +33,11 @@ class Recorder:
 
     ``base_bytes``: device memory before the profiling steps (parameters, buffers, inputs, optimizer
     state if any); ``parameters``: the model's, to count gradients as they are accumulated;
-    ``measure_memory`` turns the per-interval memory readings off."""
+    ``measure_memory`` turns the per-interval memory readings off; ``every_ledger_change`` False reads
+    only at phase changes (a few readings a step: the step's times are not paid for them)."""
 
     def __init__(self, names: list[str], device: torch.device, base_bytes: int, parameters=(),
-                 measure_memory: bool = True):
+                 measure_memory: bool = True, every_ledger_change: bool = True):
         self.names = names
         self.device = device
         self.tier_stall_source = lambda: 0.0
@@ -50,6 +54,8 @@ class Recorder:
         self.in_backward = False
         self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
         self.measure_memory = measure_memory
+        self.every_ledger_change = every_ledger_change
+        self._before_blocks = BlockProfile("")   # readings before the first block, merged into it
         self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
         self.ledger_bytes = 0
         self.base_bytes = base_bytes
@@ -102,7 +108,7 @@ class Recorder:
             self.loss_other_bytes = max(self.loss_other_bytes, other)
             self.loss_peak_bytes = max(self.loss_peak_bytes, above_static)
         elif kind == "forward":
-            block = self.blocks[index]
+            block = self._before_blocks if index == _BEFORE_BLOCKS else self.blocks[index]
             block.forward_other_bytes = max(block.forward_other_bytes or 0, other)
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, above_static)
         else:
@@ -118,13 +124,16 @@ class Recorder:
 
     def ledger_changing(self, resident_bytes: int) -> None:
         """Called by the ledger before each change: the interval at the old value ends here."""
-        self._read_interval()
+        if self.every_ledger_change:
+            self._read_interval()
         self.ledger_bytes = resident_bytes
 
     # The runtime's callbacks.
 
     def forward_started(self, resident_storages):
         self.resident = resident_storages
+        self._before_blocks = BlockProfile("")
+        self._enter(("forward", _BEFORE_BLOCKS))
 
     def _track(self, live: dict, tensors) -> None:
         for tensor in tensors:
@@ -166,6 +175,12 @@ class Recorder:
         block.input_bytes += storage_bytes(tensors_in(args))
         block.held_forward_bytes = max(block.held_forward_bytes, self._alive_bytes(self.live_outputs))
         self._enter(("forward", index))
+        before, self._before_blocks = self._before_blocks, None
+        if before is not None and before.forward_other_bytes is not None:
+            # The first block's forward phase starts where the model's forward does: the simulator
+            # has no phase before it, and the ledger is no fuller then.
+            block.forward_other_bytes = max(block.forward_other_bytes or 0, before.forward_other_bytes)
+            block.forward_peak_bytes = max(block.forward_peak_bytes or 0, before.forward_peak_bytes)
         self.started[index] = self.now()
 
     def block_finished(self, index, output):
