@@ -202,7 +202,8 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         limiting_name, why = _what_limits(profile, frugal_timeline)
         floor_name = limiting_name
         if static_bytes + margin >= memory_bytes:
-            limiting_name, why = None, f"static bytes ({format_bytes(static_bytes)}) alone exceed it"
+            limiting_name, why = None, (f"static bytes ({format_bytes(static_bytes)}) and the measurement margin "
+                                        f"({format_bytes(margin)}) alone exceed it")
         raise PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                         f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
                         "or a smaller batch",

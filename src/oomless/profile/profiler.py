@@ -203,13 +203,18 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
+        before_rehearsal = probe.current()
         timer, sized.loss_seconds = measure(timing)
+        for p in parameters:
+            p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
         _merge_timing_step(sized, timer)
         # The timing step rehearses a plan: what it held beyond the simulator's prediction (phases
         # measured a little differently in two steps: heap pages glibc keeps, page granularity) is
-        # carried by every plan made from this profile (`plan.planner.margin_bytes`).
-        sized.rehearsal_excess_bytes = max(timer.highest_above_static_bytes - predicted_bytes, 0)
+        # carried by every plan made from this profile (`planner._margin_bytes`). What it still holds
+        # after is the start-up of a code path it ran first (recompute's), not the step's.
+        started_up = max(probe.current() - before_rehearsal, 0)
+        sized.rehearsal_excess_bytes = max(timer.highest_above_static_bytes - predicted_bytes - started_up, 0)
         _LEFT_BEHIND[model] = max(probe.current() - baseline["bytes"], left_before)
     finally:
         with torch.no_grad():
