@@ -86,7 +86,9 @@ def test_a_workspace_left_by_an_earlier_profile_counts_in_the_next():
     second = profile(model, batch=256)     # its steps start with the workspace already held
     # Allocated before the first block: in its forward's working memory, both times.
     assert first.blocks[0].forward_other_bytes >= 0.9 * WIDE_BYTES
-    assert second.blocks[0].forward_other_bytes >= 0.9 * WIDE_BYTES, "held by the process while it trains"
+    # Half: what the first profile left is read from resident memory, which heap pages freed by
+    # earlier code (reused or returned meanwhile) move by megabytes; without it the reading is ~0.
+    assert second.blocks[0].forward_other_bytes >= 0.5 * WIDE_BYTES, "held by the process while it trains"
 
 
 def test_the_rehearsed_plan_holding_more_than_predicted_raises_the_margin():
