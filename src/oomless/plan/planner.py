@@ -12,6 +12,7 @@ from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other
                                    simulate)
 from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
+from oomless.runtime.tiers import DISK_MAX_PENDING_BYTES
 from oomless.sizes import format_bytes
 
 DECISIONS = ("keep", "swap", "recompute")
@@ -137,11 +138,17 @@ def _frugal_plan(profile: Profile, max_pending_out_bytes: int | None) -> tuple[l
     return decisions, timeline
 
 
+def _pending_out_bound(profile: Profile, max_pending_out_bytes: int | None) -> int | None:
+    """Bytes of copies out the forward may run ahead of: as given, else the disk tier's own bound
+    (its writer makes the forward wait past it); None: no bound (copies to pinned host memory)."""
+    if profile.link.kind == "disk" and max_pending_out_bytes is None:
+        return DISK_MAX_PENDING_BYTES
+    return max_pending_out_bytes
+
+
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
     """The smallest budget any plan fits, for this profile (without the margin PlanError adds)."""
-    if profile.link.kind == "disk" and max_pending_out_bytes is None:
-        max_pending_out_bytes = 256 * 2**20
-    _, timeline = _frugal_plan(profile, max_pending_out_bytes)
+    _, timeline = _frugal_plan(profile, _pending_out_bound(profile, max_pending_out_bytes))
     return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
 
 
@@ -150,7 +157,7 @@ def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str
     timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest plan; without
     a budget, every block recomputed."""
     names = [block.name for block in profile.blocks]
-    max_pending_out_bytes = 256 * 2**20 if profile.link.kind == "disk" else None
+    max_pending_out_bytes = _pending_out_bound(profile, None)
     if memory_bytes is None:
         decisions = ["recompute"] * len(names)
         return dict(zip(names, decisions)), simulate(profile, decisions, None, max_pending_out_bytes).total_peak_bytes
@@ -190,8 +197,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     worst_other = _worst_other_bytes(profile)
     budget = memory_bytes - static_bytes - margin     # beyond static bytes, for the whole step
     names = [block.name for block in profile.blocks]
-    if profile.link.kind == "disk" and max_pending_out_bytes is None:
-        max_pending_out_bytes = 256 * 2**20
+    max_pending_out_bytes = _pending_out_bound(profile, max_pending_out_bytes)
     plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     frugal, frugal_timeline = _frugal_plan(profile, max_pending_out_bytes)
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes

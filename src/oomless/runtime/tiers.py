@@ -182,6 +182,9 @@ class _DiskTicket:
         self.read: Future | None = None
 
 
+DISK_MAX_PENDING_BYTES = 256 * 2**20
+
+
 class DiskTier:
     """Swap to files on local disk through background workers (compute on CPU).
 
@@ -191,7 +194,7 @@ class DiskTier:
     the memory budget when compute outruns the disk.
     """
 
-    def __init__(self, directory: str | None = None, max_pending_bytes: int = 256 * 2**20):
+    def __init__(self, directory: str | None = None, max_pending_bytes: int = DISK_MAX_PENDING_BYTES):
         self.directory = tempfile.mkdtemp(prefix="oomless-swap-", dir=directory)
         self.max_pending_bytes = max_pending_bytes
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-disk-write")
