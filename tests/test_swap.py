@@ -136,6 +136,20 @@ class SlowTier:
         return [number for name, number in self.calls if name == call]
 
 
+def train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, prefetch_bytes, monkeypatch) -> SlowTier:
+    """Apply ``plan`` to ``model`` with one activation budget for every phase and swaps to a `SlowTier`,
+    then train it and ``reference`` (plain) one step each; returns the tier."""
+    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=prefetch_bytes,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
+                                       for block in plan.blocks])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    return tier
+
+
 class LinearRelu(nn.Module):
     """Saves one storage of its own: its output (ReLU's backward reads it, the next block's Linear too)."""
 
@@ -159,15 +173,7 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
     # Room for two blocks' outputs, in every phase: the third saved storage must wait for a copy.
     storage_bytes = BATCH * WIDTH * 4
     budget = 2 * storage_bytes
-    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=None,
-                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
-                                       for block in plan.blocks])
-    tier = SlowTier()
-    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
-    oomless.apply(model, plan)
-
-    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
-    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, None, monkeypatch)
 
     stats = oomless.stats(model)
     assert stats.offloaded_bytes == blocks * storage_bytes
@@ -201,15 +207,7 @@ def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, decisions=decisions)
     storage_bytes = BATCH * WIDTH * 4
     budget = 2 * storage_bytes
-    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=0,
-                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
-                                       for block in plan.blocks])
-    tier = SlowTier()
-    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
-    oomless.apply(model, plan)
-
-    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
-    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, 0, monkeypatch)
 
     stats = oomless.stats(model)
     assert stats.recomputed_blocks == 1
