@@ -33,11 +33,11 @@ class Recorder:
 
     ``base_bytes``: device memory before the profiling steps (parameters, buffers, inputs, optimizer
     state if any); ``parameters``: the model's, to count gradients as they are accumulated;
-    ``measure_memory`` turns the per-interval memory readings off; ``every_ledger_change`` False reads
-    only at phase changes (a few readings a step: the step's times are not paid for them)."""
+    ``every_ledger_change`` False reads only at phase changes (a few readings a step: the step's
+    times are not paid for them)."""
 
     def __init__(self, names: list[str], device: torch.device, base_bytes: int, parameters=(),
-                 measure_memory: bool = True, every_ledger_change: bool = True):
+                 every_ledger_change: bool = True):
         self.names = names
         self.device = device
         self.tier_stall_source = lambda: 0.0
@@ -53,9 +53,8 @@ class Recorder:
         self.probe = MemoryProbe(device)
         self.in_backward = False
         self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
-        self.measure_memory = measure_memory
         self.every_ledger_change = every_ledger_change
-        self._before_blocks = BlockProfile("")   # readings before the first block, merged into it
+        self._before_blocks: BlockProfile | None = None   # readings before the first block, merged into it
         self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
         self.ledger_bytes = 0
         self.base_bytes = base_bytes
@@ -65,10 +64,9 @@ class Recorder:
         self.highest_above_static_bytes = 0
         self._gradient_hooks = []
         self._counted_gradients: set[int] = set()
-        if measure_memory:
-            for parameter in dict.fromkeys(parameters):
-                if parameter.requires_grad:
-                    self._gradient_hooks.append(parameter.register_post_accumulate_grad_hook(self._gradient_done))
+        for parameter in dict.fromkeys(parameters):
+            if parameter.requires_grad:
+                self._gradient_hooks.append(parameter.register_post_accumulate_grad_hook(self._gradient_done))
 
     def close(self) -> None:
         self.probe.close()
@@ -98,7 +96,7 @@ class Recorder:
 
     def _read_interval(self) -> None:
         """Attribute the peak since the last reading to the running phase, then start a new interval."""
-        if not self.measure_memory or self.phase is None:
+        if self.phase is None:
             return
         above_static = max(self.probe.peak_and_mark() - self.base_bytes - self.gradient_bytes, 0)
         self.highest_above_static_bytes = max(self.highest_above_static_bytes, above_static)
@@ -118,7 +116,7 @@ class Recorder:
 
     def _enter(self, phase: tuple[str, int] | None) -> None:
         self._read_interval()
-        if self.measure_memory and self.phase is None:
+        if self.phase is None:
             self.probe.mark()
         self.phase = phase
 

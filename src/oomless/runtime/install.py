@@ -45,7 +45,7 @@ class InstalledPlan:
         self.plan = plan
         self.device = device
         self.ledger = Ledger()
-        if recorder is not None and recorder.measure_memory:
+        if recorder is not None:
             self.ledger.observer = recorder.ledger_changing
         self.tier = make_tier(device) if SWAP in plan.decisions.values() or recorder else None
         budget = plan.activation_budget if plan.activation_budget > 0 else None
