@@ -113,3 +113,28 @@ def test_forced_on_at_a_roomy_budget_and_saved_as_json(profiled):
     with pytest.raises(oomless.ApplyError, match="pass the optimizer"):
         oomless.apply(model, loaded)
     assert not hasattr(model, "_oomless")
+
+
+def test_the_memory_plot_draws_each_static_part_where_it_lives(profiled, tmp_path):
+    pytest.importorskip("matplotlib")
+    from oomless.plan.plot import memory_curves, plot_plan, static_bands
+
+    profile, _, _ = profiled
+    model, inputs, loss_fn = _case()
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=torch.optim.Adam(model.parameters()),
+                        profile=profile, update_in_backward=True, offload_optimizer_state=True)
+    parts = {part.name: part for part in plan.static_parts}
+    moved = sum(part.total_bytes - part.device_bytes for part in plan.static_parts)
+    assert moved >= parts["gradients"].total_bytes // 2 + parts["optimizer state"].total_bytes // 2
+    curves = memory_curves(profile, plan)
+    # Plain PyTorch holds every static byte on the device; the plan only those it leaves there.
+    assert curves["plain"][0][1] == plan.static_bytes + moved
+    assert curves["plan"][0][1] == plan.static_bytes
+    bands = static_bands(plan)
+    assert [bottom for _, bottom, _ in bands[1:]] == [top for _, _, top in bands[:-1]]
+    assert bands[0][1] == 0 and bands[-1][2] == plan.static_bytes
+    labels = dict((label.split(":")[0], label) for label, _, _ in bands)
+    assert "in backward" in labels["gradients"] and "disk" in labels["optimizer state"]
+    assert labels["parameters"] == "parameters"          # all on the device: nothing to say
+    path = plot_plan(profile, plan, str(tmp_path / "plan.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
