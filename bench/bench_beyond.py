@@ -16,7 +16,8 @@ sequence fixed:
 - ``oomless``: ``oomless.fit`` for the memory, the planner deciding the update in backward and the
   optimizer state and parameters off the device as well.
 Each (method, depth) runs in its own child process: the truth for memory on CPU is the process's peak
-resident memory (DESIGN.md section 3), here above the process before the model was built, over
+resident memory (DESIGN.md section 3), here above the process before the model was built (after one
+warm-up step of the same model one block deep: start-up of kernels and threads is not the model's), over
 ``--steps`` training steps. A method trains a depth when that peak is within the memory (oomless:
 and the planner accepted it); the ladder is searched by bisection from the smallest depth, then
 climbed until two depths in a row do not fit (a planner's choices make fitting not monotonic in
@@ -39,7 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -115,9 +115,13 @@ def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_byte
 
     return_freed_memory_to_the_system()
     probe = _Memory(device)
-    warm = nn.Linear(8, 8).to(device)           # library code of the optimizer and autograd: not the model's
-    torch.optim.Adam(warm.parameters()).step()
-    del warm
+    # Start-up of the process, not the model's: one step of the same model one block deep, at the same
+    # sizes, warms the kernels' caches, autograd's threads and the optimizer's code (floor_child.py too).
+    warm, warm_tokens, warm_loss, _ = build(model_name, 1, sizes, device)
+    warm_optimizer = torch.optim.Adam(warm.parameters())
+    warm_loss(warm(warm_tokens)).backward()
+    warm_optimizer.step()
+    del warm, warm_tokens, warm_loss, warm_optimizer
     gc.collect()
     empty = probe.current()
     model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
