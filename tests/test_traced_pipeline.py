@@ -19,7 +19,8 @@ from oomless.errors import InputError
 from oomless.models import SmallCNN, TinyTransformer
 from oomless.parallel.block_sequence import BlockSequence, sequence_for
 from oomless.parallel.traced import TRACED, candidate_blocks, traced_sequence
-from tests.pipeline_workers import UNET_VOLUMES, batch, buffers_agree, reference, reference_chunks, run_pipeline_jobs
+from tests.pipeline_workers import (STEPS, UNET_VOLUMES, batch, buffers_agree, reference, reference_chunks,
+                                    run_pipeline_jobs)
 
 TOLERANCE = 1e-6
 
@@ -217,6 +218,12 @@ def test_two_stage_pipelines_of_gpt2_and_monai_unet_train_as_one_process(tmp_pat
         # The cut the partitioner chose from a profile of the traced sequence.
         dict(name="monai-partitioned", kind="monai-unet", cuts=_partitioned_cuts("monai-unet"), microbatches=1,
              schedule="gpipe"),
+        # Each stage with its own fit-engine plan: the traced blocks recomputed (BatchNorm's statistics
+        # must still move once per micro-batch) or their saved tensors swapped.
+        dict(name="monai-recompute", kind="monai-unet", cuts=[0, across_skips, len(unet.blocks)], microbatches=2,
+             schedule="1f1b", policy="recompute"),
+        dict(name="gpt2-swap", kind="gpt2", cuts=[0, after_first_layer, len(gpt2.blocks)], microbatches=2,
+             schedule="gpipe", policy="swap"),
     ]
     results = run_pipeline_jobs(2, jobs, tmp_path)
     for job in jobs:
@@ -225,6 +232,14 @@ def test_two_stage_pipelines_of_gpt2_and_monai_unet_train_as_one_process(tmp_pat
         assert _max_difference(result["parameters"], parameters) <= TOLERANCE, job["name"]
         assert buffers_agree(job)
         assert _max_difference(result["buffers"], buffers) <= TOLERANCE, (job["name"], "buffers")
+        stages = [stage for by_rank in result["stages"] for stage in by_rank]
+        if "policy" in job:
+            assert len(stages) == 2 and all(stage["decisions"] == [job["policy"]] for stage in stages), stages
+        if job.get("policy") == "recompute":      # every block that saves anything re-ran, each micro-batch and step
+            assert all(stage["recomputed_blocks"] >= stage["saving_blocks"] * job["microbatches"] * STEPS > 0
+                       for stage in stages), stages
+        if job.get("policy") == "swap":
+            assert all(stage["offloaded_bytes"] > 0 for stage in stages), stages
     # The references moved, BatchNorm statistics included: the comparisons are not of initial states.
     for kind in ("gpt2", "monai-unet"):
         model = build(kind)[0]
