@@ -61,10 +61,12 @@ class _Selected(nn.Module):
             chosen = result
         elif callable(self.select):
             chosen = self.select(result)
-        elif isinstance(self.select, str) and not isinstance(result, Mapping):
+        elif isinstance(result, Mapping):
+            chosen = result.get(self.select)
+        elif isinstance(self.select, str):
             chosen = getattr(result, self.select, None)
         else:
-            chosen = result[self.select]
+            chosen = result[self.select] if -len(result) <= self.select < len(result) else None
         if not isinstance(chosen, torch.Tensor):
             keys = list(result.keys()) if isinstance(result, Mapping) else type(result).__name__
             raise InputError(f"{type(self.model).__name__} returns {keys}, not one tensor; give output= the key, "

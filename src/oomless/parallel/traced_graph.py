@@ -83,7 +83,7 @@ class TracedGraph:
             elif kind is not None:
                 raise InputError(f"torch.export lifted a {kind} input ({node.name}), which a traced sequence cannot "
                                  "carry; write the model as a BlockSequence")
-            elif node.op == "get_attr":            # a higher-order op's subgraph (a no_grad region)
+            elif node.op == "get_attr":            # a higher-order op's subgraph (torch.cond's branches)
                 self.attributes[node] = _attach(root, f"_traced_subgraph_{len(self.attributes)}",
                                                 getattr(program.graph_module, node.target))
         written = [spec.kind.name for spec in program.graph_signature.output_specs if spec.kind.name != "USER_OUTPUT"]
