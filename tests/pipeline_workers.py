@@ -3,7 +3,9 @@ reference, and the gloo worker that trains a job's pipeline stages (on a pipelin
 job has ``dp`` > 1) and leaves each rank's parameters and buffers (under the original model's names)
 and what its stages' plans did in ``out_dir/<job>-rank<i>.pt``.
 
-A job: name, kind ("transformer" | "unet"), cuts (P x V stages), microbatches, schedule, and
+A job: name, kind ("transformer" | "unet", or "gpt2" | "monai-unet": Hugging Face's GPT-2 and
+MONAI's UNet as their libraries build them, traced into a sequence by `oomless.parallel.traced`),
+cuts (P x V stages), microbatches, schedule, and
 optionally dp (replicas; the world is P x dp), policy (every stage planned by the fit engine with
 that decision on every block), clip (gradients clipped to that global norm), volumes (the U-Net's
 global batch; default `UNET_VOLUMES`) and global_batchnorm (BatchNorm statistics over every
@@ -20,10 +22,11 @@ import torch.nn.functional as F
 
 from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
-from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
+from oomless.parallel.block_sequence import sequence_for, transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
 from oomless.parallel.process_group import guard_gloo_exit
 from oomless.parallel.stage_fit import fit_stages
+from oomless.parallel.traced import TracedSequence
 from tests.parallel_workers import free_port
 
 STEPS = 5
@@ -31,9 +34,16 @@ GLOBAL_BATCH = 8
 UNET_VOLUMES = GLOBAL_BATCH // 4
 
 
+TRACED_KINDS = ("gpt2", "monai-unet")
+
+
 def build(kind: str):
     """(model, its BlockSequence, loss_fn(output, target)), the same in every process."""
     torch.manual_seed(0)
+    if kind in TRACED_KINDS:
+        model = traced_model(kind)
+        return model, sequence_for(model, batch(kind, 0)[0], output="logits" if kind == "gpt2" else None), \
+            _loss_of(kind)
     if kind == "transformer":
         # No dropout: micro-batching draws dropout masks in another order than one whole batch.
         model = TinyTransformer(vocab_size=64, dim=32, depth=6, heads=2, max_len=16, dropout=0.0)
@@ -41,6 +51,31 @@ def build(kind: str):
                                                                                           target.flatten())
     model = UNet3D(base_channels=2, depth=2)
     return model, unet_sequence(model), F.cross_entropy
+
+
+def traced_model(kind: str):
+    """GPT-2 (2 layers, 64 wide, a 64-token vocabulary; no dropout: micro-batching draws masks in
+    another order) or MONAI's UNet (3 levels, BatchNorm) as the user's code would build them."""
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=16,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    from monai.networks.nets import UNet
+
+    return UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(2, 4, 8), strides=(2, 2), num_res_units=1,
+                norm="batch")
+
+
+def _loss_of(kind: str):
+    if kind == "gpt2":
+        return lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return F.cross_entropy
+
+
+def model_output(kind: str, output):
+    """The tensor the loss reads: a Hugging Face model returns a ModelOutput."""
+    return output.logits if kind == "gpt2" else output
 
 
 def make_optimizer(parameters):
@@ -53,7 +88,7 @@ def make_optimizer(parameters):
 
 def batch(kind: str, step: int, volumes: int = UNET_VOLUMES) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
-    if kind == "transformer":
+    if kind in ("transformer", "gpt2"):
         tokens = torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
     volumes = torch.randn(volumes, 1, 8, 8, 8, generator=generator)
@@ -70,13 +105,17 @@ def reference(kind: str, chunks: int = 1, clip: float | None = None,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # the workers run one thread; CPU kernels' sums depend on the split
     try:
-        model, _, loss_fn = build(kind)
+        if kind in TRACED_KINDS:        # the reference needs no sequence: not traced
+            torch.manual_seed(0)
+            model, loss_fn = traced_model(kind), _loss_of(kind)
+        else:
+            model, _, loss_fn = build(kind)
         optimizer = make_optimizer(model.parameters())
         for step in range(STEPS):
             inputs, target = batch(kind, step, volumes)
             optimizer.zero_grad()
             for part, part_target in zip(inputs.chunk(chunks), target.chunk(chunks)):
-                (loss_fn(model(part), part_target) / chunks).backward()
+                (loss_fn(model_output(kind, model(part)), part_target) / chunks).backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
@@ -98,6 +137,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             model, sequence, loss_fn = build(job["kind"])
             if job.get("global_batchnorm"):
                 convert_batchnorm_for_data_parallel(model, torch.device("cpu"), mesh["dp"].get_group())
+                if isinstance(sequence, TracedSequence):    # its blocks call the BatchNorms swapped out
+                    sequence = sequence.rebuilt()
             volumes = job.get("volumes", UNET_VOLUMES)
             inputs, _ = batch(job["kind"], 0, volumes)
             example = (inputs.chunk(replicas)[replica].chunk(job["microbatches"])[0],)
@@ -142,7 +183,7 @@ def buffers_agree(job: dict) -> bool:
 def reference_chunks(job: dict) -> int:
     """The chunks of the global batch the reference normalises separately, as the job's BatchNorms do:
     each micro-batch of each replica, or each micro-batch across the replicas."""
-    if job["kind"] != "unet":
+    if job["kind"] not in ("unet", "monai-unet"):        # the models with BatchNorm
         return 1
     if job.get("global_batchnorm"):
         assert job["microbatches"] == 1, "replicas' micro-batches m > 0 are not chunks of the global batch"

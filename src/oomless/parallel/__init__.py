@@ -13,6 +13,8 @@ launched by ``torchrun``.
 - `batchnorm.py`       global-batch BatchNorm statistics (torch's SyncBatchNorm is CUDA-only).
 - `rank_state.py`      every rank's RNG (and, in relaxed modes, weights and optimizer) for checkpoints.
 - `block_sequence.py`  a model as named blocks that can be cut anywhere (skips cross cuts).
+- `traced.py`          any other model traced with torch.export into such blocks, unmodified;
+                       `traced_graph.py` cuts the exported graph.
 - `pipeline.py`        pipeline stages and torch's schedules; a (pipeline x data) mesh.
 - `pipeline_training.py` the loop's pipeline / hybrid layout: cut chosen by the partitioner.
 

@@ -39,7 +39,10 @@ def _run(blocks, values: dict, modules: nn.ModuleDict) -> dict:
 
 
 class BlockSequence(nn.Module):
-    """``blocks`` run in order over named tensors; ``forward(*inputs)`` returns the tensor ``output``."""
+    """``blocks`` run in order over named tensors; ``forward(*inputs)`` returns the tensor ``output``.
+    ``origin`` says how the sequence was made (written by hand here; `oomless.parallel.traced`'s say traced)."""
+
+    origin = "block sequence"
 
     def __init__(self, blocks: list[Block], inputs: tuple[str, ...] = ("input",), output: str = "output"):
         super().__init__()
@@ -165,9 +168,12 @@ def sequential_sequence(model: nn.Sequential) -> BlockSequence:
     return BlockSequence(blocks)
 
 
-def sequence_for(model: nn.Module) -> BlockSequence:
-    """The `BlockSequence` of a model oomless knows how to cut: `UNet3D`, `TinyTransformer`, any
-    ``nn.Sequential`` of two or more children, or a `BlockSequence` itself."""
+def sequence_for(model: nn.Module, example=None, output=None) -> BlockSequence:
+    """The `BlockSequence` of a model: written by hand for `UNet3D`, `TinyTransformer` and any
+    ``nn.Sequential`` of two or more children (a `BlockSequence` is itself); any other model is
+    traced with torch.export on ``example`` (its positional input tensors), ``output`` naming the
+    tensor the loss reads where the forward returns several (`oomless.parallel.traced`).
+    ``sequence.origin`` says which path made it."""
     from oomless.models import TinyTransformer, UNet3D
 
     if isinstance(model, BlockSequence):
@@ -178,6 +184,11 @@ def sequence_for(model: nn.Module) -> BlockSequence:
         return transformer_sequence(model)
     if isinstance(model, nn.Sequential) and len(model) >= 2:
         return sequential_sequence(model)
-    raise InputError(f"oomless cannot cut a {type(model).__name__} into pipeline stages; write it as a "
-                     "BlockSequence (oomless.parallel.block_sequence.Block: name, module, tensors read, tensors "
-                     "written), or use UNet3D, TinyTransformer or an nn.Sequential")
+    if example is None:
+        raise InputError(f"oomless has no hand-written cut of a {type(model).__name__} and no example input to trace "
+                         "it with torch.export; give one (sequence_for(model, example)), or write the model as a "
+                         "BlockSequence (oomless.parallel.block_sequence.Block: name, module, tensors read, tensors "
+                         "written)")
+    from oomless.parallel.traced import traced_sequence
+
+    return traced_sequence(model, example, output=output)

@@ -1,6 +1,6 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: stages built by hand from a cut of a
-`BlockSequence` (no whole-graph export), run by one of torch's schedules, optionally replicated for
-data parallel on a 2-D (pipeline x data) mesh (issue 5).
+"""Pipeline parallel on ``torch.distributed.pipelining``: stages built from a cut of a `BlockSequence`
+(written by hand, or traced from an unmodified model by `oomless.parallel.traced`), run by one of
+torch's schedules, optionally replicated for data parallel on a 2-D (pipeline x data) mesh (issue 5).
 
 Every process builds the same whole model (same seed), keeps the blocks of its own stages and trains
 only their parameters; the tensors live at a cut (several for a U-Net's skips) cross it as a tuple.
@@ -109,6 +109,11 @@ class PipelineParallel:
         self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
         self.owners = tensor_owners(sequence, cuts, placement)
         self.output = None
+
+    @property
+    def origin(self) -> str:
+        """How the stages' sequence was made: "block sequence" (written by hand) or "traced with torch.export"."""
+        return self.sequence.origin
 
     @property
     def is_first(self) -> bool:

@@ -37,6 +37,7 @@ from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
 from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
 from oomless.parallel.stage_fit import UNLIMITED, fit_stages
+from oomless.parallel.traced import TracedSequence
 from oomless.plan.microbatches import choose_microbatches, scale_profile
 from oomless.plan.partition import Partition, partition_stages
 from oomless.train.losses import hard_dice, segmentation_loss
@@ -67,11 +68,16 @@ class PipelineTraining(Collectives):
         also gets its own plan from the fit engine (`oomless.parallel.stage_fit`)."""
         self.max_grad_norm, self.optimizer, self.memory = max_grad_norm, optimizer, memory
         dp_group = self.mesh["dp"].get_group()
+        # Written by hand for the project's models, else traced (every rank traces: same blocks).
+        sequence = sequence_for(model, None if example is None else example[0])
         # Cut before BatchNorm turns collective: only rank 0 profiles, its replicas would not join.
-        self.partition = self._cut(sequence_for(model), example)
+        self.partition = self._cut(sequence, example)
+        self.partition.notes.append(f"the model's blocks: {sequence.origin} "
+                                    f"({len(sequence.blocks)} blocks to cut between)")
         if self.replicas > 1:
             convert_batchnorm_for_data_parallel(model, self.device, dp_group)
-        sequence = sequence_for(model)          # after the swap: a block may be a BatchNorm itself
+            # After the swap a block may be a BatchNorm itself (or, traced, call one): built again.
+            sequence = sequence.rebuilt() if isinstance(sequence, TracedSequence) else sequence_for(model)
         sum_across = partial(sum_across_ranks, group=dp_group) if self.replicas > 1 else None
         cuts = cuts_from_stage_blocks(sequence, self.partition.stage_blocks)
         self.pipeline = PipelineParallel(

@@ -14,7 +14,7 @@ and its runtime budget (what the ledger enforces) is then that plan's activation
 in-flight count: the in-flight micro-batches together stay within the stage's share.
 
 Each stage is profiled on the real inputs it receives for the example micro-batch (earlier stages
-run once without gradients, BatchNorm in eval mode so no statistic moves). The last stage is profiled
+run once without gradients, their buffers and the RNG put back after, so no statistic moves). The last stage is profiled
 with the real loss on ``target``, the others with the sum of their outputs (the gradient's shape is
 what matters). Replicas of a stage take replica 0's plan: a recomputed block re-runs BatchNorm's
 all-reduce over the replicas in backward, so their plans must agree.
@@ -89,24 +89,28 @@ def _replica_zero_plan(pipeline, make_plan):
 @torch.no_grad()
 def _stage_inputs(pipeline) -> dict[int, tuple[torch.Tensor, ...]]:
     """{stage: the real inputs it receives for the example micro-batch}, for this rank's stages.
-    Earlier stages run here, without gradients, every module in eval mode (restored after)."""
+    Earlier stages run here, without gradients, in the mode they train in (a traced sequence runs
+    in no other); every buffer is put back after and the RNG state too, so no BatchNorm statistic
+    moves and dropout draws nothing. Replicas run the same stages: BatchNorm's all-reduces over
+    them match."""
     sequence, cuts = pipeline.sequence, pipeline.cuts
-    modes = [(module, module.training) for module in sequence.modules()]
-    sequence.eval()
+    buffers = [(buffer, buffer.clone()) for buffer in sequence.buffers()]
+    devices = [pipeline.device] if pipeline.device.type == "cuda" else []
     try:
-        values, found = pipeline.example, {}
-        for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
-            if stage in pipeline.stage_indices:
-                found[stage] = tuple(_as_received(tensor, stage, pipeline.device) for tensor in values)
-            if stage == max(pipeline.stage_indices):
-                break
-            module = sequence.stage(start, stop)
-            device = next((p.device for p in module.parameters()), values[0].device)
-            produced = module(*(tensor.to(device) for tensor in values))
-            values = produced if isinstance(produced, tuple) else (produced,)
+        with torch.random.fork_rng(devices=devices):
+            values, found = pipeline.example, {}
+            for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+                if stage in pipeline.stage_indices:
+                    found[stage] = tuple(_as_received(tensor, stage, pipeline.device) for tensor in values)
+                if stage == max(pipeline.stage_indices):
+                    break
+                module = sequence.stage(start, stop)
+                device = next((p.device for p in module.parameters()), values[0].device)
+                produced = module(*(tensor.to(device) for tensor in values))
+                values = produced if isinstance(produced, tuple) else (produced,)
     finally:
-        for module, mode in modes:
-            module.training = mode
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     return found
 
 
