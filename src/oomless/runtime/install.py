@@ -57,6 +57,7 @@ class InstalledPlan:
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None
+        self._parameters_move = True
         self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         modules = dict(model.named_modules())
         missing = [name for name in plan.decisions if name not in modules]
@@ -94,7 +95,12 @@ class InstalledPlan:
         if self._hooks_context is not None:
             return  # re-entrant call of the model inside its own forward
         kwargs = self._without_cache(model, kwargs)
-        resident = _storage_keys(model.parameters()) | _storage_keys(model.buffers())
+        parameters = list(model.parameters())
+        # Whether a block's parameters may sit in storages made after this point (FSDP all-gathers
+        # sharded ones in its pre-hook; offloaded ones come back from the tier): then each block
+        # adds its own when it starts. Otherwise they never move, and the set below holds them.
+        self._parameters_move = self.plan.offload_parameters or any(isinstance(p, DTensor) for p in parameters)
+        resident = _storage_keys(parameters) | _storage_keys(model.buffers())
         resident |= _storage_keys(tensors_in((args, kwargs)))
         self.engine.begin_forward(resident)
         self.ledger.steps += 1
@@ -134,7 +140,7 @@ class InstalledPlan:
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):
             self.engine.block_index, self.engine.decision = index, decision
-            if self._hooks_context is not None:
+            if self._hooks_context is not None and self._parameters_move:
                 self._mark_gathered_parameters(index, module)
             self.engine.poll()
             if self.recorder is not None and torch.is_grad_enabled():
