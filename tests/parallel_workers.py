@@ -161,15 +161,14 @@ def _train_at_share(config, share: float | str):
     """``train(config)`` with the plan made for ``share`` of the shard's plain saved activations
     ("minimum": the smallest budget that fits), derived from the run's own profile (tests/conftest.py
     `planner_at_share`; ``config.memory`` only switches oomless on; every rank installs rank 0's
-    plan). Asserts on this rank that the plan swaps or recomputes, that the runtime offloaded bytes
-    and recomputed blocks exactly where the plan says so, and that the ledger stayed within the
-    plan's activation budget; returns the result and those numbers.
-
-    Not asserted: a ledger peak below the plain step's activations. The plan is made before the
-    strategy converts BatchNorm for data parallel, and the converted model saves less than the
-    profiled one (all blocks kept at world size 2: a ledger peak of 450560 bytes where the plan's
-    blocks save 745600), so the plan's numbers do not give the plain step's peak here."""
+    plan). Asserts on this rank that the plan was made for the modules that ran (under dp the loop
+    converts BatchNorm to global-batch statistics before it plans: every planned block is a module
+    of the model as it trained, with the plan's hooks on it), that the plan swaps or recomputes, that
+    the runtime offloaded bytes and recomputed blocks exactly where the plan says so, and that the
+    ledger stayed within the plan's activation budget, below the plain step's saved activations (the
+    plan's blocks' saved bytes); returns the result and those numbers."""
     import oomless
+    from oomless.runtime.install import installed_state
     from oomless.train import train
     from tests.conftest import planner_at_share
 
@@ -180,12 +179,18 @@ def _train_at_share(config, share: float | str):
     finally:
         oomless.plan = planning
     plan, stats = oomless.installed_plan(result.model), result.stats
+    modules = dict(result.model.named_modules())
+    hooked = {name: module for _, name, module in installed_state(result.model).block_modules}
+    assert all(hooked[name] is modules[name] for name in plan.decisions), \
+        [name for name in plan.decisions if hooked[name] is not modules[name]]
     swapped = [name for name, decision in plan.decisions.items() if decision == "swap"]
     recomputed = [name for name, decision in plan.decisions.items() if decision == "recompute"]
     assert swapped or recomputed, f"the plan for {plan.memory_bytes} bytes keeps every block:\n{plan}"
     assert (stats.offloaded_bytes > 0) == bool(swapped), (stats, swapped)
     assert (stats.recomputed_blocks > 0) == bool(recomputed), (stats, recomputed)
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
+    plain_saved = sum(block.saved_bytes for block in plan.blocks)
+    assert stats.peak_activation_bytes < plain_saved, (stats, plain_saved)
     return result, {"memory_bytes": plan.memory_bytes, "activation_budget": plan.activation_budget,
                     "swapped": swapped, "recomputed": recomputed,
                     "peak_activation_bytes": stats.peak_activation_bytes, "offloaded_bytes": stats.offloaded_bytes,

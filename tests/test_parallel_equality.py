@@ -331,3 +331,34 @@ def test_data_parallel_api_without_torchrun_is_world_size_one(tmp_path):
     assert state.keys() == alone_state.keys()
     assert all(torch.equal(state[name], alone_state[name]) for name in state)
     assert not torch.distributed.is_initialized()
+
+
+def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
+    """While profiled (`statistics_of_each_rank`) a global BatchNorm takes the path it trains on under
+    data parallel (unfused: it saves its centred and normalised input), with this rank's statistics
+    and no collective (no process group exists here: one would raise); afterwards it is as before."""
+    from oomless.parallel.batchnorm import GlobalBatchNorm, convert_batchnorm_for_data_parallel, statistics_of_each_rank
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+    plain = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+    plain.load_state_dict(model.state_dict())
+    assert convert_batchnorm_for_data_parallel(model, torch.device("cpu")) == 1
+    inputs = torch.randn(2, 1, 8, 8, 8)
+
+    def saved_bytes(module):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.untyped_storage().nbytes()) or t,
+                                                      lambda t: t):
+            output = module(inputs)
+        return output, sorted(sizes)
+
+    with statistics_of_each_rank(model):
+        output, profiled = saved_bytes(model)
+    assert not dist.is_initialized()
+    expected, fused = saved_bytes(plain)
+    torch.testing.assert_close(output, expected)
+    assert profiled != fused and profiled.count(2 * 4 * 8**3 * 4) > fused.count(2 * 4 * 8**3 * 4)
+    assert not model[1].each_rank_alone and isinstance(model[1], GlobalBatchNorm)
+    _, alone = saved_bytes(model)               # outside: no group, so the fused path again
+    assert alone == fused
