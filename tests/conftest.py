@@ -17,8 +17,9 @@ def budget_for_share(profile, share: float, **plan_kwargs) -> int:
 
 
 def minimum_memory(profile) -> int:
-    """The exact smallest budget for this profile (PlanError reports it with a margin)."""
-    return smallest_memory(profile)
+    """The exact smallest budget for this profile, swaps of any size (the tests' min_swap_bytes=0;
+    PlanError reports it with a margin)."""
+    return smallest_memory(profile, min_swap_bytes=0)
 
 
 def planner_at_share(share: float | str = "minimum"):

@@ -7,7 +7,7 @@ with the budget line. Curves come from the timeline simulator, the same one the 
 
 from oomless.errors import OomlessError
 from oomless.plan.plan import Plan
-from oomless.plan.simulate import simulate
+from oomless.plan.simulate import simulate, with_swap_threshold
 from oomless.profile.profile import Profile
 
 GiB = 2**30
@@ -19,6 +19,7 @@ def memory_curves(profile: Profile, plan: Plan) -> dict[str, list[tuple[float, i
     base = plan.static_bytes
     curves = {}
     budget = plan.memory_bytes - plan.static_bytes
+    profile = with_swap_threshold(profile, plan.min_swap_bytes)
     for label, decisions, prefetch in (("plain", ["keep"] * len(profile.blocks), None),
                                        ("plan", [block.decision for block in plan.blocks], plan.prefetch_bytes)):
         timeline = simulate(profile, decisions, prefetch, keep_curve=True, budget_bytes=budget)
