@@ -17,34 +17,35 @@ def budget_for_share(profile, share: float, **plan_kwargs) -> int:
 
 
 def minimum_memory(profile) -> int:
-    """The exact smallest budget for this profile (PlanError reports it with a margin)."""
-    return smallest_memory(profile)
+    """The exact smallest budget for this profile, swaps of any size (the tests' min_swap_bytes=0;
+    PlanError reports it with a margin)."""
+    return smallest_memory(profile, min_swap_bytes=0)
 
 
-def planner_at_share(share: float | str = "minimum"):
-    """A stand-in for `oomless.plan` that plans for a budget derived from the profile it measures,
-    whatever ``memory`` it is given: ``share`` of the plain step's saved activations ("minimum": the
-    smallest budget that fits; a share below it is raised to it), swaps of any size allowed. Each
-    call records (plan, budget) in the stand-in's ``made`` list. For a run of the training loop
-    (which calls ``oomless.plan``) under a budget that must move activations: on CPU the working
-    memory two profiles of the same step measure differs by megabytes (resident memory, where freed
-    heap pages may or may not be reused), more than the saved activations of the tests' small
-    models, so a budget fixed before the run leaves every activation on the device or fits nothing,
-    depending on the run's own profile. At the smallest budget the plain step does not fit unless
-    no swap or recompute lowers the step's peak."""
+def planner_forcing(cycle: list[str]):
+    """A stand-in for `oomless.plan` (the training loop calls it) whose plan no measurement picks:
+    the decisions are ``cycle`` repeated over the blocks in order (e.g. ["swap", "recompute",
+    "keep"]), planned for the smallest memory those decisions fit (their predicted peak, margin
+    included), whatever ``memory`` it is given; swaps of any size; parameters, gradients and the
+    optimizer's state where plain PyTorch keeps them (the planner would place them by measured
+    times). Under load the measured times change and the memory a phase takes a little; the blocks
+    swapped and recomputed do not, and the budget is that plan's own. Each call records (plan,
+    memory) in the stand-in's ``made`` list."""
     from oomless.api import plan as plan_for_memory
 
     def plan(model, example_inputs, memory, **kwargs):
         profile = oomless.profile(model, example_inputs, loss_fn=kwargs.get("loss_fn"),
                                   optimizer=kwargs.get("optimizer"), precision=kwargs.get("precision", "fp32"),
                                   compile=kwargs.get("compile", False))
-        smallest = minimum_memory(profile)
-        budget = smallest if share == "minimum" else max(budget_for_share(profile, share), smallest)
-        # The budget is this unsplit profile's: no chains in slabs (near its floor the planner would
-        # measure a split step again and plan that one; tests/test_split.py covers splitting).
-        kwargs["split"] = False
-        made = plan_for_memory(model, example_inputs, budget, profile=profile, min_swap_bytes=0, **kwargs)
-        plan.made.append((made, budget))
+        kwargs.update(split=False, update_in_backward=False, offload_optimizer_state=False, offload_parameters=False)
+        decisions = {block.name: cycle[index % len(cycle)] for index, block in enumerate(profile.blocks)}
+        roomy = plan_for_memory(model, example_inputs, 2**40, profile=profile, decisions=decisions, min_swap_bytes=0,
+                                **kwargs)
+        tight = roomy.predicted_peak_bytes
+        made = plan_for_memory(model, example_inputs, tight, profile=profile, decisions=decisions, min_swap_bytes=0,
+                               **kwargs)
+        assert made.predicted_peak_bytes <= tight, made
+        plan.made.append((made, tight))
         return made
 
     plan.made = []

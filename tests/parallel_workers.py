@@ -1,13 +1,20 @@
-"""Helpers for the data-parallel tests: start N gloo processes on loopback with a free port, run
-training jobs in each, and leave rank 0's ``--save`` files and results behind for the test to compare.
+"""Helpers for the data-parallel tests: start N gloo processes on loopback, run training jobs in
+each, and leave rank 0's ``--save`` files and results behind for the test to compare.
 
 Processes are started with ``torch.multiprocessing`` spawn (a fork of a process that already ran
 OpenMP kernels can hang); each runs one thread so 4 ranks share this machine's cores fairly.
+
+The workers meet at a store the test process holds open (`rendezvous`), never at a port chosen
+free and bound later: on a loaded machine spawned processes take seconds to start, and in that
+window another process (another test's gloo listener, on a port the kernel handed out) can take a
+free port; workers that connect there talk to a stranger's gloo, which aborts (SIGABRT) on the bytes.
 """
 
+import contextlib
 import json
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,10 +24,37 @@ import torch.multiprocessing as mp
 TINY = dict(size=16, seed=0, base_channels=2, depth=1, progress=False, device="cpu", log_every=1)
 
 
+# Joining waits this long for every rank: a spawned process can take seconds to start under load.
+JOIN_TIMEOUT = timedelta(seconds=120)
+
+
 def free_port() -> int:
+    """A port free now (for a group of one, bound at once by this same process)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rendezvous():
+    """The port of a store this process serves while the block runs: bound from the moment the
+    kernel picks it, so no other process can take it before the workers `join` there."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def join(rank: int, world_size: int, port: int, timeout: timedelta | None = None) -> None:
+    """Join the gloo group of ``world_size`` at the `rendezvous` store on ``port``; at exit, gloo's
+    threads get their grace period (oomless.parallel.process_group.guard_gloo_exit)."""
+    from oomless.parallel.process_group import guard_gloo_exit
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=JOIN_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            **({"timeout": timeout} if timeout is not None else {}))
+    guard_gloo_exit()
 
 
 def tiny_config(**overrides):
@@ -35,21 +69,20 @@ def tiny_config(**overrides):
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]], out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     from oomless.train import train
 
     results = {}
     try:
         for name, overrides in jobs:
             overrides = dict(overrides)
-            share = overrides.pop("plan_share", None)
+            tight = overrides.pop("plan_tight", None)
             cycle = overrides.pop("plan_cycle", None)
             config = tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides)
             if cycle is not None:
                 result, measured = _train_cycling(config, cycle)
             else:
-                result, measured = (train(config), {}) if share is None else _train_at_share(config, share)
+                result, measured = (train(config), {}) if tight is None else _train_tight(config, tight)
             results[name] = {"losses": [record["loss"] for record in result.history],
                              "steps_done": result.steps_done, "layouts": result.layouts,
                              **_parameter_elements(result.model), **measured}
@@ -71,8 +104,9 @@ def _parameter_elements(model) -> dict:
 
 def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:
     """Run ``jobs`` (name, TrainConfig overrides) in order on ``world_size`` processes; rank 0's results."""
-    mp.start_processes(_worker, args=(world_size, free_port(), jobs, str(out_dir)), nprocs=world_size,
-                       start_method="spawn")
+    with rendezvous() as port:
+        mp.start_processes(_worker, args=(world_size, port, jobs, str(out_dir)), nprocs=world_size,
+                           start_method="spawn")
     return json.loads(Path(out_dir, "results.json").read_text())
 
 
@@ -88,8 +122,7 @@ def _relaxed_worker(rank: int, world_size: int, port: int, modes: list[str], ave
     from oomless.parallel.relaxed import averaged_tensors
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     try:
         for mode in modes:
             strategy = make_strategy(ParallelConfig(mode=mode, average_every=average_every),
@@ -121,21 +154,20 @@ def _relaxed_worker(rank: int, world_size: int, port: int, modes: list[str], ave
 
 def run_relaxed(world_size: int, modes: list[str], average_every: int, steps: int, out_dir: Path) -> dict:
     """{mode: [rank 0's records, rank 1's, ...]} of `_relaxed_worker`."""
-    mp.start_processes(_relaxed_worker, args=(world_size, free_port(), modes, average_every, steps, str(out_dir)),
-                       nprocs=world_size, start_method="spawn")
+    with rendezvous() as port:
+        mp.start_processes(_relaxed_worker, args=(world_size, port, modes, average_every, steps, str(out_dir)),
+                           nprocs=world_size, start_method="spawn")
     return {mode: torch.load(Path(out_dir) / f"{mode}.pt", weights_only=True) for mode in modes}
 
 
 def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
     import time
-    from datetime import timedelta
 
     from oomless.parallel.process_group import named_collective
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Joining gets a generous timeout (a spawned process can take seconds to start on a loaded
     # machine); only the group the collective runs on has the 2 s one under test.
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    join(rank, 2, port, timeout=timedelta(seconds=120))
     group = dist.new_group(ranks=[0, 1], timeout=timedelta(seconds=2))
     if rank == 1:
         time.sleep(5)               # never joins the all-reduce: rank 0 must time out, not hang
@@ -153,38 +185,42 @@ def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def run_timeout(out_dir: Path) -> str:
-    mp.start_processes(_timeout_worker, args=(free_port(), str(out_dir)), nprocs=2, start_method="spawn")
+    with rendezvous() as port:
+        mp.start_processes(_timeout_worker, args=(port, str(out_dir)), nprocs=2, start_method="spawn")
     return Path(out_dir, "error.txt").read_text()
 
 
-def _train_at_share(config, share: float | str):
-    """``train(config)`` with the plan made for ``share`` of the shard's plain saved activations
-    ("minimum": the smallest budget that fits), derived from the run's own profile (tests/conftest.py
-    `planner_at_share`; ``config.memory`` only switches oomless on; every rank installs rank 0's
-    plan). Asserts on this rank that the plan swaps or recomputes, that the runtime offloaded bytes
-    and recomputed blocks exactly where the plan says so, and that the ledger stayed within the
-    plan's activation budget; returns the result and those numbers.
-
-    Not asserted: a ledger peak below the plain step's activations. The plan is made before the
-    strategy converts BatchNorm for data parallel, and the converted model saves less than the
-    profiled one (all blocks kept at world size 2: a ledger peak of 450560 bytes where the plan's
-    blocks save 745600), so the plan's numbers do not give the plain step's peak here."""
+def _train_tight(config, cycle: list[str]):
+    """``train(config)`` with the plan's decisions ``cycle`` repeated over the blocks in order, made
+    for the smallest memory that plan fits from the run's own profile (tests/conftest.py
+    `planner_forcing`; ``config.memory`` only switches oomless on; every rank installs rank 0's
+    plan). Asserts on this rank that the plan was made for the modules that ran (under dp the loop
+    converts BatchNorm to global-batch statistics before it plans: every planned block is a module
+    of the model as it trained, with the plan's hooks on it), that the runtime did what the plan
+    says, counted (every byte of the swapped blocks offloaded and every recomputed block run again,
+    each step), and that the ledger stayed within the plan's activation budget; returns the result
+    and those numbers."""
     import oomless
+    from oomless.runtime.install import installed_state
     from oomless.train import train
-    from tests.conftest import planner_at_share
+    from tests.conftest import planner_forcing
 
     planning = oomless.plan
-    oomless.plan = planner_at_share(share)          # the loop calls oomless.plan
+    oomless.plan = planner_forcing(cycle)          # the loop calls oomless.plan
     try:
         result = train(config)
     finally:
         oomless.plan = planning
     plan, stats = oomless.installed_plan(result.model), result.stats
-    swapped = [name for name, decision in plan.decisions.items() if decision == "swap"]
+    modules = dict(result.model.named_modules())
+    hooked = {name: module for _, name, module in installed_state(result.model).block_modules}
+    assert all(hooked[name] is modules[name] for name in plan.decisions), \
+        [name for name in plan.decisions if hooked[name] is not modules[name]]
+    swapped = [block.name for block in plan.blocks if block.decision == "swap" and block.saved_bytes]
     recomputed = [name for name, decision in plan.decisions.items() if decision == "recompute"]
-    assert swapped or recomputed, f"the plan for {plan.memory_bytes} bytes keeps every block:\n{plan}"
-    assert (stats.offloaded_bytes > 0) == bool(swapped), (stats, swapped)
-    assert (stats.recomputed_blocks > 0) == bool(recomputed), (stats, recomputed)
+    swapped_bytes = sum(block.saved_bytes for block in plan.blocks if block.decision == "swap")
+    assert stats.offloaded_bytes == config.steps * swapped_bytes, (stats, swapped_bytes)
+    assert stats.recomputed_blocks == config.steps * len(recomputed), (stats, recomputed)
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
     return result, {"memory_bytes": plan.memory_bytes, "activation_budget": plan.activation_budget,
                     "swapped": swapped, "recomputed": recomputed,

@@ -12,7 +12,6 @@ global batch; default `UNET_VOLUMES`) and global_batchnorm (BatchNorm statistics
 replica's micro-batch, as `oomless.parallel.pipeline_training` sets up; otherwise each replica's
 BatchNorm normalises and tracks its own shard, so replicas' buffers differ and are not saved)."""
 
-import os
 from pathlib import Path
 
 import torch
@@ -24,10 +23,9 @@ from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.block_sequence import sequence_for, transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
-from oomless.parallel.process_group import guard_gloo_exit
 from oomless.parallel.stage_fit import fit_stages
 from oomless.parallel.traced import TracedSequence
-from tests.parallel_workers import free_port
+from tests.parallel_workers import join, rendezvous
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -127,9 +125,7 @@ def reference(kind: str, chunks: int = 1, clip: float | None = None,
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    guard_gloo_exit()       # gloo's threads may still be freeing work when this process exits
+    join(rank, world_size, port)     # at exit gloo's threads may still be freeing work: join guards it
     try:
         for job in jobs:
             mesh = pipeline_mesh(world_size // job.get("dp", 1))
@@ -206,8 +202,9 @@ def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[
     """Run ``jobs`` in ``world_size`` gloo processes; per job, {"parameters": every stage's parameters
     merged, "buffers": the same of buffers (jobs without replicas), "stages": per rank, what each of
     its stages' plans said and did (jobs with a policy)}."""
-    mp.start_processes(_worker, args=(world_size, free_port(), jobs, str(out_dir)), nprocs=world_size,
-                       start_method="spawn")
+    with rendezvous() as port:
+        mp.start_processes(_worker, args=(world_size, port, jobs, str(out_dir)), nprocs=world_size,
+                           start_method="spawn")
     merged = {}
     for job in jobs:
         result = merged[job["name"]] = {"parameters": {}, "buffers": {}, "stages": []}

@@ -3,7 +3,6 @@ gloo equals one process's autograd over every rank's inputs), and which GPU each
 takes (never an ordinal that does not exist; more NCCL processes than GPUs refused before starting)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 
 from oomless.errors import InputError
 from oomless.parallel.process_group import cuda_device_for_local_rank, sum_across_ranks
-from tests.parallel_workers import free_port
+from tests.parallel_workers import join, rendezvous
 
 WORLD_SIZE = 3
 
@@ -31,8 +30,7 @@ def _loss(local: torch.Tensor, total: torch.Tensor, weights: torch.Tensor) -> to
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     try:
         values, weights = _inputs(rank)
         local = values.clone().requires_grad_()
@@ -44,7 +42,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def test_sum_across_ranks_gradient_equals_one_process_autograd(tmp_path):
-    mp.start_processes(_worker, args=(WORLD_SIZE, free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    with rendezvous() as port:
+        mp.start_processes(_worker, args=(WORLD_SIZE, port, str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
     # One process: every rank's input, the sum, and the sum of every rank's loss (what the ranks'
     # gradients add up to; DDP's average then divides by the world size).
     inputs = [_inputs(rank) for rank in range(WORLD_SIZE)]

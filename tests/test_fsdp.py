@@ -64,9 +64,9 @@ def runs(tmp_path_factory):
         ("fsdp", dict(common, checkpoint_dir=directory / "fsdp", parallel=fsdp)),
         # Clipping by global norm: the norm of DTensor gradients covers every rank's shard.
         ("fsdp_clipped", dict(common, max_grad_norm=0.05, parallel=fsdp)),
-        # The smallest plan that fits, made for this rank's shard (swaps here; tests/parallel_workers.py
-        # asserts the runtime moved what the plan says, within its activation budget).
-        ("fsdp_swap", dict(common, memory="1GiB", plan_share="minimum", parallel=fsdp)),
+        # Every block swapped, under the smallest budget that plan fits, made for this rank's shard
+        # (tests/parallel_workers.py asserts the runtime moved what the plan says, within its budget).
+        ("fsdp_swap", dict(common, memory="1GiB", plan_tight=["swap"], parallel=fsdp)),
         # Recompute and swap in alternate blocks: non-reentrant checkpoint inside FSDP's hooks.
         ("fsdp_recompute", dict(common, memory="1GiB", plan_cycle=["recompute", "swap"], parallel=fsdp)),
         # Interrupted after 2 steps, resumed to 4 (under fsdp, and across layouts both ways).

@@ -63,10 +63,11 @@ def test_synchronous_data_parallel_equals_one_process(world_size, references, tm
         ("overlapped", dict(sync, parallel=dict(mode="dp", bucket_cap_mb=SMALL_BUCKETS))),
         ("plain_ddp", dict(sync, parallel=dict(mode="dp", overlap="none", bucket_cap_mb=SMALL_BUCKETS))),
         ("in_backward", dict(sync, parallel=dict(mode="dp", overlap="backward", bucket_cap_mb=SMALL_BUCKETS))),
-        # Under the smallest budget that fits, from rank 0's own profile: each worker asserts that
-        # its runtime swapped or recomputed as the plan says, within the plan's activation budget
-        # (tests/parallel_workers.py, _train_at_share); memory="1GiB" only switches oomless on.
-        ("overlapped_fit", dict(sync, memory="1GiB", plan_share="minimum",
+        # Blocks swapped, recomputed and kept in turn, under the smallest budget that plan fits, from
+        # rank 0's own profile: each worker asserts that its runtime swapped and recomputed as the
+        # plan says, within the plan's activation budget (tests/parallel_workers.py, _train_tight);
+        # memory="1GiB" only switches oomless on.
+        ("overlapped_fit", dict(sync, memory="1GiB", plan_tight=["swap", "recompute", "keep"],
                                 parallel=dict(mode="dp", bucket_cap_mb=SMALL_BUCKETS))),
         # Clipping needs the global norm: the update falls back to after backward (see overlap.py).
         ("clipped", dict(sync, max_grad_norm=0.05, parallel=dict(mode="dp", bucket_cap_mb=SMALL_BUCKETS))),
@@ -75,7 +76,7 @@ def test_synchronous_data_parallel_equals_one_process(world_size, references, tm
     saved = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name, _ in jobs}
     assert all(result["steps_done"] == STEPS for result in results.values())
     tight = results["overlapped_fit"]
-    assert tight["offloaded_bytes"] > 0 or tight["recomputed_blocks"] > 0, tight
+    assert tight["offloaded_bytes"] > 0 and tight["recomputed_blocks"] > 0, tight
     assert tight["peak_activation_bytes"] <= tight["activation_budget"], tight
 
     assert _max_difference(saved["overlapped"], saved["plain_ddp"]) == 0.0
@@ -331,3 +332,34 @@ def test_data_parallel_api_without_torchrun_is_world_size_one(tmp_path):
     assert state.keys() == alone_state.keys()
     assert all(torch.equal(state[name], alone_state[name]) for name in state)
     assert not torch.distributed.is_initialized()
+
+
+def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
+    """While profiled (`statistics_of_each_rank`) a global BatchNorm takes the path it trains on under
+    data parallel (unfused: it saves its centred and normalised input), with this rank's statistics
+    and no collective (no process group exists here: one would raise); afterwards it is as before."""
+    from oomless.parallel.batchnorm import GlobalBatchNorm, convert_batchnorm_for_data_parallel, statistics_of_each_rank
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+    plain = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+    plain.load_state_dict(model.state_dict())
+    assert convert_batchnorm_for_data_parallel(model, torch.device("cpu")) == 1
+    inputs = torch.randn(2, 1, 8, 8, 8)
+
+    def saved_bytes(module):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.untyped_storage().nbytes()) or t,
+                                                      lambda t: t):
+            output = module(inputs)
+        return output, sorted(sizes)
+
+    with statistics_of_each_rank(model):
+        output, profiled = saved_bytes(model)
+    assert not dist.is_initialized()
+    expected, fused = saved_bytes(plain)
+    torch.testing.assert_close(output, expected)
+    assert profiled != fused and profiled.count(2 * 4 * 8**3 * 4) > fused.count(2 * 4 * 8**3 * 4)
+    assert not model[1].each_rank_alone and isinstance(model[1], GlobalBatchNorm)
+    _, alone = saved_bytes(model)               # outside: no group, so the fused path again
+    assert alone == fused

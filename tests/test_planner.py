@@ -4,7 +4,7 @@ import pytest
 
 import oomless
 from oomless.plan.planner import make_plan, smallest_memory
-from oomless.plan.simulate import simulate
+from oomless.plan.simulate import simulate, with_swap_threshold
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 MiB = 2**20
@@ -119,3 +119,51 @@ def test_every_solver_plans_at_the_smallest_memory_it_names(solver, link):
     plan = make_plan(profile, error.value.minimum_bytes, solver=solver)
     assert plan.predicted_peak_bytes <= error.value.minimum_bytes
     assert set(plan.decisions.values()) != {"keep"}
+
+
+def _measured_block(name, saved_mib, forward_other_mib, forward_peak_mib, backward_other_mib, backward_peak_mib):
+    """A block as the profiler measures it: one saved storage, working memory and peaks per phase."""
+    return BlockProfile(name=name, forward_seconds=0.01, backward_seconds=0.02, saved_bytes=saved_mib * MiB,
+                        largest_saved_bytes=saved_mib * MiB, saved_sizes=[saved_mib * MiB], input_bytes=MiB,
+                        output_bytes=MiB, calls=1, forward_other_bytes=forward_other_mib * MiB,
+                        forward_peak_bytes=forward_peak_mib * MiB, backward_other_bytes=backward_other_mib * MiB,
+                        backward_peak_bytes=backward_peak_mib * MiB)
+
+
+def test_a_swapped_block_keeps_what_the_runtime_does_not_move_and_the_plan_counts_it():
+    """The runtime's pack keeps a swapped block's storages under ``min_swap_bytes`` and those it
+    cannot move (recorded while profiling in `kept_when_swapped`); the simulator counts them on the
+    device from the forward to their use, so the smallest budget with the default 64 KiB threshold is
+    above the one that moves everything, and a plan that swaps them does not promise their bytes."""
+    blocks = [_block(f"b{i}", 0, 10) for i in range(4)]
+    for block in blocks:
+        block.saved_sizes = [MiB, 32 * 1024, 32 * 1024]
+        block.saved_bytes, block.largest_saved_bytes = MiB + 64 * 1024, MiB
+    profile = _profile(blocks, link_bytes_per_second=1e10)
+    moved_all = simulate(with_swap_threshold(profile, 0), ["swap"] * 4)
+    small_kept = simulate(with_swap_threshold(profile, 64 * 1024), ["swap"] * 4)
+    assert moved_all.forward_end_bytes == 0                       # every copy out ended before the loss
+    assert small_kept.forward_end_bytes == 4 * 64 * 1024          # two 32 KiB storages per block stayed
+    assert smallest_memory(profile, min_swap_bytes=64 * 1024) > smallest_memory(profile, min_swap_bytes=0)
+    swapped = make_plan(profile, 2**40, decisions={block.name: "swap" for block in blocks})
+    assert swapped.predicted_activation_peak_bytes >= 4 * 64 * 1024
+    # A storage the runtime cannot move (a conjugate view, another device's tensor) stays too.
+    blocks[0].kept_when_swapped = [0]
+    pinned = simulate(with_swap_threshold(profile, 0), ["swap"] * 4)
+    assert pinned.forward_end_bytes == MiB
+
+
+def test_the_predicted_ledger_fits_the_activation_budget_where_resident_memory_missed_it():
+    """Measured phases whose peak did not grow with the block's own storage brought back (it reused
+    freed pages): the ledger then holds more than the phase's budget less its measured working memory.
+    The plan still promises the ledger its activation budget (the budget less the least working memory
+    of any phase), so the smallest budget counts the ledger's peak on top of that least working memory."""
+    blocks = [_measured_block(f"b{i}", 6, forward_other_mib=5, forward_peak_mib=8, backward_other_mib=8,
+                              backward_peak_mib=8) for i in range(2)]
+    profile = _profile(blocks, link_bytes_per_second=1e10)
+    profile.loss_other_bytes = profile.loss_peak_bytes = 5 * MiB
+    smallest = smallest_memory(profile, min_swap_bytes=0)
+    for decisions in (None, {"b0": "swap", "b1": "swap"}):
+        plan = make_plan(profile, smallest, decisions=decisions, min_swap_bytes=0)
+        assert plan.predicted_peak_bytes <= smallest
+        assert plan.predicted_activation_peak_bytes <= plan.activation_budget, plan

@@ -73,3 +73,26 @@ def test_a_dominant_block_is_split_by_size():
     names = [block.name for block in profile.blocks]
     assert "decoders.1" not in names
     assert "decoders.1.up" in names and "decoders.1.conv.0" in names
+
+
+class _TimesConjugate(nn.Module):
+    """Multiplies by a conjugate view: autograd saves that view, whose conj bit is not in its bytes."""
+
+    def forward(self, x):
+        z, w = torch.complex(x, x), torch.complex(x, -x)
+        return (z * w.conj()).real
+
+
+def test_a_storage_the_runtime_cannot_move_is_recorded_and_counted_kept_in_a_swap():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), _TimesConjugate(), nn.Linear(256, 256))
+    inputs = torch.randn(64, 256)
+    profile = oomless.profile(model, inputs, loss_fn=oomless.sum_of_outputs)
+    block = profile.blocks[1]
+    complex_bytes = 64 * 256 * 8
+    assert [block.saved_sizes[index] for index in block.kept_when_swapped] == [complex_bytes]
+    assert profile.blocks[0].kept_when_swapped == profile.blocks[2].kept_when_swapped == []
+    # Everything else of block 1 swapped; its conjugate view and block 2's input (kept) stay.
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=oomless.sum_of_outputs, profile=profile, min_swap_bytes=0,
+                        decisions={"0": "keep", "1": "swap", "2": "keep"})
+    assert plan.predicted_activation_peak_bytes >= complex_bytes + profile.blocks[2].saved_bytes

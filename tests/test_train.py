@@ -11,7 +11,7 @@ from oomless.models import TinyTransformer
 from oomless.train import TrainConfig, latest_checkpoint, load_checkpoint, save_checkpoint, save_weights, train
 from oomless.train.checkpoint import list_checkpoints
 from oomless.train.losses import hard_dice, segmentation_loss
-from tests.conftest import planner_at_share
+from tests.conftest import planner_forcing
 
 
 def _config(**overrides) -> TrainConfig:
@@ -135,23 +135,23 @@ def test_training_under_a_memory_budget_matches_plain_pytorch(monkeypatch):
     assert set(oomless.installed_plan(roomy.model).decisions.values()) == {"keep"}
     assert roomy.stats.offloaded_bytes == 0 and roomy.stats.recomputed_blocks == 0
     _assert_state_equal(plain.model.state_dict(), roomy.model.state_dict())
-    # A tight budget: the smallest that fits, derived from the run's own profile (see planner_at_share:
-    # a budget fixed before the run cannot force swaps on a model this small, where measured working
-    # memory varies more than its activations weigh). The loop plans with it; ``memory`` only
-    # switches oomless on.
-    planner = planner_at_share("minimum")
+    # A tight budget for a plan no measurement picks (see planner_forcing): blocks swapped, recomputed
+    # and kept in turn, with the smallest memory that plan fits. The loop plans with it; ``memory``
+    # only switches oomless on.
+    planner = planner_forcing(["swap", "recompute", "keep"])
     monkeypatch.setattr(oomless, "plan", planner)
     tight = train(_config(steps=2, memory="1GiB"))
     [(plan, budget)] = planner.made
     assert oomless.installed_plan(tight.model) is plan and plan.memory_bytes == budget
-    swapped = [name for name, decision in plan.decisions.items() if decision == "swap"]
-    recomputed = [name for name, decision in plan.decisions.items() if decision == "recompute"]
-    assert swapped or recomputed, f"the plan for {budget} bytes keeps every block:\n{plan}"
-    # The runtime did what the plan says, and the ledger stayed within the plan's activation budget,
-    # below the plain step's activations (the roomy run's ledger peak).
+    assert plan.decisions["encoders.0.0"] == "swap" and plan.decisions["encoders.0.1"] == "recompute"
+    # The runtime did what the plan says, counted: every byte of the swapped blocks left the device
+    # and every recomputed block ran again, in both steps; and the ledger stayed within the plan's
+    # activation budget. (Not compared with the plain step's activations: on CPU the working memory
+    # two profiles measure differs by more than this model's saved activations, and so does the budget.)
     stats = tight.stats
-    assert (stats.offloaded_bytes > 0) == bool(swapped), (stats, swapped)
-    assert (stats.recomputed_blocks > 0) == bool(recomputed), (stats, recomputed)
+    swapped_bytes = sum(block.saved_bytes for block in plan.blocks if block.decision == "swap")
+    recomputed = sum(block.decision == "recompute" for block in plan.blocks)
+    assert swapped_bytes > 0 and stats.offloaded_bytes == 2 * swapped_bytes, (stats, swapped_bytes)
+    assert stats.recomputed_blocks == 2 * recomputed, (stats, recomputed)
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
-    assert stats.peak_activation_bytes < roomy.stats.peak_activation_bytes, (stats, roomy.stats)
     _assert_state_equal(plain.model.state_dict(), tight.model.state_dict())

@@ -19,8 +19,14 @@ that save more activations for backward, so ``SyncBatchNorm`` stays the CUDA cho
 measurement says otherwise.
 
 `convert_batchnorm_for_data_parallel` swaps the layers in place, reusing the same parameter and buffer
-tensors, so parameter names, the optimizer and hooks installed on parent modules are unaffected.
+tensors, so parameter names, the optimizer and hooks installed on parent modules are unaffected. It
+runs before a model is planned (the training loop converts, then plans): the layers are other modules
+saving other tensors, and a plan made before would name blocks that no longer run and count storages
+the step no longer saves. `statistics_of_each_rank` lets that profile run without collectives.
 """
+
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,6 +42,8 @@ class GlobalBatchNorm(_BatchNorm):
     ranks whose shards form the batch (default the world; a pipeline's replicas of one stage)."""
 
     group: dist.ProcessGroup | None = None
+    # True while profiled (`statistics_of_each_rank`): the same ops and saved tensors, no collective.
+    each_rank_alone: bool = False
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -43,15 +51,19 @@ class GlobalBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        if not self.training or world_size == 1:
+        if not self.training or (world_size == 1 and not self.each_rank_alone):
             return super().forward(input)
         self._check_input_dim(input)
+        if self.each_rank_alone:
+            world_size, total = 1, _this_rank_only
+        else:
+            total = partial(sum_across_ranks, group=self.group)
         dims = [0, *range(2, input.dim())]
         count = input.numel() // input.size(1) * world_size
-        mean = sum_across_ranks(input.sum(dim=dims), self.group) / count
+        mean = total(input.sum(dim=dims)) / count
         shape = [1, -1] + [1] * (input.dim() - 2)
         centred = input - mean.view(shape)
-        variance = sum_across_ranks((centred * centred).sum(dim=dims), self.group) / count
+        variance = total((centred * centred).sum(dim=dims)) / count
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -63,6 +75,28 @@ class GlobalBatchNorm(_BatchNorm):
         if self.affine:
             normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
         return normalised
+
+
+def _this_rank_only(tensor: torch.Tensor) -> torch.Tensor:
+    # A fresh tensor, as the all-reduce returns: neither saves anything for backward.
+    return tensor.clone()
+
+
+@contextmanager
+def statistics_of_each_rank(model: nn.Module):
+    """Within the block, every `GlobalBatchNorm` of ``model`` normalises by this rank's own shard and
+    runs no collective, through the same ops (so it saves the same tensors for backward). For
+    profiling: each rank profiles its own shard, and a profile's number of forwards and backwards is
+    its own (a fresh process measures a second sizing step; a rehearsed plan recomputes blocks), so
+    all-reduces there would pair up differently on different ranks, or wait forever."""
+    layers = [module for module in model.modules() if isinstance(module, GlobalBatchNorm)]
+    for layer in layers:
+        layer.each_rank_alone = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.each_rank_alone = False
 
 
 def _replacement(module: _BatchNorm, device: torch.device, group: dist.ProcessGroup | None) -> nn.Module:

@@ -33,6 +33,12 @@ class SingleProcess:
         self.config, self.ranks, self.device = config, ranks, device
         self.max_grad_norm: float | None = None
 
+    def convert_modules(self, model: nn.Module) -> None:
+        """Replace in place the modules this layout runs in another form (BatchNorm with global-batch
+        statistics under dp and fsdp), keeping parameter names. The loop calls it before it plans the
+        model, so the plan is made for the modules that will run; `prepare` calls it too (a second
+        call changes nothing)."""
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
                 example=None, memory=None) -> nn.Module:
         """Return the module the loop calls; ``model`` keeps its parameter names (checkpoints use it).
@@ -123,11 +129,14 @@ class SynchronousDataParallel(Collectives):
         self.ddp: DistributedDataParallel | None = None
         self.update: OverlappedUpdate | None = None
 
+    def convert_modules(self, model: nn.Module) -> None:
+        if self.ranks.world_size > 1:
+            convert_batchnorm_for_data_parallel(model, self.device)
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
                 example=None, memory=None) -> nn.Module:
         self.max_grad_norm = max_grad_norm
-        if self.ranks.world_size > 1:
-            convert_batchnorm_for_data_parallel(model, self.device)
+        self.convert_modules(model)
         device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
         with self.collective("DDP parameter broadcast"):

@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from oomless.errors import InputError
-from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.data_parallel import Collectives, SynchronousDataParallel
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -152,8 +151,7 @@ class ShardedDataParallel(Collectives):
         plan = installed.plan if installed is not None else None
         if plan is not None:
             check_sharded_plan(plan)
-        if self.ranks.world_size > 1:
-            convert_batchnorm_for_data_parallel(model, self.device)
+        self.convert_modules(model)
         blocks = list(plan.decisions) if plan is not None else [name for name, _ in find_blocks(model)]
         before = dict(model.named_parameters())
         with self.collective("FSDP sharding (fully_shard)"):
@@ -162,6 +160,7 @@ class ShardedDataParallel(Collectives):
         return model
 
     # Global-batch statistics (BatchNorm, Dice) are summed across ranks as under dp.
+    convert_modules = SynchronousDataParallel.convert_modules
     sum_across_ranks = SynchronousDataParallel.sum_across_ranks
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -8,14 +8,15 @@ profile) + activation budget (saved activations, the ledger's domain).
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
-from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, loss_other_bytes, phases,
-                                   simulate)
+from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, least_other_bytes,
+                                   loss_other_bytes, phases, simulate, with_swap_threshold)
 from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
 from oomless.runtime.tiers import DISK_MAX_PENDING_BYTES
 from oomless.sizes import format_bytes
 
 DECISIONS = ("keep", "swap", "recompute")
+MIN_SWAP_BYTES = 64 * 1024  # `make_plan`'s default: a smaller storage costs more to copy than it frees
 EXACT_MAX_BLOCKS = 300  # "auto" runs the exact solver too up to here; the DP is O(n * bins)
 
 
@@ -48,13 +49,6 @@ def _worst_other_bytes(profile: Profile) -> int:
     others = [forward_other_bytes(profile, block) for block in profile.blocks]
     others += [backward_other_bytes(profile, block) for block in profile.blocks]
     return max(others + [loss_other_bytes(profile)])
-
-
-def _least_other_bytes(profile: Profile) -> int:
-    """The smallest working memory of any phase: where saved activations have the most room."""
-    others = [forward_other_bytes(profile, block) for block in profile.blocks]
-    others += [backward_other_bytes(profile, block) for block in profile.blocks]
-    return min(others + [loss_other_bytes(profile)])
 
 
 def _margin_bytes(profile: Profile) -> int:
@@ -146,8 +140,11 @@ def _pending_out_bound(profile: Profile, max_pending_out_bytes: int | None) -> i
     return max_pending_out_bytes
 
 
-def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) -> int:
-    """The smallest budget any plan fits, for this profile (without the margin PlanError adds)."""
+def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None,
+                    min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
+    """The smallest budget any plan with ``min_swap_bytes`` fits, for this profile (without the
+    margin PlanError adds)."""
+    profile = with_swap_threshold(profile, min_swap_bytes)
     _, timeline = _frugal_plan(profile, _pending_out_bound(profile, max_pending_out_bytes))
     return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
 
@@ -155,14 +152,14 @@ def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None) 
 def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int]:
     """(decisions, predicted bytes beyond static memory without the margin) of the plan the profiler's
     timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest plan; without
-    a budget, every block recomputed."""
+    a budget, every block recomputed. Swaps of any size, as the profiling steps run them."""
     names = [block.name for block in profile.blocks]
     max_pending_out_bytes = _pending_out_bound(profile, None)
     if memory_bytes is None:
         decisions = ["recompute"] * len(names)
         return dict(zip(names, decisions)), simulate(profile, decisions, None, max_pending_out_bytes).total_peak_bytes
     try:
-        made = make_plan(profile, memory_bytes)
+        made = make_plan(profile, memory_bytes, min_swap_bytes=0)
     except PlanError:
         decisions, timeline = _frugal_plan(profile, max_pending_out_bytes)
         return dict(zip(names, decisions)), timeline.total_peak_bytes
@@ -184,13 +181,15 @@ def _prefetch_windows(profile: Profile, budget: int) -> list[int | None]:
 
 
 def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | None = None,
-              max_pending_out_bytes: int | None = None, min_swap_bytes: int = 64 * 1024,
+              max_pending_out_bytes: int | None = None, min_swap_bytes: int = MIN_SWAP_BYTES,
               solver: str = "auto") -> Plan:
     """Choose decisions for ``profile`` within ``memory_bytes`` (or check the ones given).
 
     Memory = static bytes + the measurement margin + what the step holds beyond static bytes at its
     worst moment: saved activations on the ledger plus the running phase's working memory, as the
-    simulator replays the plan (`plan.simulate`)."""
+    simulator replays the plan (`plan.simulate`). A swapped block keeps its storages under
+    ``min_swap_bytes`` on the device, as the runtime does, and the simulator counts them there."""
+    profile = with_swap_threshold(profile, min_swap_bytes)
     static = static_breakdown(profile)
     static_bytes = sum(static.values())
     margin = _margin_bytes(profile)
@@ -263,7 +262,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                      f"{format_bytes(timeline.total_peak_bytes - budget)}")
     return Plan(
         memory_bytes=memory_bytes, device=profile.device, static_bytes=static_bytes,
-        reserve_bytes=worst_other + margin, activation_budget=budget - _least_other_bytes(profile),
+        reserve_bytes=worst_other + margin, activation_budget=budget - least_other_bytes(profile),
         predicted_peak_bytes=static_bytes + margin + timeline.total_peak_bytes,
         predicted_activation_peak_bytes=timeline.activation_peak_bytes,
         predicted_step_seconds=timeline.step_seconds,

@@ -10,7 +10,7 @@ module's at a time in backward) is named in the legend with its bytes.
 
 from oomless.errors import OomlessError
 from oomless.plan.plan import Plan
-from oomless.plan.simulate import simulate
+from oomless.plan.simulate import simulate, with_swap_threshold
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes
 
@@ -24,6 +24,7 @@ def memory_curves(profile: Profile, plan: Plan) -> dict[str, list[tuple[float, i
     moved = sum(part.total_bytes - part.device_bytes for part in plan.static_parts)
     curves = {}
     budget = plan.memory_bytes - plan.static_bytes
+    profile = with_swap_threshold(profile, plan.min_swap_bytes)
     for label, decisions, prefetch, base in (
             ("plain", ["keep"] * len(profile.blocks), None, plan.static_bytes + moved),
             ("plan", [block.decision for block in plan.blocks], plan.prefetch_bytes, plan.static_bytes)):

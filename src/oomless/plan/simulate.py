@@ -5,7 +5,9 @@ Streams modelled (as in the CUDA runtime): one compute stream, a copy-out stream
 and a copy-in stream for prefetches in backward.
 - Forward: a block's saved tensors (its profiled storages, in order) appear evenly over its forward.
   A kept one stays until backward uses it; a swapped one leaves when its copy out ends (copies queue
-  on one stream, in order); a recompute block holds only its inputs.
+  on one stream, in order); a recompute block holds only its inputs. A swapped block keeps, as the
+  runtime does, the storages it cannot move or that are under the plan's ``min_swap_bytes``
+  (`BlockProfile.kept_when_swapped`, `with_swap_threshold`).
 - Backward: blocks in reverse; a block's tensors are used evenly over its backward, last saved first,
   and each leaves right after its use. Swapped tensors are asked back in that order, ahead of their
   use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
@@ -15,11 +17,13 @@ and a copy-in stream for prefetches in backward.
   the step (the conservative reading: fully serialised).
 - Besides the ledger (saved activations), each phase holds "other" bytes: measured per block forward
   and backward and for the loss (`profile.recorder`), else estimated from held and tensor sizes.
+  Whatever phase runs, at least the least of those is there: the ledger's peak plus that least is
+  counted as a peak too, so the ledger never predicts more than the plan's activation budget.
 """
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from oomless.profile.profile import BlockProfile, Profile
 
@@ -34,7 +38,7 @@ class Timeline:
     peak_seconds: float = 0.0       # when the ledger's peak is first reached
     block_stall_seconds: list[float] | None = None  # per block: backward waiting for its tensors
     forward_seconds: float = 0.0    # when the forward (and loss) ended
-    total_peak_bytes: int = 0       # the peak of saved activations plus the phases' other bytes
+    total_peak_bytes: int = 0       # the peak of saved activations plus the phases' other bytes (see `simulate`)
     peak_phase: tuple[str, int] = ("forward", -1)  # (kind, block index) of the phase at that peak
     # The simulation's arguments, to replay it when asked which blocks hold bytes at that peak.
     _replay: tuple | None = field(default=None, repr=False, compare=False)
@@ -58,6 +62,34 @@ def entry_sizes(block: BlockProfile) -> list[int]:
     piece = max(block.largest_saved_bytes, 1)
     whole, rest = divmod(block.saved_bytes, piece)
     return [piece] * whole + ([rest] if rest else [])
+
+
+def with_swap_threshold(profile: Profile, min_swap_bytes: int) -> Profile:
+    """``profile`` as a plan with ``min_swap_bytes`` runs it: in every block, the storages under it
+    (and empty ones) are added to those a swap keeps on the device (`BlockProfile.kept_when_swapped`),
+    as the runtime's pack does (runtime/saved.py). The profile given is not changed."""
+    threshold = max(min_swap_bytes, 1)
+    blocks = []
+    for block in profile.blocks:
+        small = {index for index, size in enumerate(entry_sizes(block)) if size < threshold}
+        kept = sorted(small | set(block.kept_when_swapped))
+        blocks.append(replace(block, kept_when_swapped=kept) if kept != block.kept_when_swapped else block)
+    return replace(profile, blocks=blocks)
+
+
+def kept_when_swapped_bytes(block: BlockProfile) -> int:
+    """Bytes a swap of ``block`` leaves on the device (`BlockProfile.kept_when_swapped`)."""
+    sizes = entry_sizes(block)
+    return sum(sizes[index] for index in block.kept_when_swapped if index < len(sizes))
+
+
+def least_other_bytes(profile: Profile) -> int:
+    """The smallest working memory of any phase (a block's forward or backward, the loss): what
+    whichever phase runs holds at least besides the ledger; the plan's activation budget is the
+    rest of the budget beyond static bytes."""
+    others = [forward_other_bytes(profile, block) for block in profile.blocks]
+    others += [backward_other_bytes(profile, block) for block in profile.blocks]
+    return min(others + [loss_other_bytes(profile)])
 
 
 def _estimated_transient(block: BlockProfile) -> int:
@@ -123,10 +155,10 @@ SWAPPED, HELD, AHEAD = 0, 1, 2
 
 
 class _Entry:
-    __slots__ = ("size", "block", "out_end", "issued", "ready")
+    __slots__ = ("size", "block", "swapped", "out_end", "issued", "ready")
 
-    def __init__(self, size: int, block: int):
-        self.size, self.block = size, block
+    def __init__(self, size: int, block: int, swapped: bool):
+        self.size, self.block, self.swapped = size, block, swapped
         self.out_end = 0.0
         self.issued = False
         self.ready = 0.0
@@ -139,7 +171,14 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     use at most (None: no limit); ``budget_bytes``: the bytes beyond static memory the step may use
     (None: no limit): each backward phase leaves its own other bytes out of it, and prefetches fit
     in what is left until the phase that uses them. ``holders``: return instead the ledger bytes per
-    block at the total peak (`Timeline.peak_holders`)."""
+    block at the total peak (`Timeline.peak_holders`).
+
+    The total peak: the most, at one time, of the ledger and the running phase's other bytes, and
+    at least the ledger's own peak plus the least other bytes of any phase (`least_other_bytes`).
+    Where a phase's peak was measured, the ledger may rise above what its measured other bytes leave
+    (resident memory need not grow with a tensor brought back into freed pages); the second term
+    keeps the predicted ledger within the activation budget all the same, which is what the plan
+    promises the ledger (the runtime makes room against it)."""
     blocks = profile.blocks
     out_rate, in_rate = profile.link.out_bytes_per_second, profile.link.in_bytes_per_second
     contended = profile.link.kind == "disk"
@@ -171,12 +210,15 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     swapped: list[_Entry] = []
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
         sizes = entry_sizes(block)
-        per_block.append([_Entry(size, i) for size in sizes] if decision != "recompute" else [])
+        kept = set(block.kept_when_swapped)
+        per_block.append([_Entry(size, i, decision == "swap" and k not in kept) for k, size in enumerate(sizes)]
+                         if decision != "recompute" else [])
+        swapped_bytes = sum(entry.size for entry in per_block[i] if entry.swapped)
         if max_pending_out_bytes is not None and decision == "swap":
             # The disk tier makes the forward wait when too many bytes are still unwritten.
             while pending_out and pending_out[0][0] <= now:
                 pending_bytes -= pending_out.popleft()[1]
-            while pending_out and pending_bytes + block.saved_bytes > max_pending_out_bytes:
+            while pending_out and pending_bytes + swapped_bytes > max_pending_out_bytes:
                 waited_until, size = pending_out.popleft()
                 pending_bytes -= size
                 stall += max(waited_until - now, 0.0)
@@ -186,12 +228,11 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         if decision == "recompute":
             add(start, block.input_bytes, HELD, i)
             ledger += block.input_bytes
-        kind = SWAPPED if decision == "swap" else HELD
         for k, entry in enumerate(per_block[i]):
             saved_at = start + block.forward_seconds * (k + 1) / len(sizes)
-            add(saved_at, entry.size, kind, i)
+            add(saved_at, entry.size, SWAPPED if entry.swapped else HELD, i)
             ledger += entry.size
-            if decision == "swap":
+            if entry.swapped:
                 copy_start = max(copy_out_free, saved_at)
                 copy_out_free = entry.out_end = copy_start + entry.size / out_rate
                 add(entry.out_end, -entry.size, SWAPPED, i)
@@ -201,7 +242,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 swapped.append(entry)
         now = start + block.forward_seconds
         if decision == "swap" and contended:
-            now += block.saved_bytes / out_rate
+            now += swapped_bytes / out_rate
     enter(now, loss_phase)
     now += profile.loss_seconds
     forward_end = now
@@ -257,7 +298,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         entries = per_block[i][::-1]
         step = block.backward_seconds / len(entries) if entries else 0.0
         for entry in entries:
-            if decision == "swap":
+            if entry.swapped:
                 if entry.issued:
                     add(now, -entry.size, AHEAD, i)
                 else:
@@ -273,7 +314,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             elif next_prefetch >= 0:
                 prefetch(now, i)
             now += step
-            add(now, -entry.size, SWAPPED if decision == "swap" else HELD, i)
+            add(now, -entry.size, SWAPPED if entry.swapped else HELD, i)
             settle(now)
             ledger -= entry.size
         if not entries:
@@ -286,7 +327,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         if next_prefetch >= 0:
             prefetch(now, i)
     enter(now, Phase(-1, 0, None, "end"))
-    peak, peak_seconds, total_peak, curve, peak_phase, up_to_peak = _sweep(events, keep_curve)
+    peak, peak_seconds, total_peak, curve, peak_phase, up_to_peak = _sweep(events, keep_curve,
+                                                                            least_other_bytes(profile))
     if holders:
         return _holders(events, up_to_peak)
     return Timeline(peak, now, forward_end_ledger, stall, curve, peak_seconds, block_stall, forward_end,
@@ -312,12 +354,13 @@ class _RangeMin:
         return min(row[first], row[last - (1 << level) + 1])
 
 
-def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, int], list]:
+def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int, list, tuple[str, int], list]:
     """Walk the events in time order: the ledger's peak (and when), and the peak of all bytes beyond
     static memory. Where the running phase's peak was measured, the profiling step had on its
     ledger what this plan's swapped tensors are (written out as saved, back when used): those are
     inside the measured peak, and what this plan holds besides (kept tensors, recompute inputs and
-    recomputed tensors, tensors prefetched ahead of use) comes on top. Elsewhere, the phase's other
+    recomputed tensors, tensors prefetched ahead of use) comes on top, and the whole ledger with the
+    least other bytes of any phase (``least_other``) is a floor under it. Elsewhere, the phase's other
     bytes come on top of the whole ledger."""
     # At equal times, events in the order the replay made them: the runtime's order (a tensor used
     # is freed before the prefetch that its room allows). Sorting plain tuples natively: a key
@@ -340,9 +383,10 @@ def _sweep(events, keep_curve: bool) -> tuple[int, float, int, list, tuple[str, 
             if resident > peak:
                 peak, peak_seconds = resident, time
         if phase.peak is not None:
-            # Never less than the ledger itself: resident memory does not grow for every small
-            # tensor (the allocator reuses freed pages), so a measured peak can miss some of them.
-            total = max(phase.peak + held + ahead, resident)
+            # Never less than the ledger and the least working memory of any phase: resident memory
+            # does not grow for every tensor (one brought back may reuse freed pages), so a measured
+            # peak can miss some of them, and the runtime's ledger must fit the activation budget.
+            total = max(phase.peak + held + ahead, resident + least_other)
         else:
             total = resident + phase.other
         if total > total_peak:

@@ -11,8 +11,8 @@ plan; the solvers differ in how they search.
   budget tightened by the overshoot. For up to a few hundred blocks.
 
 The separable model (blocks in execution order). Bytes beyond static memory while block j's backward
-runs: for every earlier block i < j, its saved bytes if kept, its input if recomputed, nothing if
-swapped; plus block j's own phase: its saved bytes and working memory if kept; its saved bytes,
+runs: for every earlier block i < j, its saved bytes if kept, its input if recomputed, what a swap
+leaves on the device if swapped (storages too small to move or not movable); plus block j's own phase: its saved bytes and working memory if kept; its saved bytes,
 input and the larger of its forward and backward working memory if recomputed; if swapped, its
 measured peak with its tensors brought back one by one (`runtime/saved.py`). While its forward
 runs: what earlier blocks hold, what it holds itself, and its forward working memory; at the end of
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, loss_other_bytes,
-                                   simulate)
+from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, kept_when_swapped_bytes,
+                                   loss_other_bytes, simulate)
 from oomless.profile.profile import Profile
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
@@ -72,7 +72,8 @@ def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None
     swap_forward = [block.forward_peak_bytes if block.forward_peak_bytes is not None else f + big
                     for block, f, big in zip(blocks, forward_other, largest)]
     return SeparableModel(
-        held_units={KEEP: [units(block.saved_bytes) for block in blocks], SWAP: [0] * len(blocks),
+        held_units={KEEP: [units(block.saved_bytes) for block in blocks],
+                    SWAP: [units(kept_when_swapped_bytes(block)) for block in blocks],
                     RECOMPUTE: [units(block.input_bytes) for block in blocks]},
         backward_units={KEEP: [units(block.saved_bytes + b) for block, b in zip(blocks, backward_other)],
                         SWAP: [units(value) for value in swap_backward],

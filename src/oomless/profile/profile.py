@@ -12,6 +12,10 @@ class BlockProfile:
     saved_bytes: int = 0            # storages this block saved first (views / repeats counted once)
     largest_saved_bytes: int = 0    # its largest single storage
     saved_sizes: list[int] = field(default_factory=list)  # each of those storages, in the order saved
+    # Indices in saved_sizes of storages a swap of this block leaves on the device: those the runtime
+    # cannot move (recorded while profiling: runtime/saved.py `_movable`), and, in the profile a plan
+    # is made from, those under its ``min_swap_bytes`` (`plan.simulate.with_swap_threshold`).
+    kept_when_swapped: list[int] = field(default_factory=list)
     input_bytes: int = 0
     output_bytes: int = 0
     parameter_bytes: int = 0

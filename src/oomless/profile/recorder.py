@@ -157,8 +157,10 @@ class Recorder:
     def fetched(self, num_bytes):
         pass
 
-    def saved(self, block_index, num_bytes):
+    def saved(self, block_index, num_bytes, movable: bool = True):
         block = self.blocks[block_index]
+        if not movable:
+            block.kept_when_swapped.append(len(block.saved_sizes))
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)

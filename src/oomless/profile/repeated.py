@@ -94,7 +94,7 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
 
     def renamed(blocks, index: int):
         return [replace(block, name=f"{stack_name}.{index}{block.name[len(stack_name) + 1 + len(str(old)):]}",
-                        saved_sizes=list(block.saved_sizes))
+                        saved_sizes=list(block.saved_sizes), kept_when_swapped=list(block.kept_when_swapped))
                 for block in blocks for old in [index_of(block.name)]]
 
     by_layer = {i: [b for b in profile.blocks if index_of(b.name) == i] for i in range(kept_layers)}

@@ -80,7 +80,7 @@ class ForwardRegistry:
         self.backward_started = False
         self.backward_block = len(engine.backward_limits) - 1   # the lowest block backward has reached
 
-    def entry_for(self, tensor: torch.Tensor, block_index: int, decision: str) -> _Entry:
+    def entry_for(self, tensor: torch.Tensor, block_index: int, decision: str, movable: bool = True) -> _Entry:
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         entry = self.by_storage.get(key)
@@ -98,7 +98,7 @@ class ForwardRegistry:
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
         if self.engine.recorder is not None:
-            self.engine.recorder.saved(block_index, entry.num_bytes)
+            self.engine.recorder.saved(block_index, entry.num_bytes, movable)
         if decision == SWAP:
             data = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             entry.ticket = self.engine.tier.put(data)
@@ -307,7 +307,7 @@ class SavedTensorEngine:
         self.poll()
         # hold: the storage may already have a swap entry (saved earlier through a plain view);
         # this view still cannot be rebuilt from bytes, so its handle keeps the tensor itself.
-        return _Handle(registry.entry_for(tensor, block_index, decision), tensor, hold=not movable)
+        return _Handle(registry.entry_for(tensor, block_index, decision, movable), tensor, hold=not movable)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on

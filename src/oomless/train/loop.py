@@ -99,23 +99,30 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     plan; profiling leaves the model's weights, buffers and RNG as they were, so the run continues
     exactly as a plain one would.
 
-    Under data parallel every rank plans on its own shard, then all take rank 0's plan: recomputed
-    blocks run collectives (global BatchNorm) in backward, so the ranks' plans must agree. Under fsdp
-    the plan counts this rank's shard of the parameters, gradients and optimizer state (``shard_over``)."""
+    Under data parallel the model is planned as it will run: BatchNorm is converted to global-batch
+    statistics first (`strategy.convert_modules`), and profiled on each rank's own shard without
+    collectives (`statistics_of_each_rank`: the same saved tensors). Every rank plans, then all take
+    rank 0's plan: recomputed blocks run collectives (global BatchNorm) in backward, so the ranks'
+    plans must agree. Under fsdp the plan counts this rank's shard of the parameters, gradients and
+    optimizer state (``shard_over``)."""
     import oomless
+    from oomless.parallel.batchnorm import statistics_of_each_rank
 
+    strategy.convert_modules(model)
     volumes, labels = example
     # One process: the planner may step the optimizer in backward (not when the loop clips) and keep its
     # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
     alone = None if config.parallel.mode == "none" else False
-    plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
-                        compile=config.compile,
-                        # Not under a parallel layout yet: its global BatchNorm replaces the modules a
-                        # chain in slabs computes with (their statistics would be each rank's own).
-                        split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
-                        loss_fn=lambda logits: segmentation_loss(logits, labels), max_grad_norm=config.max_grad_norm,
-                        update_in_backward=alone, offload_optimizer_state=alone, offload_parameters=alone,
-                        shard_over=strategy.ranks.world_size if strategy.shards_parameters else 1)
+    with statistics_of_each_rank(model):
+        plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
+                            compile=config.compile,
+                            # Not under a parallel layout: a chain in slabs computes BatchNorm's statistics
+                            # itself, from this rank's shard only (no all-reduce of global BatchNorm).
+                            split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
+                            loss_fn=lambda logits: segmentation_loss(logits, labels),
+                            max_grad_norm=config.max_grad_norm, update_in_backward=alone,
+                            offload_optimizer_state=alone, offload_parameters=alone,
+                            shard_over=strategy.ranks.world_size if strategy.shards_parameters else 1)
     if strategy.ranks.world_size > 1:
         import torch.distributed as dist
 
