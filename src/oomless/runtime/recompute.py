@@ -4,7 +4,8 @@ Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook 
 `torch.utils.checkpoint`'s non-reentrant generator and the forward hook finishes it. Its RNG
 stashing replays dropout exactly. What plain checkpointing gets wrong is buffers: the recomputed
 forward would update BatchNorm running statistics a second time. We snapshot a block's buffers
-before its recompute and put them back once the backward pass ends, so they change once per step.
+before its first recompute in a backward (a module called twice is recomputed twice) and put them
+back once that backward ends, so they change once per step, as in plain PyTorch.
 """
 
 import inspect
@@ -12,6 +13,7 @@ from contextlib import nullcontext
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
 _HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
@@ -25,30 +27,36 @@ class RecomputeBlock:
         self.block_index = block_index
         self.engine = engine
         self.generator = None
-        self.input_handles: list = []
         self.recomputing = False
-
-    def _context_fns(self):
-        return nullcontext(), _RecomputeContext(self)
+        self.restore_queued = False     # its buffers are put back at the end of the running backward
 
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
             return
-        options = (True, self._context_fns, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
-        # Keyword arguments go in positionally: torch's generator stashes the RNG state only of the
+        self.restore_queued = False     # a backward that raised before its end never ran its restore
+        # Every input goes in positionally, flattened: the recompute then sees the inputs as they
+        # were at this call, not as the caller left them. A model may update a dict (or list) it
+        # passed to the block in place afterwards (``state.update(layer(state))``), and a block
+        # called twice gets other inputs the second time; torch's generator keeps its positional
+        # arguments only, the tensors among them saved with autograd's version check (a tensor
+        # changed in place in between raises instead of recomputing from the new values). Keyword
+        # arguments go in the same way: torch's generator also stashes the RNG state only of the
         # devices of its positional tensors (get_device_states(*args)), so a block called as
-        # block(x=...) would replay dropout with CUDA's RNG already advanced: different masks,
-        # wrong gradients, and a CUDA RNG no longer in step with plain PyTorch. Positional inputs
-        # are also saved through the frame's version-checked input saver.
-        names, count = tuple(kwargs), len(args)
+        # block(x=...) would replay dropout with CUDA's RNG already advanced.
+        leaves, spec = tree_flatten((args, kwargs))
 
         def call(*inputs):
-            return module(*inputs[:count], **dict(zip(names, inputs[count:])))
+            call_args, call_kwargs = tree_unflatten(list(inputs), spec)
+            return module(*call_args, **call_kwargs)
 
-        self.generator = _GENERATOR(call, *options, *args, *kwargs.values())
+        # One context per call: a block called twice in a forward is recomputed once per call, and
+        # each call's inputs leave the ledger when its own recompute is done.
+        context = _RecomputeContext(self)
+        options = (True, lambda: (nullcontext(), context), "default", False) + ((True,) if _HAS_EARLY_STOP else ())
+        self.generator = _GENERATOR(call, *options, *leaves)
         next(self.generator)
-        inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
-        self.input_handles = self.engine.keep_handles(inputs, self.block_index)
+        context.input_handles = self.engine.keep_handles(
+            [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], self.block_index)
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
@@ -67,24 +75,37 @@ class _RecomputeContext:
 
     def __init__(self, block: RecomputeBlock):
         self.block = block
+        self.input_handles: list = []    # its call's inputs, held on the ledger as kept
 
     def __enter__(self):
         block = self.block
         block.recomputing = True
-        snapshots = [(buffer, buffer.detach().clone()) for buffer in block.module.buffers()]
-        if snapshots:
-            # Restoring at the end of backward, not here: the recomputed graph of this block may
-            # still read the buffers, and writing them now would trip autograd's version check.
-            def restore():
-                with torch.no_grad():
-                    for buffer, saved in snapshots:
-                        buffer.copy_(saved)
-            torch.autograd.Variable._execution_engine.queue_callback(restore)
+        if not block.restore_queued:
+            block.restore_queued = self._queue_restore(list(block.module.buffers()))
         block.engine.ledger.recomputed_blocks += 1
         block.engine.recompute_started(block.block_index)
+
+    def _queue_restore(self, buffers: list) -> bool:
+        """Put the block's buffers back as the forward left them once this backward ends. Taken at
+        the first recompute of the block in a backward only: a module called twice in the forward
+        (weight sharing) is recomputed twice, and a snapshot taken at the second recompute would
+        hold the running statistics the first one updated."""
+        if not buffers:
+            return False
+        snapshots = [(buffer, buffer.detach().clone()) for buffer in buffers]
+
+        # Restoring at the end of backward, not here: the recomputed graph of this block may
+        # still read the buffers, and writing them now would trip autograd's version check.
+        def restore():
+            with torch.no_grad():
+                for buffer, saved in snapshots:
+                    buffer.copy_(saved)
+            self.block.restore_queued = False
+        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return True
 
     def __exit__(self, *exception):
         self.block.recomputing = False
         # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
-        self.block.input_handles = []
+        self.input_handles = []
         return False
