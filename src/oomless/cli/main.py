@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 _NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
 # An error every rank meets alike (flags, sizes, files) waits this long on ranks other than 0 before
 # it is printed: torchrun stops them when rank 0 exits, so the run prints it once, not once per rank.
-_OTHER_RANKS_WAIT_SECONDS = 5.0
+# Long, as waiting costs nothing when rank 0 fails too (torchrun ends the wait): on a loaded machine
+# rank 0 reached its error more than 5 s after rank 1, which then printed it a second time.
+_OTHER_RANKS_WAIT_SECONDS = 30.0
 
 
 def attach_negative_values(argv: list[str]) -> list[str]:
