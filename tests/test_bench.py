@@ -107,3 +107,32 @@ def test_max_size_trials_train_in_the_precision_asked(tmp_path):
         assert result["fits"] and result["config"]["precision"] == precision
         ledger[precision] = result["ledger_peak_bytes"]
     assert 0.4 < ledger["bf16"] / ledger["fp32"] < 0.85, ledger
+
+
+def test_quick_simulate_benchmark_writes_predicted_and_measured_for_each_layout(tmp_path):
+    """bench/bench_simulate.py --quick: world size 2, dp and a 1F1B pipeline, calibrated, predicted
+    by oomless simulate and run through the trainer's strategies. Structure only: both the
+    prediction and the measurement are there and positive (their agreement is the benchmark's to
+    report, not a test's)."""
+    out = tmp_path / "simulate.json"
+    program = Path(__file__).resolve().parents[1] / "bench" / "bench_simulate.py"
+    subprocess.run([sys.executable, str(program), "--quick", "--out", str(out)], check=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert PROVENANCE <= set(report["provenance"]) and report["provenance"]["backend"] == "gloo"
+    assert len(report["load_average"]["before"]) == 3 and "after_round_1" in report["load_average"]
+    calibration = report["calibration"]["2"][0]
+    assert calibration["link"]["bytes_per_second"] > 0 and calibration["link"]["latency_seconds"] >= 0
+    assert calibration["memory_bytes_per_second"] > 0 and calibration["threads"] >= 1
+    rows = {row["layout"]: row for row in report["rows"]}
+    assert set(rows) == {"dp x2", "pipeline pp2 1f1b"}
+    for row in rows.values():
+        assert row["world_size"] == 2
+        for side in ("predicted", "measured"):
+            assert row[side]["step_seconds"] > 0 and row[side]["peak_bytes"] > 0, (row["layout"], side)
+        assert row["ratio"]["step_seconds"] > 0 and row["ratio"]["peak_bytes"] > 0
+        assert len(row["measured"]["step_seconds_each"]) == report["settings"]["steps"]
+        assert len(row["measured"]["peak_bytes_per_rank"]) == 2
+    assert rows["pipeline pp2 1f1b"]["measured"]["stage_blocks"] and rows["pipeline pp2 1f1b"]["microbatches"] >= 2
+    (check,) = report["recommendation"]
+    assert check["measured_fastest"] in rows and isinstance(check["met"], bool)
+    assert report["summary"]["layouts"] == 2

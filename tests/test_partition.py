@@ -136,10 +136,11 @@ def test_memory_arithmetic_by_hand():
     partition = partition_stages(profile, 2, "1GiB", microbatches=4, schedule="1f1b", link_bytes_per_second=MiB)
     assert partition.stage_blocks == [["a"], ["b"]]
     assert partition.in_flight == [2, 1]
-    # Stage 0: params 4, grads 4, Adam 8, buffers 1, 2 x (saved 10 + input 5), working 2 MiB.
-    assert partition.stage_bytes[0] == (4 + 4 + 8 + 1 + 2 * 15 + 2) * MiB
-    # Stage 1: params 8, grads 8, Adam 16, buffers 1, 1 x (saved 20 + crossing 3 + loss 7), working 2 MiB.
-    assert partition.stage_bytes[1] == (8 + 8 + 16 + 1 + 30 + 2) * MiB
+    # Stage 0: params 4, grads 4, Adam 8, buffers 1, torch's receive buffers for all 4 micro-batches
+    # (the input 5 in, b's crossing 3 back as gradients), 2 x saved 10, working 2 MiB.
+    assert partition.stage_bytes[0] == (4 + 4 + 8 + 1 + 4 * (5 + 3) + 2 * 10 + 2) * MiB
+    # Stage 1: params 8, grads 8, Adam 16, buffers 1, 4 x crossing 3 received, 1 x (saved 20 + loss 7), working 2 MiB.
+    assert partition.stage_bytes[1] == (8 + 8 + 16 + 1 + 4 * 3 + 27 + 2) * MiB
     assert partition.stage_seconds == pytest.approx([3.0, 4.0 + 0.5 + 2 * 3.0])
     assert partition.bottleneck == 1
     assert partition.predicted_step_seconds == pytest.approx(5 * 10.5)
@@ -324,11 +325,13 @@ def test_rank_memory_and_seconds_by_hand():
     assert looped.stage_ranks == [0, 1, 0, 1]
     # Rank 0 runs all 2 x 2 forwards before its first backward; rank 1's last stage frees each at once.
     assert looped.in_flight == [2, 2, 2, 1]
-    # Rank 0 (a, c): params + grads + Adam 16 + 8, in flight 2 x (10 + 5) + 2 x (6 + 2), buffers 1 once,
-    # working max(2, 5).
-    # Rank 1 (b, d): 32 + 8, 2 x (20 + 3) + 1 x (4 + 1 + loss 7), buffers 1, working 2.
-    assert looped.rank_bytes == [(16 + 8 + 30 + 16 + 1 + 5) * MiB, (32 + 8 + 46 + 12 + 1 + 2) * MiB]
-    assert looped.stage_bytes[0] == (16 + 30 + 1 + 2) * MiB   # stage a alone: its own buffers and working
+    # Receive buffers, M = 2 x (crossing in front + crossing behind): a 2 x (5 + 3), b 2 x (3 + 2),
+    # c 2 x (2 + 1), d 2 x 1.
+    # Rank 0 (a, c): params + grads + Adam 16 + 8, received 16 + 6, in flight 2 x 10 + 2 x 6, buffers 1
+    # once, working max(2, 5).
+    # Rank 1 (b, d): 32 + 8, received 10 + 2, 2 x 20 + 1 x (4 + loss 7), buffers 1, working 2.
+    assert looped.rank_bytes == [(16 + 8 + 22 + 20 + 12 + 1 + 5) * MiB, (32 + 8 + 12 + 40 + 11 + 1 + 2) * MiB]
+    assert looped.stage_bytes[0] == (16 + 16 + 20 + 1 + 2) * MiB   # stage a alone: its own buffers and working
     # Seconds at 1 MiB/s: a 3; b 4 + 2 x 3; c 4 + 2 x 2; d 2 + loss 0.5 + 2 x 1.
     assert looped.stage_seconds == pytest.approx([3.0, 10.0, 8.0, 4.5])
     assert looped.rank_seconds == pytest.approx([11.0, 14.5]) and looped.bottleneck_rank == 1
@@ -340,8 +343,9 @@ def test_rank_memory_and_seconds_by_hand():
                                link_bytes_per_second=MiB, stages_per_rank=2)
     assert v_shape.stage_ranks == [0, 1, 1, 0]
     assert v_shape.in_flight == [2, 2, 2, 1]   # min(2P - r, M), min(r + 1, M)
-    # Rank 0 (a, d): 16 + 8, 2 x 15 + 1 x 12, buffers 1, working 2. Rank 1 (b, c): 32 + 8, 2 x 23 + 2 x 8, 1, 5.
-    assert v_shape.rank_bytes == [(24 + 30 + 12 + 1 + 2) * MiB, (40 + 46 + 16 + 1 + 5) * MiB]
+    # Rank 0 (a, d): 16 + 8, received 16 + 2, 2 x 10 + 1 x 11, buffers 1, working 2.
+    # Rank 1 (b, c): 32 + 8, received 10 + 6, 2 x 20 + 2 x 6, 1, 5.
+    assert v_shape.rank_bytes == [(24 + 18 + 20 + 11 + 1 + 2) * MiB, (40 + 16 + 40 + 12 + 1 + 5) * MiB]
     # b -> c stays on rank 1: no communication charged for c.
     assert v_shape.stage_seconds == pytest.approx([3.0, 10.0, 4.0, 4.5])
     assert v_shape.rank_seconds == pytest.approx([7.5, 14.0])
@@ -351,9 +355,11 @@ def test_rank_memory_and_seconds_by_hand():
     zero_bubble = partition_stages(profile, 2, "1GiB", microbatches=4, schedule="zero-bubble", stages_per_rank=2)
     assert zero_bubble.in_flight == [4, 4, 2, 2]
     assert rank_in_flight("zero-bubble", 0, 2, 2, 4)[1] == [(2, 2), (3, 1), (4, 0)]
-    # Rank 0: max(2 x 15 + 2 x 8, 3 x 15 + 8, 4 x 15) = 60, not 4 x 15 + 2 x 8 = 76; with 24 static, 1, 5.
-    # Rank 1: max(2 x 23 + 2 x 12, 3 x 23 + 12, 4 x 23) = 92, not 116; with 40 static, 1, 2.
-    assert zero_bubble.rank_bytes == [(24 + 60 + 1 + 5) * MiB, (40 + 92 + 1 + 2) * MiB]
+    # Rank 0: max(2 x 10 + 2 x 6, 3 x 10 + 6, 4 x 10) = 40, not 4 x 10 + 2 x 6 = 52; with 24 static,
+    # received 4 x (5 + 3) + 4 x (2 + 1) = 44, 1, 5.
+    # Rank 1: max(2 x 20 + 2 x 11, 3 x 20 + 11, 4 x 20) = 80, not 102; with 40 static, received
+    # 4 x (3 + 2) + 4 x 1 = 24, 1, 2.
+    assert zero_bubble.rank_bytes == [(24 + 44 + 40 + 1 + 5) * MiB, (40 + 24 + 80 + 1 + 2) * MiB]
 
 
 def _torch_live_counts(schedule: str, ranks: int, per_rank: int, microbatches: int) -> list[set] | None:

@@ -212,12 +212,34 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     if profile is None:
         profile = profile_few_layers(model, example_inputs, made.device, loss_fn=loss_fn, optimizer=optimizer,
                                      dtype=dtype, precision=precision)
-    estimates = estimate_layouts(profile, int(first.shape[0]) if first.dim() else 1, made, global_batch)
+    pipeline_profile, notes = _pipeline_profile(model, profile)
+    estimates = estimate_layouts(profile, int(first.shape[0]) if first.dim() else 1, made, global_batch,
+                                 pipeline_profile)
     best = recommend(estimates)
     tokens = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
     return Simulation(type(model).__name__, made.describe(), made.summary(), global_batch,
                       int(first.shape[0]) if first.dim() else 1, estimates, best.name if best else None, tokens,
-                      notes=list(profile.notes), elapsed_seconds=time.perf_counter() - started)
+                      notes=list(profile.notes) + notes, elapsed_seconds=time.perf_counter() - started)
+
+
+def _pipeline_profile(model: nn.Module, profile: Profile) -> tuple[Profile | None, list[str]]:
+    """``profile`` with its blocks merged into those the pipeline layouts cut between (the trainer
+    cuts only between the blocks of the model's `BlockSequence`), and a note where it cannot be."""
+    from oomless.parallel.block_sequence import pipeline_block_groups
+    from oomless.plan.microbatches import merge_blocks
+
+    names = [block.name for block in profile.blocks]
+    try:
+        groups = pipeline_block_groups(model, names)
+    except (AttributeError, InputError):     # a profile of other blocks than the model's
+        groups = None
+    if groups is None:
+        return None, ["pipelines cut between the profile's blocks: the trainer cuts a model without a "
+                      "hand-written BlockSequence between the blocks torch.export traces, which may differ"]
+    if len(groups) == len(names):
+        return None, []
+    return merge_blocks(profile, groups), [f"pipelines cut between the model's {len(groups)} pipeline blocks "
+                                           f"({', '.join(name for name, _ in groups)})"]
 
 
 def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:

@@ -192,3 +192,28 @@ def sequence_for(model: nn.Module, example=None, output=None) -> BlockSequence:
     from oomless.parallel.traced import traced_sequence
 
     return traced_sequence(model, example, output=output)
+
+
+def pipeline_block_groups(model: nn.Module, names: list[str]) -> list[tuple[str, list[int]]] | None:
+    """The model's blocks named ``names`` (a profile's, in the order they ran) grouped into the
+    blocks of its hand-written `BlockSequence` (the only places a pipeline cuts it): [(sequence
+    block name, indices into ``names``)], in order. A block that is none of the sequence's (the
+    U-Net's one pooling module, copied per level in the sequence) joins the group before it. None
+    for a model without a hand-written sequence (`sequence_for` would trace it)."""
+    from oomless.models import TinyTransformer, UNet3D
+
+    if not isinstance(model, (BlockSequence, UNet3D, TinyTransformer)) and not (
+            isinstance(model, nn.Sequential) and len(model) >= 2):
+        return None
+    owner = {}
+    for block in sequence_for(model).blocks:
+        for module in block.module.modules():
+            owner.setdefault(id(module), block.name)
+    groups: list[tuple[str, list[int]]] = []
+    for index, name in enumerate(names):
+        group = owner.get(id(model.get_submodule(name)))
+        if groups and (group is None or group == groups[-1][0] or any(group == seen for seen, _ in groups)):
+            groups[-1][1].append(index)     # stays contiguous: a block out of place joins the one before
+        else:
+            groups.append((group or name, [index]))
+    return groups

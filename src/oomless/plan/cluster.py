@@ -21,6 +21,9 @@ per-step cost on such links, not measurements of ours):
 
 Real collectives do not reach the link's raw rate: every bandwidth is scaled by ``efficiency``
 (default 0.8, an assumption: nccl-tests bus bandwidths on such systems are 70-90 % of the link rate).
+
+``"backend"``: the collective library, ``"nccl"`` (default; GPUs) or ``"gloo"`` (CPU processes): the
+trainer synchronises BatchNorm differently under each (`plan.layouts.batchnorm_sync_seconds`).
 """
 
 import json
@@ -31,6 +34,7 @@ from oomless.plan.devices import Device, find_device
 
 # Achievable share of a link's datasheet rate for NCCL collectives (assumption; module docstring).
 LINK_EFFICIENCY = 0.8
+BACKENDS = ("nccl", "gloo")
 
 _H100_SOURCE = ("NVIDIA H100 Tensor Core GPU datasheet (NVLink 900 GB/s per GPU, both directions), "
                 "https://www.nvidia.com/en-us/data-center/h100/")
@@ -72,6 +76,7 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     efficiency: float = LINK_EFFICIENCY
+    backend: str = "nccl"
 
     @property
     def gpus(self) -> int:
@@ -85,7 +90,7 @@ class Cluster:
         return {"device": self.device.name, "device_memory_bytes": self.device.memory_bytes, "gpus": self.gpus,
                 "gpus_per_node": self.gpus_per_node,
                 "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
-                "efficiency": self.efficiency}
+                "efficiency": self.efficiency, "backend": self.backend}
 
     def summary(self) -> str:
         inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
@@ -140,9 +145,13 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         if not isinstance(settings, dict):
             raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
     settings = {**settings, **(overrides or {})}
-    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency"})
+    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend"})
     if unknown:
-        raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency")
+        raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency, "
+                         "backend")
+    backend = settings.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise InputError(f"cluster backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     efficiency = settings.get("efficiency", LINK_EFFICIENCY)
     if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise InputError(f"cluster efficiency must be in (0, 1], got {efficiency!r}")
@@ -150,4 +159,4 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         intra = _link_from(settings["intra_node"], intra, "intra_node")
     if "inter_node" in settings:
         inter = _link_from(settings["inter_node"], inter, "inter_node")
-    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency))
+    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend)

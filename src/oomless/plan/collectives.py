@@ -24,6 +24,14 @@ not as one ring at the slowest link's speed:
 
 With one node (or one rank per node) each reduces to the flat ring formula on that link. Links'
 rates are those a collective reaches (`Cluster.effective`: datasheet x efficiency).
+
+BatchNorm under data parallel (`batchnorm_sync_seconds`): the trainer normalises by the statistics of
+every replica's shard (`oomless.parallel.batchnorm`), so each BatchNorm layer runs collectives inside
+forward and backward that compute waits for. Under NCCL, torch's ``SyncBatchNorm``
+(torch/nn/modules/_functions.py): forward all-gathers (mean, invstd, count) of every rank, 2C + 1
+floats each; backward all-reduces two sums of C floats. Under gloo, oomless's ``GlobalBatchNorm``:
+forward all-reduces the per-channel sums, then the centred sums of squares (C floats each); backward
+all-reduces their gradients, two more. Small tensors: the latency terms dominate.
 """
 
 from dataclasses import dataclass
@@ -106,3 +114,20 @@ def send_seconds(cluster: Cluster, num_bytes: float, across_nodes: bool) -> floa
     """One point-to-point transfer between neighbouring ranks, within a node or across nodes."""
     link = cluster.inter_node if across_nodes else cluster.intra_node
     return point_to_point_seconds(num_bytes, *cluster.effective(link))
+
+
+def batchnorm_sync_seconds(cluster: Cluster, group: Group, channels: list[int]) -> tuple[float, float]:
+    """(forward, backward) seconds of collectives that BatchNorm layers of ``channels`` channels
+    each run to normalise over ``group``'s shards (module docstring); 0 for a group of one."""
+    if group.size <= 1:
+        return 0.0, 0.0
+    forward = backward = 0.0
+    for count in channels:
+        statistics = 4 * count        # fp32 statistics, whatever the activations' dtype
+        if cluster.backend == "gloo":
+            forward += 2 * all_reduce_seconds(cluster, group, statistics)
+            backward += 2 * all_reduce_seconds(cluster, group, statistics)
+        else:
+            forward += all_gather_seconds(cluster, group, (2 * statistics + 4) * group.size)
+            backward += all_reduce_seconds(cluster, group, 2 * statistics)
+    return forward, backward

@@ -31,6 +31,13 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
   block recomputed (its input held, its forward run again in backward), whichever is faster
   among those that fit. A hybrid all-reduces each pipeline rank's gradients over its dp group
   after the pipeline's step (not overlapped: the stage-0 rank's last backward ends the step).
+- BatchNorm (dp, fsdp, and a hybrid's replicas): the trainer normalises over every replica's shard,
+  so each BatchNorm layer's collectives (`collectives.batchnorm_sync_seconds`) lengthen its block's
+  forward and backward: compute waits for them (`with_batchnorm_sync`); in a hybrid they are added
+  per micro-batch, the model's whole spread evenly over the stages.
+- Pipelines cut between the model's pipeline blocks (``estimate_layouts(pipeline_profile=...)``:
+  `oomless.simulate` merges the profile's blocks into the model's `BlockSequence` blocks, where the
+  trainer cuts), dp and fsdp plan and shard the profile's own blocks, as the trainer does.
 - Optimizer step: bandwidth-bound, parameters and state read and written, gradients read, at the
   roofline's memory efficiency.
 
@@ -44,7 +51,8 @@ from dataclasses import dataclass, field, replace
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.cluster import Cluster
-from oomless.plan.collectives import all_gather_seconds, all_reduce_seconds, consecutive_group, reduce_scatter_seconds
+from oomless.plan.collectives import (all_gather_seconds, all_reduce_seconds, batchnorm_sync_seconds, consecutive_group,
+                                      reduce_scatter_seconds)
 from oomless.plan.devices import MEMORY_EFFICIENCY
 from oomless.plan.microbatches import choose_microbatches, scale_profile
 from oomless.plan.planner import _transient_bytes, make_plan, static_breakdown
@@ -111,6 +119,22 @@ class _Stream:
         if seconds > 0:
             self.spans.append(Span(self.name, label, start, self.free))
         return self.free
+
+
+def with_batchnorm_sync(profile: Profile, cluster: Cluster, replicas: int) -> Profile:
+    """``profile`` with each block's forward and backward lengthened by its BatchNorm layers'
+    collectives over ``replicas`` data-parallel ranks (`collectives.batchnorm_sync_seconds`: compute
+    waits for them), once per call of the block."""
+    if replicas <= 1 or not any(block.batchnorm_channels for block in profile.blocks):
+        return profile
+    group = consecutive_group(cluster, replicas)
+    blocks = []
+    for block in profile.blocks:
+        forward, backward = batchnorm_sync_seconds(cluster, group, block.batchnorm_channels)
+        calls = max(block.calls, 1)
+        blocks.append(replace(block, forward_seconds=block.forward_seconds + calls * forward,
+                              backward_seconds=block.backward_seconds + calls * backward))
+    return replace(profile, blocks=blocks)
 
 
 def optimizer_seconds(cluster: Cluster, parameter_bytes: float, gradient_bytes: float, state_bytes: float) -> float:
@@ -182,6 +206,7 @@ def _finish_step(name: str, ranks: int, samples_per_rank: int, plan, minimum: in
 def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
     """dp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples."""
     n, device = cluster.gpus, cluster.device
+    profile = with_batchnorm_sync(profile, cluster, n)
     plan, minimum = _memory_plan(profile, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
     gradients = _block_shares(profile, profile.gradient_bytes)
@@ -220,6 +245,7 @@ def fsdp_static_profile(profile: Profile, ranks: int) -> Profile:
 def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
     """fsdp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples, unsharded."""
     n, device = cluster.gpus, cluster.device
+    profile = with_batchnorm_sync(profile, cluster, n)
     sharded = fsdp_static_profile(profile, n)
     plan, minimum = _memory_plan(sharded, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
@@ -314,6 +340,12 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     across_nodes = replicas * pipeline_ranks > cluster.gpus_per_node
     bytes_per_second, latency = cluster.effective(cluster.inter_node if across_nodes else cluster.intra_node)
     overhead = 2 * latency + PIPELINE_ACTION_SECONDS
+    if replicas > 1:
+        # Each micro-batch's BatchNorm layers synchronise over the replicas of their stage: the
+        # model's whole per micro-batch, spread evenly over the stages (the cut is not known yet).
+        synced = sum(max(block.calls, 1) * sum(batchnorm_sync_seconds(cluster, group, block.batchnorm_channels))
+                     for block in profile.blocks)
+        overhead += synced / (pipeline_ranks * stages_per_rank)
     candidates = microbatch_candidates(samples, pipeline_ranks)
     if stages_per_rank > 1:
         # The partitioner's search for several stages per rank costs seconds on deep models: only
@@ -387,9 +419,11 @@ def check_global_batch(global_batch: int, gpus: int) -> None:
                          f"parallel rank steps an equal share); use a multiple of {gpus}: {nearest}")
 
 
-def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster,
-                     global_batch: int) -> list[LayoutEstimate]:
-    """Every layout's estimate (module docstring), dp and fsdp first, then pipelines by depth."""
+def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster, global_batch: int,
+                     pipeline_profile: Profile | None = None) -> list[LayoutEstimate]:
+    """Every layout's estimate (module docstring), dp and fsdp first, then pipelines by depth.
+    ``pipeline_profile``: the same step with the blocks a pipeline cuts between
+    (`plan.microbatches.merge_blocks`); default ``profile``'s own."""
     check_global_batch(global_batch, cluster.gpus)
     if profiled_batch < 1:
         raise InputError(f"the profiled batch must be at least 1 sample, got {profiled_batch}")
@@ -399,7 +433,8 @@ def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster,
                  estimate_fsdp(per_rank, cluster, samples_per_rank)]
     for pipeline_ranks in (d for d in range(2, cluster.gpus + 1) if cluster.gpus % d == 0):
         for schedule in SCHEDULES:
-            estimate = estimate_pipeline(profile, cluster, global_batch, profiled_batch, pipeline_ranks, schedule)
+            estimate = estimate_pipeline(pipeline_profile or profile, cluster, global_batch, profiled_batch,
+                                         pipeline_ranks, schedule)
             if estimate is not None:
                 estimates.append(estimate)
     return estimates

@@ -41,6 +41,46 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                    notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
 
 
+def _largest(values):
+    """The largest of measured values; None where any is unmeasured (the planner then estimates)."""
+    return None if any(value is None for value in values) else max(values)
+
+
+def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profile:
+    """``profile`` with each group of consecutive blocks (a name and the indices of its blocks, in
+    order) as one block: the blocks a pipeline can cut between (`oomless.simulate`: a U-Net's
+    pipeline blocks are whole encoder and decoder stages, its memory planner's blocks each layer).
+
+    Times, saved, parameter bytes and BatchNorm layers add up; the group's input and held forward
+    bytes are its first block's (what crosses a cut in front of it), its output and held backward
+    bytes its last's (its backward starts there); a phase's other, peak and transient bytes are the
+    largest of its blocks' (one block runs at a time, the earlier blocks' saved tensors are on the
+    ledger, which the saved bytes count)."""
+    blocks = profile.blocks
+    if sorted(index for _, members in groups for index in members) != list(range(len(blocks))) or any(
+            members != list(range(members[0], members[0] + len(members))) for _, members in groups if members):
+        raise InputError("merge_blocks needs groups of consecutive blocks covering every block once")
+    merged = []
+    for name, members in groups:
+        parts = [blocks[index] for index in members]
+        first, last = parts[0], parts[-1]
+        merged.append(replace(
+            first, name=name, calls=first.calls, output_bytes=last.output_bytes,
+            held_backward_bytes=last.held_backward_bytes,
+            forward_seconds=sum(part.forward_seconds for part in parts),
+            backward_seconds=sum(part.backward_seconds for part in parts),
+            saved_bytes=sum(part.saved_bytes for part in parts),
+            largest_saved_bytes=max(part.largest_saved_bytes for part in parts),
+            saved_sizes=[size for part in parts for size in part.saved_sizes] if all(
+                part.saved_sizes or not part.saved_bytes for part in parts) else [],
+            parameter_bytes=sum(part.parameter_bytes for part in parts),
+            batchnorm_channels=[channels for part in parts for channels in part.batchnorm_channels],
+            **{key: _largest([getattr(part, key) for part in parts])
+               for key in ("forward_other_bytes", "backward_other_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                           "forward_transient_bytes", "backward_transient_bytes")}))
+    return replace(profile, blocks=merged)
+
+
 def choose_microbatches(profile: Profile, stages: int, batch: int, memory, schedule: str = "1f1b",
                         stages_per_rank: int = 1, link_bytes_per_second: float | None = None,
                         overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None) -> Partition:

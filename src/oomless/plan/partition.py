@@ -23,8 +23,13 @@ Cost model of stage s holding blocks [i, j):
   time to receive the tensors crossing the cut and to send back their gradients. A rank's time per
   micro-batch is the sum over its stages (plus ``overhead_seconds`` per stage in `choose_microbatches`).
 - bytes: parameters + gradients + optimizer state (the profile's optimizer bytes per parameter
-  byte, 0 when the profile had no optimizer: a note says so) + in-flight micro-batches x (saved
-  activations + bytes crossing the cut in front, held as the stage's received input). A rank adds
+  byte, 0 when the profile had no optimizer: a note says so) + in-flight micro-batches x saved
+  activations + torch's receive buffers: ``PipelineStage`` allocates one per micro-batch for the
+  tensors crossing the cut in front and one for the gradients of those crossing the cut behind
+  (torch/distributed/pipelining/stage.py, ``_prepare_forward_infra`` and
+  ``_setup_backward_recv_info``) and reuses them every step, so all M of them stay resident: M x
+  (crossing in front + crossing behind); stage 0's "received" input is the step's whole batch,
+  which the caller holds. A rank adds
   its stages' static bytes, their activations at the rank's busiest moment (its stages do not peak
   together: under zero-bubble with P = 2, M = 4 they peak at 4 and 2 micro-batches but hold 4 in
   all; `rank_in_flight`), every buffer of the model once (buffers are not attributed to blocks,
@@ -230,9 +235,16 @@ class StageCosts:
 
     def activation_bytes(self, start: int, stop: int) -> int:
         """What one in-flight micro-batch holds on a stage of blocks [start, stop): saved activations
-        and the received input (the loss's saved tensors on the last)."""
-        activations = self._saved[stop] - self._saved[start] + self.crossing[start]
+        (the loss's saved tensors on the last). Its received input is in `received_bytes`."""
+        activations = self._saved[stop] - self._saved[start]
         return activations + (self.profile.unassigned_saved_bytes if stop == len(self.profile.blocks) else 0)
+
+    def received_bytes(self, start: int, stop: int) -> int:
+        """torch's receive buffers of blocks [start, stop) as a stage, resident whatever the moment:
+        one per micro-batch for the tensors crossing in front, one for the gradients of those
+        crossing behind (module docstring); stage 0's: the step's input, the whole batch."""
+        behind = self.crossing[stop] if stop < len(self.profile.blocks) else 0
+        return self.microbatches * (self.crossing[start] + behind)
 
     def working_bytes(self, start: int, stop: int) -> int:
         """The largest working bytes of one block in [start, stop): one block runs at a time."""
@@ -240,7 +252,8 @@ class StageCosts:
 
     def bytes(self, stage: int, start: int, stop: int) -> int:
         """Predicted peak bytes of blocks [start, stop) as stage ``stage``, alone on its device."""
-        return (self.static_bytes(start, stop) + self.in_flight[stage] * self.activation_bytes(start, stop)
+        return (self.static_bytes(start, stop) + self.received_bytes(start, stop)
+                + self.in_flight[stage] * self.activation_bytes(start, stop)
                 + self.profile.buffer_bytes + self.working_bytes(start, stop))
 
     def rank_bytes(self, cuts: list[int]) -> list[int]:
@@ -250,7 +263,7 @@ class StageCosts:
         activations = [[0] * len(moments) for moments in self.moments]
         for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
             rank, local = self.stage_rank[stage], self.local[stage]
-            static[rank] += self.static_bytes(start, stop)
+            static[rank] += self.static_bytes(start, stop) + self.received_bytes(start, stop)
             working[rank] = max(working[rank], self.working_bytes(start, stop))
             per_microbatch = self.activation_bytes(start, stop)
             activations[rank] = [total + moment[local] * per_microbatch
@@ -337,7 +350,7 @@ class _RankSearch:
             self.steps_left -= 1
             # Seconds and bytes only grow with `stop`: past the best or the limit, so is every later stop.
             seconds = before[0] + costs.seconds(start, stop, stage)
-            static = before[1] + costs.static_bytes(start, stop)
+            static = before[1] + costs.static_bytes(start, stop) + costs.received_bytes(start, stop)
             per_microbatch = costs.activation_bytes(start, stop)
             activations = [total + moment[local] * per_microbatch
                            for total, moment in zip(before[2], costs.moments[rank])]

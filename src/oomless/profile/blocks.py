@@ -53,6 +53,13 @@ def _default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def batchnorm_channels(module: nn.Module) -> list[int]:
+    """The channels of every BatchNorm layer in ``module`` (itself included), in module order."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [layer.num_features for layer in module.modules() if isinstance(layer, _BatchNorm)]
+
+
 def _selected_blocks(model: nn.Module, spec: Iterable) -> list[tuple[str, nn.Module]]:
     types = tuple(item for item in spec if isinstance(item, type))
     names = {item for item in spec if isinstance(item, str)}

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
-from oomless.profile.blocks import find_blocks
+from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
@@ -275,6 +275,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
         block = recorder.blocks[index]
         block.parameter_bytes = _distinct_bytes([stand_ins[id(p)] for p in modules[block.name].parameters()])
+        block.batchnorm_channels = batchnorm_channels(modules[block.name])
         if block.calls == 0:
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)

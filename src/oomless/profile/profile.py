@@ -38,6 +38,9 @@ class BlockProfile:
     # The part of those beyond the held bytes (the block's own workspaces); None where not measured.
     forward_transient_bytes: int | None = None
     backward_transient_bytes: int | None = None
+    # Channels of each BatchNorm layer in the block: a data-parallel layout synchronises their batch
+    # statistics across replicas, with collectives inside forward and backward (`plan.layouts`).
+    batchnorm_channels: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
 from oomless.plan.planner import rehearsal_plan
-from oomless.profile.blocks import children_as_blocks, find_blocks
+from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_blocks
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
@@ -235,6 +235,7 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
     for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
         block = recorder.blocks[index]
         block.parameter_bytes = storage_bytes(list(modules[block.name].parameters()))
+        block.batchnorm_channels = batchnorm_channels(modules[block.name])
         if block.calls == 0:
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
