@@ -21,11 +21,11 @@ def test_ledger_peak_stays_within_the_activation_budget(model_name, share):
         loss_fn(model(inputs)).backward()
         optimizer.step()
     stats = oomless.stats(model)
-    # Prefetches and kept tensors wait for room under the phase limits; only what the running backward
-    # op needs now is fetched whatever the room (the plan's total peak counts it with the phase's
-    # measured working memory, which is smaller at that moment than the least phase's).
-    needed_now = max(block.saved_bytes for block in plan.blocks)
-    assert stats.peak_activation_bytes <= plan.activation_budget + needed_now
+    # Prefetches and kept tensors wait for room under the phase limits; what the running backward op
+    # needs now is fetched whatever the room, and the plan counts that too: its total peak holds the
+    # ledger's peak plus the least working memory of any phase (plan/simulate.py), so the ledger fits
+    # the activation budget without a tolerance for it.
+    assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
     assert stats.peak_activation_bytes <= plan.memory_bytes - plan.static_bytes
     assert stats.resident_activation_bytes == 0, "every saved tensor leaves the ledger after backward"
     if share != 1.0 and memory < plan.plain_peak_bytes:
