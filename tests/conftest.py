@@ -53,7 +53,8 @@ def planner_forcing(cycle: list[str]):
 
 
 def plan_under(model, inputs, loss_fn, policy: str, **plan_kwargs):
-    """A plan with every block under ``policy`` (keep|swap|recompute), or for "planned" the
+    """A plan with every block under ``policy`` (keep|swap|recompute; selective: selective recompute
+    where the profile offers it, recompute elsewhere), or for "planned" the
     planner's own at half the plain step's activations (at least the smallest that fits). Returns
     the plan and, for "planned", the memory it was made for. ``plan_kwargs`` (precision=,
     optimizer=) go to the profile and the plan."""
@@ -62,6 +63,13 @@ def plan_under(model, inputs, loss_fn, policy: str, **plan_kwargs):
         memory = max(budget_for_share(profile, 0.5), minimum_memory(profile))
         return oomless.plan(model, inputs, memory, min_swap_bytes=0, profile=profile,
                             precision=plan_kwargs.get("precision", "fp32")), memory
+    if policy == "selective":
+        # Selective recompute wherever the profile offers it (runtime/selective.py), else recompute.
+        profile = oomless.profile(model, inputs, loss_fn=loss_fn, **plan_kwargs)
+        decisions = {block.name: "selective" if block.selective_kept_bytes is not None else "recompute"
+                     for block in profile.blocks}
+        return oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, profile=profile,
+                            decisions=decisions, precision=plan_kwargs.get("precision", "fp32")), None
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, **plan_kwargs)
     return plan.with_decisions({name: policy for name in plan.decisions}), None
 

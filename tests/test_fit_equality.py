@@ -55,7 +55,7 @@ def _assert_same(reference, trained):
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-@pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "planned"])
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "selective", "planned"])
 def test_training_equals_plain_pytorch(model_name, policy):
     torch.manual_seed(0)
     model, inputs, loss_fn = MODELS[model_name]()
@@ -76,6 +76,9 @@ def test_training_equals_plain_pytorch(model_name, policy):
     if policy == "swap":
         assert stats.offloaded_bytes > 0
     if policy == "recompute":
+        assert stats.recomputed_blocks >= 2 * len(plan.decisions) - 2
+    if policy == "selective":
+        assert any(block.selective for block in plan.blocks), "some block should be offered selective recompute"
         assert stats.recomputed_blocks >= 2 * len(plan.decisions) - 2
 
 

@@ -5,8 +5,8 @@ MONAI's UNet, SegResNet and SwinUNETR; torchvision's ResNet-50 and DeepLabv3, wh
 installed; and small hand-written models, each with one thing real models do: a module registered
 under two names, a module called twice in one forward, tied weights, functional code between blocks,
 a block called with keyword arguments, a block returning a tuple, a block returning a dict). Under
-each plan (every block kept, swapped, recomputed; a mix of the three; the planner's own plan at the
-smallest budget it names) the model trains two optimizer steps next to a deepcopy trained with plain
+each plan (every block kept, swapped, recomputed; recomputed selectively where the profile offers it;
+a mix of the three; the planner's own plan at the smallest budget it names) the model trains two optimizer steps next to a deepcopy trained with plain
 PyTorch, with the same seeds, and every parameter, gradient and buffer must be equal bit for bit.
 """
 
@@ -306,7 +306,7 @@ CASES = {
     "torchvision-resnet50": _resnet50, "torchvision-deeplabv3": _deeplabv3,
 }
 NEEDS = {"hf-": ("transformers",), "monai-swin": ("monai", "einops"), "monai-": ("monai",)}
-PLANS = ["keep", "swap", "recompute", "mixed", "minimum"]
+PLANS = ["keep", "swap", "recompute", "selective", "mixed", "minimum"]
 
 
 def _train(model, inputs, loss_fn, steps: int = 2):
@@ -338,7 +338,8 @@ class _Prepared:
                                   min_swap_bytes=0)
 
     def plan(self, kind: str):
-        """The plan named ``kind``: one decision for every block, a mix cycling keep/swap/recompute
+        """The plan named ``kind``: one decision for every block (selective: where offered, else
+        recompute), a mix cycling keep/swap/recompute
         over the blocks, or the planner's own at the smallest budget it names."""
         if kind == "minimum":
             planned = copy.deepcopy(self.model)
@@ -347,6 +348,12 @@ class _Prepared:
                              split=False)
             return oomless.plan(planned, self.inputs, refused.value.minimum_bytes, loss_fn=self.loss_fn,
                                 profile=self.profile, min_swap_bytes=0)
+        if kind == "selective":
+            # Selective recompute wherever the profile offers it (runtime/selective.py), else recompute.
+            decisions = {block.name: "selective" if block.selective_kept_bytes is not None else "recompute"
+                         for block in self.profile.blocks}
+            return oomless.plan(copy.deepcopy(self.model), self.inputs, "1TiB", loss_fn=self.loss_fn,
+                                profile=self.profile, decisions=decisions, min_swap_bytes=0)
         cycle = ("keep", "swap", "recompute")
         return self.roomy.with_decisions({name: kind if kind in cycle else cycle[index % len(cycle)]
                                           for index, name in enumerate(self.roomy.decisions)})
@@ -395,5 +402,7 @@ def test_trains_like_plain_pytorch(case, kind):
         assert stats.offloaded_bytes > 0
     if "recompute" in plan.decisions.values():
         assert stats.recomputed_blocks > 0
+    if kind == "selective":
+        assert any(block.selective for block in plan.blocks), "no block of the model was offered selective recompute"
     if kind == "minimum" and plan.memory_bytes < plan.plain_peak_bytes:
         assert set(plan.decisions.values()) != {"keep"}, "the smallest budget should force swaps or recomputes"

@@ -1,7 +1,7 @@
 """Solvers on generated profiles: the exact DP against brute force, the greedy against the exact.
 
 The exact solver is exact for its separable model (see `oomless.plan.solvers`); brute force over all
-3^n plans of that model must find the same optimum. Both planners are then judged by the simulator:
+4^n plans of that model (selective recompute offered or not) must find the same optimum. Both planners are then judged by the simulator:
 on the family below, the greedy's predicted step is within GREEDY_WITHIN of the exact solver's.
 """
 
@@ -17,7 +17,9 @@ MiB = 2**20
 GREEDY_WITHIN = 0.05   # greedy step <= exact step * 1.05 on every generated profile (measured worst: 1.8 %)
 
 
-def generated_profile(blocks: int, seed: int, link_bytes_per_second: float = 2e9) -> Profile:
+def generated_profile(blocks: int, seed: int, link_bytes_per_second: float = 2e9, selective: bool = False) -> Profile:
+    """``selective``: most blocks measured for selective recompute (kept outputs, the part of them
+    backward does not save, and the share of the forward's time they take)."""
     rng = random.Random(seed)
     made = []
     for i in range(blocks):
@@ -27,15 +29,22 @@ def generated_profile(blocks: int, seed: int, link_bytes_per_second: float = 2e9
                                  saved_bytes=saved, largest_saved_bytes=saved // 4,
                                  input_bytes=rng.randint(1, 10) * MiB, output_bytes=MiB, calls=1,
                                  forward_transient_bytes=MiB, backward_transient_bytes=MiB))
+        if selective and rng.random() < 0.8:
+            kept = rng.randint(0, saved // MiB) * MiB
+            made[-1].selective_kept_bytes = kept
+            made[-1].selective_unsaved_bytes = rng.randint(0, kept // MiB) * MiB
+            made[-1].selective_time_share = rng.uniform(0.3, 0.95)
     return Profile(device="cuda:0", blocks=made, parameter_bytes=10 * MiB, gradient_bytes=10 * MiB, buffer_bytes=0,
                    optimizer_state_bytes=20 * MiB, input_bytes=MiB, unassigned_saved_bytes=rng.randint(0, 5) * MiB,
                    loss_seconds=0.001, link=LinkProfile("pcie", link_bytes_per_second, link_bytes_per_second))
 
 
+@pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_exact_matches_brute_force(seed):
+def test_exact_matches_brute_force(seed, selective):
     rng = random.Random(seed)
-    profile = generated_profile(rng.randint(1, 7), seed, link_bytes_per_second=rng.choice([1e8, 1e9, 1e10]))
+    profile = generated_profile(rng.randint(1, 7), seed, link_bytes_per_second=rng.choice([1e8, 1e9, 1e10]),
+                                selective=selective)
     total = sum(block.saved_bytes for block in profile.blocks)
     budget = int(total * rng.uniform(0.2, 1.1))
     model = separable_model(profile, budget, bins=512)
@@ -53,11 +62,13 @@ def _memory_at(profile: Profile, share: float) -> int:
     return max(wanted, smallest_memory(profile) + MiB)
 
 
+@pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("share", [0.6, 0.35])
-def test_greedy_is_within_stated_percentage_of_exact(seed, share):
+def test_greedy_is_within_stated_percentage_of_exact(seed, share, selective):
     rng = random.Random(100 + seed)
-    profile = generated_profile(rng.randint(8, 40), seed, link_bytes_per_second=rng.choice([3e8, 2e9, 2e10]))
+    profile = generated_profile(rng.randint(8, 40), seed, link_bytes_per_second=rng.choice([3e8, 2e9, 2e10]),
+                                selective=selective)
     memory = _memory_at(profile, share)
     greedy = make_plan(profile, memory, solver="greedy")
     exact = make_plan(profile, memory, solver="exact")

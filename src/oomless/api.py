@@ -112,10 +112,10 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, memory_bytes,
                                      precision, options, chosen_split)
     if decisions is not None:
-        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute"})
+        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]
         if unknown or missing:
-            raise InputError(f"decisions must give keep|swap|recompute for every block; "
+            raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
                              f"unknown values {unknown}, blocks without one {missing[:5]}")
 
     def plan_profile(measured: Profile, budget: int = memory_bytes) -> Plan:

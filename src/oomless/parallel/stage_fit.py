@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import oomless
 from oomless.plan.partition import in_flight_microbatches
+from oomless.profile.selective import without_selective
 from oomless.sizes import parse_bytes
 
 UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known (CPU)
@@ -65,7 +66,9 @@ def _loss_on(loss_fn, target: torch.Tensor):
 def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class,
                 min_swap_bytes: int):
     optimizer = optimizer_class(module.parameters())
-    profile = oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
+    # weight gradients), and torch's cache of kept outputs serves one replay.
+    profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer))
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile)
     fixed = roomy.static_bytes + roomy.reserve_bytes

@@ -21,6 +21,9 @@ class BlockPlan:
     # runs (the budget less the phase's own working memory); None: the plan's activation_budget.
     forward_limit_bytes: int | None = None
     backward_limit_bytes: int | None = None
+    # A recompute block that keeps its matmul/convolution/attention outputs and re-runs only the
+    # rest of its forward (runtime/selective.py); its decision stays "recompute".
+    selective: bool = False
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Plan:
 
     def with_decisions(self, decisions: dict[str, str], reason: str = "given by the user") -> "Plan":
         """A copy of this plan with some decisions replaced (predictions are not recomputed)."""
-        blocks = [BlockPlan(**{**asdict(block), "decision": decisions[block.name], "reason": reason})
+        blocks = [BlockPlan(**{**asdict(block), "decision": decisions[block.name], "reason": reason, "selective": False})
                   if block.name in decisions else block for block in self.blocks]
         return Plan(**{**asdict(self), "blocks": blocks, "static_parts": list(self.static_parts)})
 
@@ -117,7 +120,8 @@ class Plan:
             table.add_column(column, justify="right" if column in ("saved", "fwd ms", "bwd ms") else "left")
         for block in self.blocks:
             table.add_row(block.name, format_bytes(block.saved_bytes), f"{block.forward_seconds * 1e3:.2f}",
-                          f"{block.backward_seconds * 1e3:.2f}", block.decision, block.reason)
+                          f"{block.backward_seconds * 1e3:.2f}",
+                          block.decision + (" (selective)" if block.selective else ""), block.reason)
         buffer = io.StringIO()
         console = Console(file=buffer, width=120, force_terminal=False, color_system=None)
         console.print(table)

@@ -8,8 +8,9 @@ profile) + activation budget (saved activations, the ledger's domain).
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
-from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, least_other_bytes,
-                                   loss_other_bytes, phases, simulate, with_swap_threshold)
+from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, forward_other_bytes, least_other_bytes,
+                                   loss_other_bytes, phases, recompute_seconds,
+                                   selective_offered, simulate, with_swap_threshold)
 from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
 from oomless.runtime.tiers import DISK_MAX_PENDING_BYTES
@@ -99,6 +100,11 @@ def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, 
         stall_ms = (timeline.block_stall_seconds or [0.0] * len(profile.blocks))[index] * 1e3
         hidden = "transfer hidden behind compute" if stall_ms <= 0.1 else f"backward waits {stall_ms:.1f} ms for it"
         return f"swap ({solver}): {hidden} ({copy_ms:.1f} ms copy); recompute would add {recompute_ms:.1f} ms"
+    if decision == SELECTIVE:
+        return (f"selective recompute ({solver}): keeps its matmul/convolution outputs "
+                f"({format_bytes(block.selective_kept_bytes)} of {format_bytes(block.saved_bytes)} saved), "
+                f"adds {recompute_seconds(block, SELECTIVE) * 1e3:.1f} ms re-running the rest; "
+                f"full recompute would add {recompute_ms:.1f} ms")
     return (f"recompute ({solver}): adds {recompute_ms:.1f} ms; swap would add ~{swap_ms:.1f} ms "
             f"({copy_ms:.1f} ms copy back)")
 
@@ -214,6 +220,12 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                         "or a smaller batch",
                         minimum_bytes=minimum, limiting_block=limiting_name, floor_block=floor_name)
 
+    not_offered = [block.name for block in profile.blocks
+                   if (decisions or {}).get(block.name) == SELECTIVE and not selective_offered(block)]
+    if not_offered:
+        raise InputError(f"decisions ask for selective recompute of {not_offered[:5]}, which the profile did not "
+                         "measure (compiled blocks, chains in slabs, parameters offloaded or sharded, pipeline "
+                         "stages, meta-tensor profiles, or a torch before 2.6); use 'recompute' there")
     if solver not in ("auto", "greedy", "exact"):
         raise InputError(f"solver must be 'auto', 'greedy' or 'exact', got {solver!r}")
     use_exact = solver == "exact" or (solver == "auto" and len(names) <= EXACT_MAX_BLOCKS)
@@ -249,10 +261,12 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                         f"{format_bytes(static_bytes + margin + timeline.total_peak_bytes)}",
                         minimum_bytes=_with_margin(static_bytes + margin + timeline.total_peak_bytes))
     forward_phases, _, backward_phases = phases(profile, chosen)
-    blocks = [BlockPlan(block.name, chosen[i], _reason(profile, i, chosen[i], timeline, budget, solver_name),
+    blocks = [BlockPlan(block.name, "recompute" if chosen[i] == SELECTIVE else chosen[i],
+                        _reason(profile, i, chosen[i], timeline, budget, solver_name),
                         block.saved_bytes, block.forward_seconds, block.backward_seconds,
                         forward_limit_bytes=budget - forward_phases[i].other,
-                        backward_limit_bytes=budget - backward_phases[i].other)
+                        backward_limit_bytes=budget - backward_phases[i].other,
+                        selective=chosen[i] == SELECTIVE)
               for i, block in enumerate(profile.blocks)]
     ahead = "as far as the budget allows" if window is None else format_bytes(window)
     notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, swapped tensors brought back "

@@ -13,6 +13,10 @@ and a copy-in stream for prefetches in backward.
   use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
   in time stalls compute until its copy lands. A recompute block re-runs its forward first and holds
   all its saved bytes until its backward ends.
+- Selective recompute (decision "selective" here; in the plan a recompute block with ``selective``
+  set, runtime/selective.py): the forward holds the block's inputs and the outputs of its costly ops
+  from its start to its backward; the backward re-runs the rest of its forward (its share of the
+  forward time) and holds its saved bytes with those outputs until it ends.
 - With the disk tier (compute on CPU) transfers share the cores with compute: their time is added to
   the step (the conservative reading: fully serialised).
 - Besides the ledger (saved activations), each phase holds "other" bytes: measured per block forward
@@ -145,13 +149,38 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
         swapped = decision == "swap"
         forward.append(Phase(i, forward_other_bytes(profile, block), block.forward_peak_bytes if swapped else None))
         other = backward_other_bytes(profile, block)
-        if decision == "recompute":
+        if decision in RECOMPUTING:
             other = max(other, forward[-1].other)
         backward.append(Phase(i, other, block.backward_peak_bytes if swapped else None, "backward"))
     return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes, "loss"), backward
 
 
 SWAPPED, HELD, AHEAD = 0, 1, 2
+SELECTIVE = "selective"
+RECOMPUTING = ("recompute", SELECTIVE)
+
+
+def selective_offered(block: BlockProfile) -> bool:
+    """Whether the profile measured what selective recompute of ``block`` holds and costs."""
+    return block.selective_kept_bytes is not None and block.selective_time_share is not None
+
+
+def selective_held_bytes(block: BlockProfile) -> int:
+    """What a selective block holds from its forward to its backward: its inputs and kept outputs."""
+    return block.input_bytes + (block.selective_kept_bytes or 0)
+
+
+def selective_backward_bytes(block: BlockProfile) -> int:
+    """What a selective block holds while its backward runs: its inputs, its saved bytes and the
+    kept outputs no op saves."""
+    return block.input_bytes + block.saved_bytes + (block.selective_unsaved_bytes or 0)
+
+
+def recompute_seconds(block: BlockProfile, decision: str) -> float:
+    """Forward time its backward re-runs: all of it, or (selective) the share of the ops not kept."""
+    if decision == SELECTIVE:
+        return block.forward_seconds * (1.0 - (block.selective_time_share or 0.0))
+    return block.forward_seconds
 
 
 class _Entry:
@@ -212,7 +241,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         sizes = entry_sizes(block)
         kept = set(block.kept_when_swapped)
         per_block.append([_Entry(size, i, decision == "swap" and k not in kept) for k, size in enumerate(sizes)]
-                         if decision != "recompute" else [])
+                         if decision not in RECOMPUTING else [])
         swapped_bytes = sum(entry.size for entry in per_block[i] if entry.swapped)
         if max_pending_out_bytes is not None and decision == "swap":
             # The disk tier makes the forward wait when too many bytes are still unwritten.
@@ -228,6 +257,10 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         if decision == "recompute":
             add(start, block.input_bytes, HELD, i)
             ledger += block.input_bytes
+        elif decision == SELECTIVE:
+            # Counted from its start: the kept outputs appear over its forward.
+            add(start, selective_held_bytes(block), HELD, i)
+            ledger += selective_held_bytes(block)
         for k, entry in enumerate(per_block[i]):
             saved_at = start + block.forward_seconds * (k + 1) / len(sizes)
             add(saved_at, entry.size, SWAPPED if entry.swapped else HELD, i)
@@ -291,10 +324,13 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     for i in range(len(blocks) - 1, -1, -1):
         block, decision = blocks[i], decisions[i]
         enter(now, backward_phases[i])
-        if decision == "recompute":
-            add(now, block.saved_bytes, HELD, i)
-            ledger += block.saved_bytes
-            now += block.forward_seconds
+        if decision in RECOMPUTING:
+            held = block.input_bytes if decision == "recompute" else selective_held_bytes(block)
+            recomputed = (block.input_bytes + block.saved_bytes if decision == "recompute"
+                          else selective_backward_bytes(block)) - held
+            add(now, recomputed, HELD, i)
+            ledger += recomputed
+            now += recompute_seconds(block, decision)
         entries = per_block[i][::-1]
         step = block.backward_seconds / len(entries) if entries else 0.0
         for entry in entries:
@@ -321,9 +357,10 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             if next_prefetch >= 0:
                 prefetch(now, i)
             now += block.backward_seconds
-        if decision == "recompute":
-            add(now, -block.saved_bytes - block.input_bytes, HELD, i)
-            ledger -= block.saved_bytes + block.input_bytes
+        if decision in RECOMPUTING:
+            held = block.input_bytes + block.saved_bytes if decision == "recompute" else selective_backward_bytes(block)
+            add(now, -held, HELD, i)
+            ledger -= held
         if next_prefetch >= 0:
             prefetch(now, i)
     enter(now, Phase(-1, 0, None, "end"))

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oomless.plan.simulate import (Timeline, backward_other_bytes, forward_other_bytes, kept_when_swapped_bytes,
-                                   loss_other_bytes, simulate)
+from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, forward_other_bytes,
+                                   kept_when_swapped_bytes, loss_other_bytes, recompute_seconds,
+                                   selective_backward_bytes, selective_held_bytes, selective_offered, simulate)
 from oomless.profile.profile import Profile
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
-_CHOICES = (KEEP, SWAP, RECOMPUTE)
+_CHOICES = (KEEP, SWAP, RECOMPUTE, SELECTIVE)
 _TIE_SECONDS = 1e-9  # a free swap still loses to keep: the plan moves nothing it need not
 
 
@@ -71,21 +72,29 @@ def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None
                      for block, b, big in zip(blocks, backward_other, largest)]
     swap_forward = [block.forward_peak_bytes if block.forward_peak_bytes is not None else f + big
                     for block, f, big in zip(blocks, forward_other, largest)]
+    # Selective where the profile measured it; elsewhere never chosen (infinite seconds).
+    offered = [selective_offered(block) for block in blocks]
     return SeparableModel(
         held_units={KEEP: [units(block.saved_bytes) for block in blocks],
                     SWAP: [units(kept_when_swapped_bytes(block)) for block in blocks],
-                    RECOMPUTE: [units(block.input_bytes) for block in blocks]},
+                    RECOMPUTE: [units(block.input_bytes) for block in blocks],
+                    SELECTIVE: [units(selective_held_bytes(block)) for block in blocks]},
         backward_units={KEEP: [units(block.saved_bytes + b) for block, b in zip(blocks, backward_other)],
                         SWAP: [units(value) for value in swap_backward],
                         RECOMPUTE: [units(block.saved_bytes + block.input_bytes + max(f, b))
+                                    for block, f, b in zip(blocks, forward_other, backward_other)],
+                        SELECTIVE: [units(selective_backward_bytes(block) + max(f, b))
                                     for block, f, b in zip(blocks, forward_other, backward_other)]},
         forward_units={KEEP: [units(block.saved_bytes + f) for block, f in zip(blocks, forward_other)],
                        SWAP: [units(value) for value in swap_forward],
-                       RECOMPUTE: [units(block.input_bytes + f) for block, f in zip(blocks, forward_other)]},
+                       RECOMPUTE: [units(block.input_bytes + f) for block, f in zip(blocks, forward_other)],
+                       SELECTIVE: [units(selective_held_bytes(block) + f) for block, f in zip(blocks, forward_other)]},
         final_units=units(loss_other_bytes(profile)),
         added_seconds={KEEP: [0.0] * len(blocks),
                        SWAP: [swap_added_seconds(profile, i) + _TIE_SECONDS for i in range(len(blocks))],
-                       RECOMPUTE: [block.forward_seconds + 2 * _TIE_SECONDS for block in blocks]},
+                       RECOMPUTE: [block.forward_seconds + 2 * _TIE_SECONDS for block in blocks],
+                       SELECTIVE: [recompute_seconds(block, SELECTIVE) + 3 * _TIE_SECONDS if ok else math.inf
+                                   for block, ok in zip(blocks, offered)]},
         budget_units=math.floor(budget_bytes / unit) if budget_bytes >= 0 else -1,
     )
 
@@ -106,7 +115,7 @@ def evaluate(model: SeparableModel, decisions) -> tuple[bool, float]:
 
 
 def brute_force(model: SeparableModel) -> tuple[list[str] | None, float]:
-    """The cheapest fitting plan by enumerating all 3^n (tests only)."""
+    """The cheapest fitting plan by enumerating all 4^n (tests only)."""
     best, best_seconds = None, math.inf
     for decisions in itertools.product(_CHOICES, repeat=len(model.added_seconds[KEEP])):
         fits, seconds = evaluate(model, decisions)
@@ -130,6 +139,8 @@ def solve_separable(model: SeparableModel) -> tuple[list[str] | None, float]:
             shift = model.held_units[decision][j]
             top = min(capacity - _phase_units(model, j, decision), capacity - shift)
             if top < 0:
+                continue
+            if math.isinf(model.added_seconds[decision][j]):
                 continue
             candidate = cost[:top + 1] + model.added_seconds[decision][j]
             target = new_cost[shift:shift + top + 1]
@@ -172,20 +183,41 @@ def _resident_at_peak(profile: Profile, decisions: list[str], timeline: Timeline
     return [i for i, decision in enumerate(decisions) if decision != RECOMPUTE]
 
 
+def _added_seconds(profile: Profile, index: int, decision: str) -> float:
+    """What ``decision`` adds to the step for block ``index``, estimated alone."""
+    if decision == SWAP:
+        return swap_added_seconds(profile, index)
+    return recompute_seconds(profile.blocks[index], decision) if decision in (RECOMPUTE, SELECTIVE) else 0.0
+
+
+def _held_bytes(block, decision: str) -> int:
+    """What ``block`` holds from its forward to its backward under ``decision`` once its copies out
+    are done."""
+    return {KEEP: block.saved_bytes, SWAP: kept_when_swapped_bytes(block), RECOMPUTE: block.input_bytes,
+            SELECTIVE: selective_held_bytes(block)}[decision]
+
+
+# Moves towards fewer bytes held, and undoing them (`relax`), from each decision.
+_FRUGAL_MOVES = {KEEP: (SWAP, SELECTIVE, RECOMPUTE), SWAP: (SELECTIVE, RECOMPUTE), SELECTIVE: (RECOMPUTE,), RECOMPUTE: ()}
+_UNDO_MOVES = {RECOMPUTE: (KEEP, SWAP, SELECTIVE), SELECTIVE: (KEEP, SWAP), SWAP: (KEEP,), KEEP: ()}
+
+
 def _move_estimates(profile: Profile, decisions: list[str], candidates: list[int]):
     """(score, bytes freed, seconds added, index, new decision) for each possible single move."""
     moves = []
     for i in candidates:
         block = profile.blocks[i]
-        options = (SWAP, RECOMPUTE) if decisions[i] == KEEP else (RECOMPUTE,) if decisions[i] == SWAP else ()
-        for option in options:
+        for option in _FRUGAL_MOVES[decisions[i]]:
+            if option == SELECTIVE and not selective_offered(block):
+                continue
+            added = _added_seconds(profile, i, option) - _added_seconds(profile, i, decisions[i])
             if option == SWAP:
-                freed, added = block.saved_bytes, swap_added_seconds(profile, i)
+                freed = block.saved_bytes
+            elif decisions[i] == SWAP:
+                # A swap whose copy does not finish in time frees nothing.
+                freed = block.saved_bytes // 2 - (_held_bytes(block, option) - block.input_bytes)
             else:
-                freed = block.saved_bytes - block.input_bytes if decisions[i] == KEEP else 0
-                added = block.forward_seconds - (swap_added_seconds(profile, i) if decisions[i] == SWAP else 0.0)
-                if decisions[i] == SWAP:
-                    freed = block.saved_bytes // 2  # a swap whose copy does not finish in time frees nothing
+                freed = _held_bytes(block, decisions[i]) - _held_bytes(block, option)
             if freed > 0:
                 moves.append((freed / (max(added, 0.0) + 1e-6), freed, added, i, option))
     moves.sort(key=lambda move: (-move[0], move[3]))
@@ -250,9 +282,11 @@ def relax(run, profile: Profile, budget_bytes: int, decisions: list[str], max_tr
         undo = []
         for i, decision in enumerate(decisions):
             block = profile.blocks[i]
-            cost = block.forward_seconds if decision == RECOMPUTE else swap_added_seconds(profile, i)
-            for option in {RECOMPUTE: (KEEP, SWAP), SWAP: (KEEP,), KEEP: ()}[decision]:
-                needs = block.saved_bytes - (block.input_bytes if decision == RECOMPUTE else 0)
+            cost = _added_seconds(profile, i, decision)
+            for option in _UNDO_MOVES[decision]:
+                if option == SELECTIVE and not selective_offered(block):
+                    continue
+                needs = _held_bytes(block, option) - _held_bytes(block, decision)
                 if option == SWAP or needs <= slack or len(profile.blocks) <= 64:
                     undo.append((-cost, i, option))
         for _, i, option in sorted(undo):

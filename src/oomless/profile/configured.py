@@ -14,6 +14,7 @@ from oomless.errors import InputError
 from oomless.profile.blocks import find_blocks
 from oomless.profile.profile import Profile
 from oomless.profile.profiler import profile_model
+from oomless.profile.selective import without_selective
 from oomless.profile.tensors import check_inputs_device
 from oomless.runtime.compile import apply_compile, check_compile_available, check_compile_composes, remove_compile
 from oomless.runtime.precision import profiling_precision
@@ -32,7 +33,7 @@ def profile_configured(model: nn.Module, example_inputs, loss_fn, optimizer, blo
         finally:
             remove_split(model)
         measured.split = dict(split)
-        return measured
+        return without_selective(measured)
     if target is not None and compile_with is not None:
         raise InputError("compile=True cannot be profiled for a target device (meta tensors run no compiled code); "
                          "plan for the target with compile=False: sizes are those of the eager step")
@@ -64,7 +65,7 @@ def _profile_compiled(model, example_inputs, loss_fn, optimizer, blocks, memory_
     apply_compile(model, names, options)
     try:
         measured = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=names,
-                                 memory_bytes=memory_bytes)
+                                 memory_bytes=memory_bytes, selective=False)
     finally:
         remove_compile(model)
     measured.compiled = True

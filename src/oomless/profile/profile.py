@@ -38,6 +38,13 @@ class BlockProfile:
     # The part of those beyond the held bytes (the block's own workspaces); None where not measured.
     forward_transient_bytes: int | None = None
     backward_transient_bytes: int | None = None
+    # Selective recompute (runtime/selective.py), measured in the sizing step; None where not measured
+    # (the planner then does not offer it): bytes of the outputs of its costly ops (kept from forward
+    # to backward), the part of those its backward does not save anyway (freed after the recompute),
+    # and the share of its forward's op time those ops take (a recompute runs the rest).
+    selective_kept_bytes: int | None = None
+    selective_unsaved_bytes: int | None = None
+    selective_time_share: float | None = None
     # Channels of each BatchNorm layer in the block: a data-parallel layout synchronises their batch
     # statistics across replicas, with collectives inside forward and backward (`plan.layouts`).
     batchnorm_channels: list[int] = field(default_factory=list)

@@ -19,6 +19,8 @@ from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
+from oomless.profile.selective import SelectiveMeter
+from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
 from oomless.sizes import format_bytes
 
@@ -60,7 +62,7 @@ def loss_of(output, loss_fn):
 
 
 def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None,
-                  base_bytes: int = 0) -> tuple[Recorder, float]:
+                  base_bytes: int = 0, measure_selective: bool = False) -> tuple[Recorder, float]:
     """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per block."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
@@ -79,7 +81,10 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     recorder = Recorder(names, device, base_bytes, parameters=model.parameters(),
                         every_ledger_change=decisions is None)
     install_plan(model, measuring, device, recorder=recorder)
-    tier = installed_state(model).tier
+    state = installed_state(model)
+    tier = state.tier
+    if decisions is None and measure_selective:
+        recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
     if tier is not None:
         recorder.tier_stall_source = tier.collect_stall_seconds
     try:
@@ -97,6 +102,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         for block in recorder.blocks.values():
             if (decisions or {}).get(block.name) == "recompute":  # its backward re-ran its forward
                 block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
+        if recorder.selective_meter is not None:
+            recorder.selective_meter.fill(recorder.blocks)
         del output, loss
     finally:
         recorder.close()
@@ -141,7 +148,7 @@ _LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDicti
 
 
 def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None,
-                  memory_bytes: int | None = None) -> Profile:
+                  memory_bytes: int | None = None, selective: bool = True) -> Profile:
     """Measure one training step of ``model`` (no optimizer step), per block.
 
     Sizes come from a step under an all-swap plan (nothing held but what is in flight); with the
@@ -176,7 +183,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline["bytes"])
+        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline["bytes"],
+                             measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
 
     def measure_sizes():
         recorder, loss_seconds = measure()

@@ -54,6 +54,7 @@ class Recorder:
         self.in_backward = False
         self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
         self.every_ledger_change = every_ledger_change
+        self.selective_meter = None     # profile.selective.SelectiveMeter, in the sizing step
         self._before_blocks: BlockProfile | None = None   # readings before the first block, merged into it
         self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
         self.ledger_bytes = 0
@@ -132,6 +133,8 @@ class Recorder:
         self.resident = resident_storages
         self._before_blocks = BlockProfile("")
         self._enter(("forward", _BEFORE_BLOCKS))
+        if self.selective_meter is not None:
+            self.selective_meter.__enter__()
 
     def _track(self, live: dict, tensors) -> None:
         for tensor in tensors:
@@ -149,6 +152,8 @@ class Recorder:
         return sum(num_bytes for _, num_bytes in live.values())
 
     def forward_finished(self, output):
+        if self.selective_meter is not None:
+            self.selective_meter.__exit__(None, None, None)
         self._enter(("loss", _LOSS))
 
     def unassigned(self, num_bytes):
@@ -157,7 +162,9 @@ class Recorder:
     def fetched(self, num_bytes):
         pass
 
-    def saved(self, block_index, num_bytes, movable: bool = True):
+    def saved(self, block_index, num_bytes, movable: bool = True, tensor=None):
+        if self.selective_meter is not None and tensor is not None:
+            self.selective_meter.saved(tensor)
         block = self.blocks[block_index]
         if not movable:
             block.kept_when_swapped.append(len(block.saved_sizes))

@@ -76,7 +76,7 @@ class InstalledPlan:
             decision = self.plan.decisions[name]
             compiled = _is_compiled(module)
             if decision == RECOMPUTE:
-                block = RecomputeBlock(module, index, self.engine)
+                block = RecomputeBlock(module, index, self.engine, selective=self._selective(index, module))
                 self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
             self.handles.append(module.register_forward_pre_hook(_eager(self._block_enter(index, decision), compiled)))
@@ -168,6 +168,18 @@ class InstalledPlan:
         if keys:
             self._gathered_keys[index] = keys
             self.engine.resident_storages |= keys
+
+
+    def _selective(self, index: int, module: nn.Module) -> bool:
+        """Whether recompute block ``index`` runs selective (runtime/selective.py): where the plan says
+        so and nothing but the block's own ops runs inside it. Parameters brought in by hooks
+        (offloaded ones, FSDP's all-gather) and compiled code would run ops in torch's replay that its
+        cache of kept outputs does not know: there the block recomputes all of its forward, which
+        holds less than the plan counted."""
+        if not self.plan.blocks[index].selective:
+            return False
+        return not (self.plan.offload_parameters or _is_compiled(module)
+                    or any(isinstance(p, DTensor) for p in module.parameters()))
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -15,6 +15,8 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from oomless.runtime.selective import selective_contexts
+
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
 _HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
 
@@ -22,10 +24,11 @@ _HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
 class RecomputeBlock:
     """Hook state of one recompute block."""
 
-    def __init__(self, module: torch.nn.Module, block_index: int, engine):
+    def __init__(self, module: torch.nn.Module, block_index: int, engine, selective: bool = False):
         self.module = module
         self.block_index = block_index
         self.engine = engine
+        self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
@@ -52,7 +55,12 @@ class RecomputeBlock:
         # One context per call: a block called twice in a forward is recomputed once per call, and
         # each call's inputs leave the ledger when its own recompute is done.
         context = _RecomputeContext(self)
-        options = (True, lambda: (nullcontext(), context), "default", False) + ((True,) if _HAS_EARLY_STOP else ())
+        if self.selective:
+            forward_context, recompute_context = selective_contexts(context.keep)
+            contexts = (forward_context, _Both(context, recompute_context))
+        else:
+            contexts = (nullcontext(), context)
+        options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
         self.generator = _GENERATOR(call, *options, *leaves)
         next(self.generator)
         context.input_handles = self.engine.keep_handles(
@@ -76,10 +84,19 @@ class _RecomputeContext:
     def __init__(self, block: RecomputeBlock):
         self.block = block
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
+        self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
+
+    def keep(self, tensors) -> None:
+        """Selective: put outputs the forward keeps on the ledger as kept, for the block's phases until
+        its recompute."""
+        self.kept_handles += self.block.engine.keep_handles(tensors, self.block.block_index)
 
     def __enter__(self):
         block = self.block
         block.recomputing = True
+        # From here the recomputed block's saved bytes (the kept outputs among them) are on the ledger
+        # as one count (`recompute_started`) until its backward is done.
+        self.kept_handles = []
         if not block.restore_queued:
             block.restore_queued = self._queue_restore(list(block.module.buffers()))
         block.engine.ledger.recomputed_blocks += 1
@@ -108,4 +125,29 @@ class _RecomputeContext:
         self.block.recomputing = False
         # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
         self.input_handles = []
+        return False
+
+
+class _Both:
+    """Two context managers entered as one, the first outermost: the block's own, then the recompute
+    context of selective checkpointing (a dispatch mode that answers every op of the replay from its
+    cache or by computing it: the block's own context, which copies buffers, must run outside it).
+    Re-entered at each recompute, as torch's checkpoint enters its recompute context."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self.outer.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exception):
+        try:
+            self.inner.__exit__(*exception)
+        finally:
+            self.outer.__exit__(*exception)
         return False
