@@ -319,7 +319,7 @@ def _resnet50():
 def _deeplabv3():
     segmentation = pytest.importorskip("torchvision.models.segmentation")
     model = segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=3, aux_loss=True)
-    images = torch.randn(2, 3, 64, 64)
+    images = torch.randn(4, 3, 64, 64)
     target = (images[:, 0] > 0).long() + (images[:, 1] > 1).long()
     return model, images, lambda out: F.cross_entropy(out["out"], target) + 0.4 * F.cross_entropy(out["aux"], target)
 
@@ -437,8 +437,31 @@ def test_trains_like_plain_pytorch(case, kind):
 # zero in exact arithmetic and rounding noise on both sides (a convolution's bias before a
 # normalisation on batch statistics; SwinUNETR's 1x1 residual convolution of its one input channel,
 # whose instance norm undoes the weight's scale), so a tolerance relative to each one's own size would
-# compare noise with noise. Measured: at most 1e-6 of the largest gradient.
+# compare noise with noise. Measured on the MONAI models: at most 1e-6 of the largest gradient.
 SPLIT_TOLERANCE = 1e-5
+# A deep network with BatchNorm at initialisation amplifies rounding on its way back (gradients
+# grow with depth: Yang et al., "A Mean Field Theory of Batch Normalization", ICLR 2019): moving
+# DeepLabv3's input by one rounding step moves its gradients by 2 % of the largest, in plain PyTorch.
+# Where the model itself is that sensitive, the split step must be within a few times what one
+# rounding step does (measured: DeepLabv3 split 1.3 %, nudged 2.4 %).
+ROUNDING_STEPS = 10
+
+
+def _gradients(model, inputs, loss_fn) -> tuple[float, list[torch.Tensor]]:
+    torch.manual_seed(100)
+    loss = loss_fn(call_model(model, inputs))
+    loss.backward()
+    return loss.item(), [parameter.grad for parameter in model.parameters()]
+
+
+def _nudged(inputs):
+    """``inputs`` with every float element moved by one rounding step, up and down alternately."""
+    def nudge(tensor):
+        if not tensor.is_floating_point():
+            return tensor
+        signs = torch.arange(tensor.numel()).reshape(tensor.shape) % 2 * 2 - 1
+        return tensor * (1 + torch.finfo(tensor.dtype).eps * signs)
+    return torch.utils._pytree.tree_map(lambda leaf: nudge(leaf) if isinstance(leaf, torch.Tensor) else leaf, inputs)
 
 
 @pytest.mark.parametrize("case", ["monai-unet", "monai-segresnet", "monai-swin-unetr", "torchvision-deeplabv3"])
@@ -456,7 +479,7 @@ def test_chains_in_slabs_stay_within_rounding_of_plain_pytorch(case, monkeypatch
             break
     torch.manual_seed(0)
     model, inputs, loss_fn = CASES[case]()
-    reference = copy.deepcopy(model)
+    reference, nudged = copy.deepcopy(model), copy.deepcopy(model)
     chains = split_candidates(model)
     assert chains
     # Three slabs each: as exact as sixteen (every slab boundary is a halo), and quicker to profile.
@@ -464,20 +487,19 @@ def test_chains_in_slabs_stay_within_rounding_of_plain_pytorch(case, monkeypatch
                         min_swap_bytes=0)
     cycle = ("keep", "swap", "recompute")
     oomless.apply(model, plan.with_decisions({name: cycle[index % 3] for index, name in enumerate(plan.decisions)}))
-    losses = []
-    for trained in (reference, model):
-        torch.manual_seed(100)
-        loss = loss_fn(call_model(trained, inputs))
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=SPLIT_TOLERANCE)
-    largest = max(parameter.grad.abs().max().item() for parameter in reference.parameters())
-    for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
-        assert (expected.grad - actual.grad).abs().max().item() <= SPLIT_TOLERANCE * largest, name
-    for (name, expected), actual in zip(reference.named_buffers(), model.buffers()):
-        if expected.is_floating_point():
-            assert (expected - actual).abs().max().item() <= SPLIT_TOLERANCE * expected.abs().max().item(), name
+    expected_loss, expected = _gradients(reference, inputs, loss_fn)
+    loss, actual = _gradients(model, inputs, loss_fn)
+    _, moved = _gradients(nudged, _nudged(inputs), loss_fn)
+    largest = max(gradient.abs().max().item() for gradient in expected)
+    rounding = max((a - b).abs().max().item() for a, b in zip(expected, moved))
+    bound = max(SPLIT_TOLERANCE * largest, ROUNDING_STEPS * rounding)
+    assert loss == pytest.approx(expected_loss, rel=SPLIT_TOLERANCE)
+    for (name, _), want, got in zip(reference.named_parameters(), expected, actual):
+        assert (want - got).abs().max().item() <= bound, name
+    for (name, want), got in zip(reference.named_buffers(), model.buffers()):
+        if want.is_floating_point():
+            assert (want - got).abs().max().item() <= SPLIT_TOLERANCE * want.abs().max().item(), name
         else:
-            assert torch.equal(expected, actual), name
+            assert torch.equal(want, got), name
     stats = oomless.stats(model)
     assert stats.offloaded_bytes > 0 and stats.recomputed_blocks > 0
