@@ -94,9 +94,13 @@ def build(config: dict, device: torch.device, small: bool = False):
     raise SystemExit(f"unknown model {name!r}")
 
 
-def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def checkpoint_units(model: nn.Module, model_name: str = "") -> list[tuple[str, nn.Module]]:
     """What a user checkpoints by hand: every item of the model's outermost ``nn.ModuleList``s (U-Net
-    stages, transformer layers); where the model has none, oomless's default blocks."""
+    stages, transformer layers); where the model has none, oomless's default blocks. DeepLabv3's one
+    ModuleList holds its ASPP's parallel branches, not its stages: there too oomless's blocks (the
+    backbone's bottlenecks and the head's modules), as a user checkpoints a ResNet."""
+    if model_name == "deeplabv3":
+        return find_blocks(model)
     units = []
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(name.startswith(outer + ".") for outer, _ in units):
@@ -104,10 +108,10 @@ def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units or find_blocks(model)
 
 
-def checkpoint_each_unit(model: nn.Module) -> list[str]:
+def checkpoint_each_unit(model: nn.Module, model_name: str = "") -> list[str]:
     """Wrap every checkpoint unit in torch.utils.checkpoint (in-place modules, which checkpoint cannot
     take, stay plain); returns the wrapped names."""
-    names = [name for name, _ in checkpoint_units(model) if name]
+    names = [name for name, _ in checkpoint_units(model, model_name) if name]
     left_plain = checkpoint_every_block(model, names)
     return [name for name in names if name not in left_plain]
 
@@ -175,7 +179,7 @@ def run(config: dict) -> dict:
     model, inputs, loss_fn = build(config, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     if mode == "checkpoint":
-        result["wrapped_blocks"] = len(checkpoint_each_unit(model))
+        result["wrapped_blocks"] = len(checkpoint_each_unit(model, config["model"]))
     elif mode == "oomless":
         memory = config["memory"]
         arguments = {"loss_fn": loss_fn, "optimizer": optimizer, "precision": precision, "split": config.get("split")}
