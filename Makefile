@@ -2,7 +2,10 @@
 #   make demo   train the embedded default (3D U-Net on synthetic MRI-like volumes) under a memory budget
 #   make test   run the test suite
 # TORCH pins the PyTorch requirement installed first; a GPU machine gets the CUDA build from PyPI. A TORCH
-# other than the one last installed into $(VENV) is installed on the next make demo/test.
+# other than the one last installed into $(VENV) is installed on the next make demo/test. The extras are
+# installed with $(TORCH) on the same command line: where one of their dependencies wants another torch
+# (the newest MONAI or transformers beside an older TORCH), pip picks a version that fits $(TORCH) instead
+# of replacing it.
 #   make gpu    on a CUDA machine: every CUDA test and benchmark in 9 minutes, JSON and a summary under
 #               bench/results/gpu/<date>-<device>/ (bench/gpu_suite.py). Installs nothing: runs from the source
 #               tree with $(PYTHON) and the PyTorch it has. GPU_SUITE_ARGS="--dry-run" checks it on CPU.
@@ -20,7 +23,7 @@ $(TORCH_STAMP): FORCE
 $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[test]"
+	$(VENV)/bin/pip install -q -e ".[test]" "$(TORCH)"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -1,6 +1,7 @@
 """One training configuration in a fresh process: its peak memory and step time, as one JSON line.
 
     python bench/floor_child.py '{"model": "unet3d", "side": 64, "batch": 2, "mode": "plain"}'
+    python bench/floor_child.py '{"model": "deeplabv3", "backbone": "resnet50", "side": 256, "batch": 2, "mode": "plain"}'
 
 Modes: ``plain`` (plain PyTorch), ``checkpoint`` (``torch.utils.checkpoint`` on every block of
 oomless's default block policy, the baseline users write by hand), ``save_on_cpu`` (PyTorch's
@@ -29,10 +30,13 @@ from torch import nn
 
 import oomless
 from oomless.errors import PlanError
+from oomless.models import make_torchvision_importable
 from oomless.profile.blocks import find_blocks
 from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
 
 from common import checkpoint_every_block  # bench/common.py (this script's folder is on sys.path)
+
+make_torchvision_importable()   # before torchvision or transformers is imported (src/oomless/models/vision.py)
 
 
 def build(config: dict, device: torch.device, small: bool = False):
@@ -60,6 +64,15 @@ def build(config: dict, device: torch.device, small: bool = False):
             from monai.networks.nets import SegResNet
             model = SegResNet(spatial_dims=3, in_channels=channels, out_channels=2, init_filters=8)
         return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
+    if name == "deeplabv3":
+        # torchvision's DeepLabv3, no weights: square RGB images, two classes. Trains at a batch of 2 or
+        # more: its image-pooling branch normalises a 1x1 map over the batch.
+        from oomless.models import build_deeplabv3
+        side = 64 if small else config["side"]
+        images = torch.randn(batch, 3, side, side, device=device)
+        labels = (images[:, 0] > 0.5).long()
+        model = build_deeplabv3(num_classes=2, backbone=config.get("backbone", "resnet50"))
+        return model.to(device), images, lambda out: F.cross_entropy(out["out"], labels)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         length = 32 if small else config.get("length", 256)
@@ -81,9 +94,13 @@ def build(config: dict, device: torch.device, small: bool = False):
     raise SystemExit(f"unknown model {name!r}")
 
 
-def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def checkpoint_units(model: nn.Module, model_name: str = "") -> list[tuple[str, nn.Module]]:
     """What a user checkpoints by hand: every item of the model's outermost ``nn.ModuleList``s (U-Net
-    stages, transformer layers); where the model has none, oomless's default blocks."""
+    stages, transformer layers); where the model has none, oomless's default blocks. DeepLabv3's one
+    ModuleList holds its ASPP's parallel branches, not its stages: there too oomless's blocks (the
+    backbone's bottlenecks and the head's modules), as a user checkpoints a ResNet."""
+    if model_name == "deeplabv3":
+        return find_blocks(model)
     units = []
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(name.startswith(outer + ".") for outer, _ in units):
@@ -91,10 +108,10 @@ def checkpoint_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units or find_blocks(model)
 
 
-def checkpoint_each_unit(model: nn.Module) -> list[str]:
+def checkpoint_each_unit(model: nn.Module, model_name: str = "") -> list[str]:
     """Wrap every checkpoint unit in torch.utils.checkpoint (in-place modules, which checkpoint cannot
     take, stay plain); returns the wrapped names."""
-    names = [name for name, _ in checkpoint_units(model) if name]
+    names = [name for name, _ in checkpoint_units(model, model_name) if name]
     left_plain = checkpoint_every_block(model, names)
     return [name for name in names if name not in left_plain]
 
@@ -162,7 +179,7 @@ def run(config: dict) -> dict:
     model, inputs, loss_fn = build(config, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     if mode == "checkpoint":
-        result["wrapped_blocks"] = len(checkpoint_each_unit(model))
+        result["wrapped_blocks"] = len(checkpoint_each_unit(model, config["model"]))
     elif mode == "oomless":
         memory = config["memory"]
         arguments = {"loss_fn": loss_fn, "optimizer": optimizer, "precision": precision, "split": config.get("split")}

@@ -4,8 +4,12 @@ import torch
 import torch.nn.functional as F
 
 import oomless
-from oomless.models import TinyTransformer, UNet3D
+from oomless.models import TinyTransformer, UNet3D, make_torchvision_importable
 from oomless.plan.planner import make_plan, smallest_memory
+
+# Before any test, or transformers, imports torchvision: PyPI's torchvision beside a CPU-only torch
+# fails on import otherwise (src/oomless/models/vision.py).
+make_torchvision_importable()
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

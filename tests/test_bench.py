@@ -136,3 +136,44 @@ def test_quick_simulate_benchmark_writes_predicted_and_measured_for_each_layout(
     (check,) = report["recommendation"]
     assert check["measured_fastest"] in rows and isinstance(check["met"], bool)
     assert report["summary"]["layouts"] == 2
+
+
+def test_max_size_searches_deeplabv3_square_images(tmp_path):
+    """bench_max_size --model deeplabv3: every trial trains torchvision's DeepLabv3 on square images in a
+    fresh process, and the result has the U-Net's format in pixels (side^2) with the whole batch's pixels
+    per second. MobileNetV3 backbone, 256 MiB, sides 32 and 48 (--quick): plain PyTorch peaks at 184 MiB."""
+    try:
+        import torchvision  # noqa: F401     (importable here through tests/conftest.py, if installed)
+    except Exception as error:                   # not installed, or built for another torch
+        pytest.skip(f"needs torchvision: {type(error).__name__}: {str(error)[:200]}")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "deeplabv3.json"
+    completed = subprocess.run(
+        [sys.executable, str(root / "bench" / "bench_max_size.py"), "--model", "deeplabv3", "--backbone",
+         "mobilenet_v3_large", "--quick", "--methods", "plain,checkpoint,oomless", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["model"] == {"name": "deeplabv3", "backbone": "mobilenet_v3_large", "batch": 2, "classes": 2}
+    assert report["memory_bytes"] == 256 * 2**20 and PROVENANCE <= set(report["provenance"])
+    assert set(report["methods"]) == {"plain", "checkpoint", "oomless"}
+    for name, record in report["methods"].items():
+        assert [trial["side"] for trial in record["trials"]] == [32, 48], name
+        assert record["largest_side"] == 48 and record["pixels"] == 48**2, name
+        assert 0 < record["peak_bytes"] <= report["memory_bytes"], name
+        assert record["pixels_per_second"] == pytest.approx(2 * 48**2 / record["step_seconds"]), name
+    # Checkpointed: oomless's blocks (the backbone's and the head's; in-place ones stay plain), not
+    # the ASPP's five parallel branches, the model's one nn.ModuleList.
+    from oomless.models import build_deeplabv3
+    from oomless.profile.blocks import find_blocks
+    blocks = find_blocks(build_deeplabv3(backbone="mobilenet_v3_large"))
+    wrapped = len([name for name, block in blocks if not getattr(block, "inplace", False)])
+    assert report["methods"]["checkpoint"]["trials"][-1]["wrapped_blocks"] == wrapped > 5
+    assert report["methods"]["oomless"]["trials"][-1]["decisions"]
+    assert out.with_suffix(".png").is_file()
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        from bench_max_size import markdown_table
+    finally:
+        sys.path.pop(0)
+    assert "| plain | 48^2 | 1.00x |" in markdown_table(report)

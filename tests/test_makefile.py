@@ -1,5 +1,6 @@
 """`make demo TORCH=...` installs that PyTorch requirement even once the virtual environment exists,
-and installs nothing again when TORCH is unchanged. Run against a stand-in Python whose venv tools
+and again beside the extras (so that none of their dependencies replaces it), and installs nothing
+again when TORCH is unchanged. Run against a stand-in Python whose venv tools
 only log their calls, so the test takes a second and needs no network."""
 
 import os
@@ -38,8 +39,8 @@ def test_changed_torch_requirement_is_installed_into_an_existing_venv(tmp_path):
                        timeout=60)
         return [line for line in log.read_text().splitlines() if line.startswith("pip ")]
 
-    assert make() == [f"pip install -q {DEFAULT_TORCH}", "pip install -q -e .[test]"]
+    assert make() == [f"pip install -q {DEFAULT_TORCH}", f"pip install -q -e .[test] {DEFAULT_TORCH}"]
     assert make() == []                                             # nothing changed, nothing installed
-    assert make("TORCH=torch>=2.4") == ["pip install -q torch>=2.4", "pip install -q -e .[test]"]
+    assert make("TORCH=torch>=2.4") == ["pip install -q torch>=2.4", "pip install -q -e .[test] torch>=2.4"]
     assert make("TORCH=torch>=2.4") == []
-    assert make() == [f"pip install -q {DEFAULT_TORCH}", "pip install -q -e .[test]"]   # back to the default
+    assert make() == [f"pip install -q {DEFAULT_TORCH}", f"pip install -q -e .[test] {DEFAULT_TORCH}"]   # back

@@ -1,5 +1,9 @@
 """Models: shapes forward and backward, blocks where the planner looks for them, tied weights, causality."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -89,7 +93,7 @@ def test_small_models():
     assert set(output) == {"logits", "aux"} and output["logits"].shape == (3, 4) and output["aux"].shape == (3,)
 
 
-@pytest.mark.parametrize("name", [name for name in MODEL_NAMES if name != "monai-unet"])
+@pytest.mark.parametrize("name", [name for name in MODEL_NAMES if name not in ("monai-unet", "deeplabv3")])
 def test_registry_builds_every_model_with_a_matching_example(name):
     torch.manual_seed(0)
     model = build_model(name)
@@ -125,3 +129,68 @@ def test_monai_unet_needs_monai_or_builds():
         return
     model = build_model("monai-unet", base_channels=4, depth=2)
     assert model(example_input_for("monai-unet", batch=1, size=8)).shape == (1, 2, 8, 8, 8)
+
+
+def test_deeplabv3_needs_torchvision_or_builds():
+    try:
+        import torchvision  # noqa: F401     (importable here through tests/conftest.py, if installed)
+    except ImportError:
+        with pytest.raises(OomlessError, match=r"pip install oomless\[vision\]"):
+            build_model("deeplabv3")
+        return
+    with pytest.raises(InputError, match="no backbone 'resnet18'"):
+        build_model("deeplabv3", backbone="resnet18")
+    torch.manual_seed(0)
+    model = build_model("deeplabv3", num_classes=3, backbone="mobilenet_v3_large")
+    images = example_input_for("deeplabv3", batch=2, size=32)
+    output = model(images)
+    assert set(output) == {"out"} and output["out"].shape == (2, 3, 32, 32)
+    _backward_reaches_every_parameter(model, output["out"])
+
+
+# A stand-in for torchvision where its C++ extension does not load: a file that is no library, and the
+# fake-kernel registration for an op only that extension defines, which torchvision's import makes.
+_BROKEN_TORCHVISION = """import torch
+from torch.library import register_fake
+
+@register_fake("torchvision::nms")
+def _nms(dets, scores, iou_threshold):
+    return dets.new_empty(0, dtype=torch.long)
+"""
+
+_IMPORT_IT = """import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "made-importable":
+    from oomless.models.vision import make_torchvision_importable
+    assert make_torchvision_importable() and not make_torchvision_importable()   # a second call does nothing
+try:
+    import torchvision
+except RuntimeError as error:
+    print("import failed:", error)
+    sys.exit(0)
+try:
+    torch.ops.torchvision.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+except NotImplementedError as error:      # defined, with no kernel: calling it says so
+    print("imported; nms raises", type(error).__name__)
+"""
+
+
+def test_torchvision_whose_extension_does_not_load_is_made_importable(tmp_path):
+    """src/oomless/models/vision.py: torchvision's import registers a fake kernel for an op its C++
+    extension defines, and fails where that extension does not load (pytorch/vision#9085);
+    make_torchvision_importable defines the op first, without a kernel. In a child process: the
+    definitions last as long as the process."""
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text(_BROKEN_TORCHVISION)
+    (package / "_C.so").write_bytes(b"not a shared library")
+    source = str(Path(__file__).resolve().parents[1] / "src")
+    outputs = {}
+    for mode in ("plain", "made-importable"):
+        completed = subprocess.run([sys.executable, "-c", _IMPORT_IT, str(tmp_path), mode], capture_output=True,
+                                   text=True, timeout=120, env={"PYTHONPATH": source, "PATH": "/usr/bin:/bin"})
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        outputs[mode] = completed.stdout.strip()
+    assert outputs["plain"] == "import failed: operator torchvision::nms does not exist"
+    assert outputs["made-importable"] == "imported; nms raises NotImplementedError"

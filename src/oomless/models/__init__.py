@@ -1,4 +1,5 @@
-"""Models by name: the embedded defaults, small test models, MONAI's UNet, or any ``module:factory``.
+"""Models by name: the embedded defaults, small test models, MONAI's UNet, torchvision's DeepLabv3,
+or any ``module:factory``.
 
     from oomless.models import build_model, example_input_for
     model = build_model("unet3d", base_channels=8, depth=3)
@@ -24,10 +25,11 @@ from oomless.models.cnn import SmallCNN
 from oomless.models.mlp import MLP, DictOutputModel
 from oomless.models.transformer import TinyTransformer
 from oomless.models.unet3d import UNet3D
+from oomless.models.vision import build_deeplabv3, make_torchvision_importable
 
 __all__ = [
     "MODEL_NAMES", "MLP", "DictOutputModel", "SmallCNN", "TinyTransformer", "UNet3D",
-    "build_model", "example_input_for",
+    "build_deeplabv3", "build_model", "example_input_for", "make_torchvision_importable",
 ]
 
 
@@ -55,6 +57,7 @@ def build_monai_unet(in_channels: int = 1, out_channels: int = 2, base_channels:
 def build_transformers_model(model_type: str, **config) -> nn.Module:
     """A Hugging Face transformers causal LM built from its config class (``hf:gpt2``, ``hf:llama``),
     randomly initialised: no weights are downloaded. ``config`` sets config fields (n_layer=...)."""
+    make_torchvision_importable()       # transformers imports torchvision where it is installed
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as error:
@@ -82,6 +85,7 @@ _FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "cnn": SmallCNN,
     "dict-output": DictOutputModel,
     "monai-unet": build_monai_unet,
+    "deeplabv3": build_deeplabv3,
 }
 MODEL_NAMES = tuple(_FACTORIES)
 
@@ -169,7 +173,7 @@ def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Seque
     if shape is None:
         if name in ("unet3d", "monai-unet"):
             shape = (batch, model_kwargs.get("in_channels", 1), size, size, size)
-        elif name == "cnn":
+        elif name in ("cnn", "deeplabv3"):
             shape = (batch, model_kwargs.get("in_channels", 3), size, size)
         elif name == "transformer" or name.startswith("hf:"):
             shape = (batch, size)

@@ -37,19 +37,28 @@ class RecomputeBlock:
         if self.recomputing or not torch.is_grad_enabled():
             return
         self.restore_queued = False     # a backward that raised before its end never ran its restore
-        # Every input goes in positionally, flattened: the recompute then sees the inputs as they
+        # Every input tensor goes in positionally, once: the recompute then sees the inputs as they
         # were at this call, not as the caller left them. A model may update a dict (or list) it
-        # passed to the block in place afterwards (``state.update(layer(state))``), and a block
-        # called twice gets other inputs the second time; torch's generator keeps its positional
-        # arguments only, the tensors among them saved with autograd's version check (a tensor
-        # changed in place in between raises instead of recomputing from the new values). Keyword
-        # arguments go in the same way: torch's generator also stashes the RNG state only of the
-        # devices of its positional tensors (get_device_states(*args)), so a block called as
+        # passed to the block in place afterwards (``state.update(layer(state))``); torch's
+        # generator keeps its positional tensors only, saved with autograd's version check (one
+        # changed in place in between raises instead of recomputing from its new values). It gives
+        # each back as a new tensor object, so a tensor passed several times goes in once and is
+        # put in each place at the recompute: nn.MultiheadAttention takes its fused self-attention
+        # path where ``query is key is value``, and the recompute must take the same one.
+        # Keyword arguments go in the same way: torch's generator also stashes the RNG state only of
+        # the devices of its positional tensors (get_device_states(*args)), so a block called as
         # block(x=...) would replay dropout with CUDA's RNG already advanced.
         leaves, spec = tree_flatten((args, kwargs))
+        tensors, places = [], {}
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in places:
+                places[id(leaf)] = len(tensors)
+                tensors.append(leaf)
+        where = [places[id(leaf)] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
 
         def call(*inputs):
-            call_args, call_kwargs = tree_unflatten(list(inputs), spec)
+            rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
+            call_args, call_kwargs = tree_unflatten(rebuilt, spec)
             return module(*call_args, **call_kwargs)
 
         # One context per call: a block called twice in a forward is recomputed once per call, and
@@ -61,10 +70,9 @@ class RecomputeBlock:
         else:
             contexts = (nullcontext(), context)
         options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
-        self.generator = _GENERATOR(call, *options, *leaves)
+        self.generator = _GENERATOR(call, *options, *tensors)
         next(self.generator)
-        context.input_handles = self.engine.keep_handles(
-            [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], self.block_index)
+        context.input_handles = self.engine.keep_handles(tensors, self.block_index)
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
