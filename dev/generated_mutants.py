@@ -1,7 +1,7 @@
 """Mutation testing by generated mutants: a seeded sample of mechanical one-token edits of the runtime,
 planner and parallel modules, each run against the tests that exercise its module.
 
-    python dev/generated_mutants.py                          # the sample (seed 17, 120 mutants)
+    python dev/generated_mutants.py                          # the sample (seed 17, 100 mutants)
     python dev/generated_mutants.py --list                   # print the sample, run nothing
     python dev/generated_mutants.py --only plan/solvers.py   # that module's share of the same sample
     python dev/generated_mutants.py --mutant 'saved.py:141'  # the sampled mutants whose id contains this
@@ -342,7 +342,7 @@ def score(results: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=17)
-    parser.add_argument("--count", type=int, default=120, help="mutants in the sample")
+    parser.add_argument("--count", type=int, default=100, help="mutants in the sample")
     parser.add_argument("--only", default=None, help="run the sampled mutants of this module (e.g. plan/solvers.py)")
     parser.add_argument("--mutant", default=None, help="run the sampled mutants whose id contains this")
     parser.add_argument("--list", action="store_true", help="print the sample and run nothing")
