@@ -54,6 +54,18 @@ from planted_bugs import ROOT, copy_repository, run_tests, test_environment
 # Module (under src/oomless/) -> the tests that exercise it, fastest first (pytest -x stops at the
 # first failure, so a mutant the fast tests notice costs seconds). The slow inductor test of
 # test_compile.py is left out: alone it takes minutes.
+# The in-process tests of a test file whose other tests train under gloo in several processes (a
+# minute or more each under load): the traced graphs and block sequences are built in-process.
+_TRACED_IN_PROCESS = tuple(f"tests/test_traced_pipeline.py::{name}" for name in (
+    "test_what_cannot_be_traced_says_why_and_what_works", "test_sequence_for_prefers_the_hand_written_cuts",
+    "test_candidate_blocks_keep_repeated_layers_whole", "test_rebuilt_blocks_call_the_modules_the_model_has_now",
+    "test_project_models_with_code_between_modules_trace_exactly",
+    "test_a_sequence_refuses_the_mode_it_was_not_traced_in_and_eval_traces_work",
+    "test_gpt2_traced_equals_the_model_with_dropout_and_tied_weights",
+    "test_monai_unet_traced_equals_the_model_and_moves_its_batchnorm_statistics"))
+_PIPELINE_IN_PROCESS = ("tests/test_pipeline.py::test_a_cut_across_skips_carries_every_live_tensor",
+                        "tests/test_pipeline.py::test_cuts_from_a_partition_must_follow_the_sequence")
+
 TESTS: dict[str, tuple[str, ...]] = {
     "runtime/compile.py": ("tests/test_compile.py::test_remove_uncompiles_only_what_oomless_compiled",
                            "tests/test_compile.py::test_combinations_that_do_not_compose_are_refused",
@@ -76,9 +88,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     "plan/planner.py": ("tests/test_planner.py", "tests/test_solvers.py", "tests/test_static_plan.py"),
     "plan/solvers.py": ("tests/test_solvers.py", "tests/test_planner.py"),
     "plan/simulate.py": ("tests/test_planner.py", "tests/test_solvers.py", "tests/test_ledger.py"),
-    "parallel/batchnorm.py": ("tests/test_pipeline.py", "tests/test_parallel_equality.py"),
-    "parallel/block_sequence.py": ("tests/test_simulate_terms.py", "tests/test_pipeline.py",
-                                   "tests/test_traced_pipeline.py"),
+    "parallel/batchnorm.py": ("tests/test_parallel_equality.py::test_global_batchnorm_profiled_alone_runs_its_own_ops_"
+                              "without_collectives", "tests/test_pipeline.py"),
+    "parallel/block_sequence.py": ("tests/test_simulate_terms.py", *_PIPELINE_IN_PROCESS, *_TRACED_IN_PROCESS,
+                                   "tests/test_pipeline.py"),
     "parallel/config.py": ("tests/test_pipeline_training.py", "tests/test_bad_input.py"),
     "parallel/data_parallel.py": ("tests/test_parallel_equality.py",),
     "parallel/overlap.py": ("tests/test_optimizer_slices.py", "tests/test_parallel_equality.py"),
@@ -91,8 +104,8 @@ TESTS: dict[str, tuple[str, ...]] = {
                             "tests/test_parallel_equality.py::test_relaxed_modes_reach_the_synchronous_loss"),
     "parallel/sharded.py": ("tests/test_fsdp.py",),
     "parallel/stage_fit.py": ("tests/test_pipeline.py", "tests/test_bad_input.py"),
-    "parallel/traced.py": ("tests/test_traced_pipeline.py",),
-    "parallel/traced_graph.py": ("tests/test_traced_pipeline.py",),
+    "parallel/traced.py": _TRACED_IN_PROCESS,
+    "parallel/traced_graph.py": _TRACED_IN_PROCESS,
 }
 
 # Functions and classes (qualified names) that run only with CUDA.
@@ -346,6 +359,8 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="run the sampled mutants of this module (e.g. plan/solvers.py)")
     parser.add_argument("--mutant", default=None, help="run the sampled mutants whose id contains this")
     parser.add_argument("--list", action="store_true", help="print the sample and run nothing")
+    parser.add_argument("--survivors", action="store_true", help="run the mutants --out records as survived")
+    parser.add_argument("--resume", action="store_true", help="run only the mutants --out has no result for")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per mutant's tests")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "generated-mutants.json"))
     args = parser.parse_args()
@@ -365,6 +380,10 @@ def main() -> int:
         saved = json.loads(out.read_text())
         if (saved.get("seed"), saved.get("count")) == (args.seed, args.count):
             previous = {result["id"]: result for result in saved["results"]}
+    if args.survivors:
+        selected = [mutant for mutant in selected if previous.get(mutant.id, {}).get("outcome") == "survived"]
+    if args.resume:
+        selected = [mutant for mutant in selected if mutant.id not in previous]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mutants-") as directory:
         copy = copy_repository(Path(directory))

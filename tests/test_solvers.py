@@ -5,12 +5,15 @@ The exact solver is exact for its separable model (see `oomless.plan.solvers`); 
 on the family below, the greedy's predicted step is within GREEDY_WITHIN of the exact solver's.
 """
 
+import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from oomless.plan.planner import make_plan, smallest_memory
-from oomless.plan.solvers import brute_force, evaluate, separable_model, solve_separable
+from oomless.plan.solvers import (_phase_units, brute_force, evaluate, separable_model, simulator_for,
+                                   relax, solve_separable)
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 MiB = 2**20
@@ -45,6 +48,24 @@ def test_exact_matches_brute_force(seed):
     if brute is not None:
         assert evaluate(model, found) == (True, pytest.approx(found_seconds))
         assert found_seconds == pytest.approx(brute_seconds, rel=1e-9, abs=1e-12)
+
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_separable_model_peaks_where_the_simulator_does_without_swaps(seed):
+    # With one byte a unit, the model's largest phase (what earlier blocks hold plus the block's own
+    # phase, and everything held plus the loss) is the simulator's peak byte for byte, for every plan
+    # of keeps and recomputes: the DP's model and the judge of every plan count the same bytes.
+    profile = generated_profile(4, seed)
+    budget_bytes = 10**12
+    model = separable_model(profile, budget_bytes, bins=budget_bytes)
+    run = simulator_for(profile, None, None)
+    for decisions in itertools.product(("keep", "recompute"), repeat=len(profile.blocks)):
+        held, peak = 0, 0
+        for index, decision in enumerate(decisions):
+            peak = max(peak, held + _phase_units(model, index, decision))
+            held += model.held_units[decision][index]
+        assert max(peak, held + model.final_units) == run(decisions).total_peak_bytes, decisions
 
 
 def _memory_at(profile: Profile, share: float) -> int:
@@ -82,6 +103,22 @@ def test_a_thousand_blocks_plan_and_fit():
     plan = make_plan(profile, _memory_at(profile, 0.4))
     assert len(plan.blocks) == 1000
     assert plan.predicted_activation_peak_bytes <= plan.activation_budget
+
+
+
+@pytest.mark.parametrize("blocks, trials", [(500, 40), (2000, 16)])
+def test_relax_spends_at_most_its_simulations_on_a_long_model(blocks, trials):
+    # Cost by counting (not timing): relax tries 20000 // blocks undos on a long model, at least 16,
+    # each one simulation; here every undo overshoots, so it tries exactly that many and keeps the plan.
+    profile = generated_profile(blocks, 5)
+    simulated = []
+
+    def run(decisions):
+        simulated.append(decisions)
+        return SimpleNamespace(total_peak_bytes=0 if len(simulated) == 1 else 2**60, step_seconds=1.0)
+    start = ["recompute"] * blocks
+    assert relax(run, profile, 2**40, start) == start
+    assert len(simulated) == 1 + trials
 
 
 def test_unknown_solver_is_an_input_error():

@@ -219,3 +219,50 @@ def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
     assert stats.resident_activation_bytes == 0
     for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
+    """Per-block backward limits: the last block's backward (first in backward) allows two outputs,
+    the others four. Once backward has left the last block its tighter limit no longer binds: the
+    prefetch of block 1's output goes out while block 4's backward runs, not two blocks later."""
+    blocks = 6
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.sum()     # noqa: E731
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(blocks)})
+    storage_bytes = BATCH * WIDTH * 4
+    limits = [4 * storage_bytes] * (blocks - 1) + [2 * storage_bytes]
+    plan = dataclasses.replace(plan, activation_budget=4 * storage_bytes, prefetch_bytes=None,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=limit)
+                                       for block, limit in zip(plan.blocks, limits)])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    assert oomless.stats(model).peak_activation_bytes == 4 * storage_bytes
+    assert tier.calls.index(("release", 5)) < tier.calls.index(("prefetch", 1)) < tier.calls.index(("get", 4))
+    assert tier.calls.index(("release", 4)) < tier.calls.index(("prefetch", 0)) < tier.calls.index(("get", 3))
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
+    """A block of an applied model called directly (outside the model's forward, so before any
+    forward of the model has begun) is still recomputed, and its gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(3)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=lambda out: out.sum(), min_swap_bytes=0,
+                        decisions={str(index): "recompute" for index in range(3)})
+    oomless.apply(model, plan)
+    model[1](inputs).sum().backward()
+    reference[1](inputs).sum().backward()
+    assert oomless.stats(model).recomputed_blocks == 1
+    for (name, expected), (_, actual) in zip(reference[1].named_parameters(), model[1].named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
