@@ -87,6 +87,15 @@ def test_greedy_is_within_stated_percentage_of_exact(seed, share):
     assert greedy.predicted_step_seconds <= exact.predicted_step_seconds * (1 + GREEDY_WITHIN)
 
 
+
+def test_a_plan_that_keeps_everything_predicts_the_plain_step():
+    profile = generated_profile(6, 2)
+    plan = make_plan(profile, 10**15)
+    assert {block.decision for block in plan.blocks} == {"keep"}
+    assert plan.predicted_peak_bytes == plan.plain_peak_bytes
+    assert plan.predicted_step_seconds == plan.plain_step_seconds
+
+
 def test_every_decision_carries_its_reason():
     profile = generated_profile(30, 7, link_bytes_per_second=3e8)
     plan = make_plan(profile, _memory_at(profile, 0.3))

@@ -133,6 +133,19 @@ def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, norm, sla
     _assert_same_step(stage, copy.deepcopy(stage), [x, skip], slabs)
 
 
+
+@pytest.mark.parametrize("dimensions", [1, 2])
+def test_upsampling_chains_in_one_and_two_dimensions_equal_the_unsplit_ones(thin_slabs, dimensions):
+    """A transposed convolution's stride has one entry per spatial dimension: in one and two
+    dimensions too the upsampled rows (and, in two, columns) are what the slabs are cut from."""
+    torch.manual_seed(0)
+    transposed, convolution = {1: (nn.ConvTranspose1d, nn.Conv1d), 2: (nn.ConvTranspose2d, nn.Conv2d)}[dimensions]
+    chain = nn.Sequential(transposed(4, 4, 2, stride=2), nn.ReLU(), convolution(4, 3, 3, padding=1))
+    x = torch.randn(2, 4, 9, 5)[(..., 0) if dimensions == 1 else ...].requires_grad_()
+    assert [node.kind for node in SlabGraph.of(chain).nodes][:2] == ["input", "up"]
+    _assert_same_step(chain, copy.deepcopy(chain), [x], 4)
+
+
 class _Residual(nn.Module):
     """A residual unit: its input feeds a convolution path (with an in-place activation) and the
     addition, with halos of 1 and 2 rows on the way; a function applied after the addition."""

@@ -159,6 +159,16 @@ def test_what_cannot_be_traced_says_why_and_what_works():
     model, inputs = _Outputs(), torch.randn(3, 4)
     sequence = sequence_for(model, inputs, output="logits")
     assert sequence.origin == TRACED and torch.equal(sequence(inputs), model(inputs)["logits"])
+    # A tuple (no keys): output= is an index, negative ones included.
+    tupled = _TupleOutputs()
+    for index in (0, -2):
+        assert torch.equal(traced_sequence(tupled, inputs, output=index)(inputs), tupled(inputs)[0])
+
+
+class _TupleOutputs(_Outputs):
+    def forward(self, x):
+        outputs = super().forward(x)
+        return outputs["logits"], outputs["aux"]
 
 
 def test_sequence_for_prefers_the_hand_written_cuts():
