@@ -12,7 +12,7 @@ that ``ast`` finds in the target modules (``TESTS``' keys), then draws a sample,
 in proportion to the module's number of edits and seeded, so that a run is reproducible. The kinds:
 comparison swapped (< and <=, > and >=, == and !=, is and is not, in and not in), arithmetic swapped
 (+ and -, * and /, // to *, also in augmented assignments), ``and`` and ``or`` swapped, ``not``
-removed, an integer constant n made n + 1 and 0 (1 when n is 0), ``return X`` made ``return None``, a
+removed, an integer constant n made n + 1 and 0 (-1 when n is 0), ``return X`` made ``return None``, a
 statement call (``.wait()``, ``.record()``, ``x.append(y)``) or a ``del`` deleted, an ``if``
 condition made ``True`` and ``False``.
 
@@ -287,7 +287,7 @@ class _Sites(ast.NodeVisitor):
     def visit_Constant(self, node: ast.Constant) -> None:
         if type(node.value) is int:
             self.add(node, "constant", f"({node.value + 1})")
-            self.add(node, "constant", "(0)" if node.value != 0 else "(1)")
+            self.add(node, "constant", "(0)" if node.value != 0 else "(-1)")
 
     # Parameter defaults, annotations and decorators are not visited: _visit_scope visits bodies only.
     def visit_arguments(self, node): pass

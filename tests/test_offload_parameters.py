@@ -117,7 +117,8 @@ def test_weights_without_a_gradient_are_placeholders_between_steps_too():
     model, inputs = SideBranch(), torch.randn(8, 32)
     loss_fn = lambda out: out.square().mean()   # noqa: E731
     reference = copy.deepcopy(model)
-    optimizer, reference_optimizer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, offload_parameters=True,
                         offload_optimizer_state=True, min_swap_bytes=0, blocks=["blocks.0", "blocks.1", "blocks.2"])
     oomless.apply(model, plan, optimizer=optimizer)
