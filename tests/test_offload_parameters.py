@@ -112,7 +112,8 @@ class SideBranch(torch.nn.Module):
 def test_weights_without_a_gradient_are_placeholders_between_steps_too():
     """A block that ran forward but got no gradient has its weights freed after its forward under
     their real shape; after the step they too become the empty placeholder (reading one gives
-    nothing, never a real shape over no memory), and training equals plain PyTorch."""
+    nothing, never a real shape over no memory), as every block's do after a forward under no_grad;
+    training equals plain PyTorch."""
     torch.manual_seed(0)
     model, inputs = SideBranch(), torch.randn(8, 32)
     loss_fn = lambda out: out.square().mean()   # noqa: E731
@@ -124,6 +125,9 @@ def test_weights_without_a_gradient_are_placeholders_between_steps_too():
     oomless.apply(model, plan, optimizer=optimizer)
     _train(reference, reference_optimizer, inputs, loss_fn, steps=2)
     _train(model, optimizer, inputs, loss_fn, steps=2)
+    assert all(param.shape == (0,) and not param.untyped_storage().nbytes() for param in model.blocks.parameters())
+    with torch.no_grad():           # a forward that no backward follows puts them out at its end
+        assert torch.equal(model(inputs), reference(inputs))
     assert all(param.shape == (0,) and not param.untyped_storage().nbytes() for param in model.blocks.parameters())
     oomless.remove(model)
     for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):

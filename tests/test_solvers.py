@@ -5,6 +5,7 @@ The exact solver is exact for its separable model (see `oomless.plan.solvers`); 
 on the family below, the greedy's predicted step is within GREEDY_WITHIN of the exact solver's.
 """
 
+import dataclasses
 import itertools
 import random
 from types import SimpleNamespace
@@ -57,6 +58,12 @@ def test_the_separable_model_peaks_where_the_simulator_does_without_swaps(seed):
     # phase, and everything held plus the loss) is the simulator's peak byte for byte, for every plan
     # of keeps and recomputes: the DP's model and the judge of every plan count the same bytes.
     profile = generated_profile(4, seed)
+    # Working memory that differs between a block's forward and backward: a recomputed block's
+    # backward re-runs its forward first and holds the larger.
+    rng = random.Random(seed)
+    profile = dataclasses.replace(profile, blocks=[
+        dataclasses.replace(block, forward_transient_bytes=rng.randint(0, 40) * MiB,
+                            backward_transient_bytes=rng.randint(0, 40) * MiB) for block in profile.blocks])
     budget_bytes = 10**12
     model = separable_model(profile, budget_bytes, bins=budget_bytes)
     run = simulator_for(profile, None, None)
@@ -94,6 +101,15 @@ def test_a_plan_that_keeps_everything_predicts_the_plain_step():
     assert {block.decision for block in plan.blocks} == {"keep"}
     assert plan.predicted_peak_bytes == plan.plain_peak_bytes
     assert plan.predicted_step_seconds == plan.plain_step_seconds
+
+
+
+def test_blocks_that_save_nothing_predict_no_activation_bytes():
+    profile = generated_profile(3, 4)
+    profile = dataclasses.replace(profile, unassigned_saved_bytes=0, blocks=[
+        dataclasses.replace(block, saved_bytes=0, largest_saved_bytes=0, input_bytes=0) for block in profile.blocks])
+    plan = make_plan(profile, 10**15)
+    assert plan.predicted_activation_peak_bytes == 0
 
 
 def test_every_decision_carries_its_reason():
