@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from oomless.plan.planner import make_plan, smallest_memory
-from oomless.plan.solvers import (_phase_units, brute_force, evaluate, separable_model, simulator_for,
+from oomless.plan.solvers import (_phase_units, brute_force, evaluate, exact, separable_model, simulator_for,
                                    relax, solve_separable)
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
@@ -111,6 +111,22 @@ def test_blocks_that_save_nothing_predict_no_activation_bytes():
     plan = make_plan(profile, 10**15)
     assert plan.predicted_activation_peak_bytes == 0
 
+
+
+
+
+def test_the_exact_solver_returns_its_models_optimum_where_the_simulator_agrees():
+    agreed = 0
+    for seed in range(6):
+        profile = generated_profile(6, seed)
+        budget_bytes = int(0.6 * simulator_for(profile, None, None)(["keep"] * 6).total_peak_bytes)
+        run = simulator_for(profile, None, None, budget_bytes)    # prefetches as far as the budget allows
+        optimum, _ = solve_separable(separable_model(profile, budget_bytes))
+        assert optimum is not None and set(optimum) != {"keep"}
+        if run(optimum).total_peak_bytes <= budget_bytes:       # else exact re-solves with a tighter budget
+            agreed += 1
+            assert exact(run, profile, budget_bytes) == optimum, seed
+    assert agreed >= 3
 
 def test_every_decision_carries_its_reason():
     profile = generated_profile(30, 7, link_bytes_per_second=3e8)

@@ -266,3 +266,31 @@ def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
     assert oomless.stats(model).recomputed_blocks == 1
     for (name, expected), (_, actual) in zip(reference[1].named_parameters(), model[1].named_parameters()):
         assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_the_disk_tier_counts_what_it_moved_and_removes_a_file_released_while_still_being_written(tmp_path):
+    """The CPU tier: the bytes it reports moved (the planner's bandwidth) are the bytes it wrote and
+    read; a ticket released while its write is still running has its file removed once the write ends
+    (not before: the write would create it again, and the file would outlive the step)."""
+    import os
+    import threading
+
+    from oomless.runtime.tiers import DiskTier
+
+    tier = DiskTier(str(tmp_path))
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    ticket = tier.put(data)
+    assert torch.equal(tier.get(ticket), data)
+    assert (tier.moved["out"][0], tier.moved["in"][0]) == (4000, 4000)
+    assert tier.measured_rates(minimum_bytes=4000) is not None and tier.measured_rates(minimum_bytes=4001) is None
+    tier.release(ticket)
+    assert not os.path.exists(ticket.path)
+
+    write, go = tier._write, threading.Event()
+    tier._write = lambda ticket, data: (go.wait(), write(ticket, data))
+    slow = tier.put(data)
+    tier.release(slow)                  # its write has not started yet
+    go.set()
+    tier._writer.shutdown(wait=True)    # the write, then its done-callbacks, have run
+    assert not os.path.exists(slow.path)
+    tier.close()
