@@ -294,3 +294,32 @@ def test_the_disk_tier_counts_what_it_moved_and_removes_a_file_released_while_st
     tier._writer.shutdown(wait=True)    # the write, then its done-callbacks, have run
     assert not os.path.exists(slow.path)
     tier.close()
+
+
+class SparseMix(nn.Module):
+    """Mixes the batch rows with a sparse buffer: ``sparse.mm`` saves that sparse matrix for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("mix", torch.eye(BATCH).to_sparse())
+
+    def forward(self, x):
+        return torch.relu(self.linear(torch.sparse.mm(self.mix, x)))
+
+
+def test_a_model_with_a_sparse_buffer_plans_and_swaps_its_dense_tensors_only():
+    """A sparse tensor has no storage to copy out: the buffer's bytes are counted from its indices and
+    values, it is saved as it is, and the dense saved tensors around it are swapped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(SparseMix() for _ in range(3)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=lambda out: out.sum(), min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(3)})
+    oomless.apply(model, plan)
+    model(inputs).sum().backward()
+    reference(inputs).sum().backward()
+    assert oomless.stats(model).offloaded_bytes > 0
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"

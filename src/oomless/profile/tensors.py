@@ -15,7 +15,9 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}
     for tensor in tensors:
-        if tensor.device.type == "meta":
+        if tensor.is_sparse:            # COO: no storage of its own (untyped_storage() raises)
+            seen[id(tensor)] = storage_bytes([tensor._indices(), tensor._values()])
+        elif tensor.device.type == "meta":
             seen[id(tensor)] = tensor.numel() * tensor.element_size()
         else:
             storage = tensor.untyped_storage()

@@ -28,8 +28,10 @@ STATE_ATTRIBUTE = "_oomless"
 
 
 def _storage_keys(tensors) -> set[tuple]:
+    # Sparse and nested tensors have no single storage to name (untyped_storage() raises); the pack
+    # hook hands them back unswapped anyway.
     return {(t.device, t.untyped_storage().data_ptr()) for t in map(_local, tensors)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and not t.is_sparse and not t.is_nested}
 
 
 def _local(tensor):
