@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from oomless.plan.planner import make_plan, smallest_memory
+from oomless.plan.simulate import simulate
 from oomless.plan.solvers import (_phase_units, brute_force, evaluate, exact, separable_model, simulator_for,
                                    relax, solve_separable)
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
@@ -127,6 +128,19 @@ def test_the_exact_solver_returns_its_models_optimum_where_the_simulator_agrees(
             agreed += 1
             assert exact(run, profile, budget_bytes) == optimum, seed
     assert agreed >= 3
+
+
+def test_a_prefetch_window_of_exactly_one_tensors_bytes_admits_it():
+    # Every block saves 8 MiB and is swapped over a slow link, so bringing one back ahead of use
+    # shortens the step; a window of 8 MiB counts bytes exactly: it admits one, as 8 MiB + 1 does.
+    profile = generated_profile(5, 1, link_bytes_per_second=1e9)
+    profile = dataclasses.replace(profile, blocks=[
+        dataclasses.replace(block, saved_bytes=8 * MiB, largest_saved_bytes=8 * MiB) for block in profile.blocks])
+    swapped = ["swap"] * 5
+    timelines = {window: simulate(profile, swapped, window, None) for window in (8 * MiB - 1, 8 * MiB, 8 * MiB + 1)}
+    assert timelines[8 * MiB].step_seconds == timelines[8 * MiB + 1].step_seconds
+    assert timelines[8 * MiB].step_seconds < timelines[8 * MiB - 1].step_seconds
+
 
 def test_every_decision_carries_its_reason():
     profile = generated_profile(30, 7, link_bytes_per_second=3e8)
