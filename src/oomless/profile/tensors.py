@@ -11,6 +11,11 @@ def tensors_in(value) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.untyped_storage()`` exists: not for sparse or nested tensors."""
+    return not (tensor.is_sparse or tensor.is_nested)
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}
