@@ -85,7 +85,9 @@ TESTS: dict[str, tuple[str, ...]] = {
     "runtime/split.py": ("tests/test_split.py",),
     "runtime/stream.py": ("tests/test_stream.py",),
     "runtime/tiers.py": ("tests/test_swap.py", "tests/test_fit_equality.py"),
-    "runtime/update_in_backward.py": ("tests/test_update_in_backward.py", "tests/test_offload_state.py"),
+    "runtime/update_in_backward.py": ("tests/test_offload_state.py::test_after_a_step_in_backward_the_first_state_of_"
+                                      "the_next_step_is_on_its_way_in", "tests/test_update_in_backward.py",
+                                      "tests/test_offload_state.py"),
     "plan/planner.py": ("tests/test_planner.py", "tests/test_solvers.py", "tests/test_static_plan.py"),
     "plan/solvers.py": ("tests/test_solvers.py", "tests/test_planner.py"),
     "plan/simulate.py": ("tests/test_planner.py", "tests/test_solvers.py", "tests/test_ledger.py"),
