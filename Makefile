@@ -36,9 +36,16 @@ test: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(VENV)/bin/python dev/planted_bugs.py
 
+# Generated mutants (dev/generated_mutants.py): a seeded, stratified sample of 100 one-token edits of runtime/,
+# the planner and parallel/, each run against its module's tests; results in bench/results/generated-mutants.json.
+# About 2 hours on two shared cores. MUTANTS_ARGS="--resume" continues a run that was cut short;
+# "--only plan/solvers.py" runs one module's share; "--list" prints the sample.
+mutants-generated: $(VENV)/.installed
+	$(VENV)/bin/python dev/generated_mutants.py $(MUTANTS_ARGS)
+
 gpu:
 	PYTHONPATH=src $(PYTHON) bench/gpu_suite.py $(GPU_SUITE_ARGS)
 
 FORCE:
 
-.PHONY: demo test gpu mutants FORCE
+.PHONY: demo test gpu mutants mutants-generated FORCE

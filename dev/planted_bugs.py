@@ -90,30 +90,62 @@ def plant(bug: PlantedBug, source: Path) -> str | None:
     return None
 
 
+def copy_repository(directory: Path) -> Path:
+    """The repository's files (tracked and new, not ignored) copied under ``directory``; its root.
+
+    The whole tree, not only src/: tests that start subprocesses put ``<their own root>/src`` on
+    PYTHONPATH, so with src/ copied alone those subprocesses would import the unplanted source."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    copy = directory / "repository"
+    for relative in filter(None, listed):
+        if (ROOT / relative).is_file():
+            (copy / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / relative, copy / relative)
+    return copy
+
+
+def test_environment(copy: Path) -> dict:
+    """The environment under which the tests import ``copy``'s source (checked, not assumed)."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy / "src"), str(copy)])}
+    imported = subprocess.run([sys.executable, "-c", "import oomless; print(oomless.__file__)"], env=environment,
+                              cwd=copy, capture_output=True, text=True).stdout.strip()
+    if not imported.startswith(str(copy)):
+        raise RuntimeError(f"the tests would import {imported}, not the copy under {copy}")
+    return environment
+
+
+def run_tests(copy: Path, environment: dict, tests, timeout_seconds: int) -> dict:
+    """Run ``tests`` (paths or node ids) with pytest -x in ``copy``: outcome killed, survived, timeout
+    or error, the summary line, and seconds."""
+    started = time.perf_counter()
+    try:
+        completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                                   cwd=copy, env=environment, capture_output=True, text=True,
+                                   timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timeout", "detail": f"tests timed out after {timeout_seconds} s",
+                "seconds": round(time.perf_counter() - started, 1)}
+    tail = (completed.stdout.strip().splitlines() or ["no output"])[-1]
+    # Exit status 1: tests failed; anything else but 0 (collection error, usage) is not a kill.
+    outcome = {0: "survived", 1: "killed"}.get(completed.returncode, "error")
+    return {"outcome": outcome, "detail": tail, "seconds": round(time.perf_counter() - started, 1)}
+
+
 def run_bug(bug: PlantedBug, timeout_seconds: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="planted-") as directory:
-        copy = Path(directory) / "src"
-        shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        stale = plant(bug, copy / "oomless")
+        copy = copy_repository(Path(directory))
+        stale = plant(bug, copy / "src" / "oomless")
         if stale:
             return {"bug": bug.name, "outcome": "stale", "detail": stale}
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(ROOT)])}
-        imported = subprocess.run([sys.executable, "-c", "import oomless; print(oomless.__file__)"], env=environment,
-                                  capture_output=True, text=True).stdout.strip()
-        if not imported.startswith(str(copy)):
-            return {"bug": bug.name, "outcome": "error", "detail": f"the tests would import {imported}, not the copy"}
-        started = time.perf_counter()
         try:
-            completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                        *bug.tests], cwd=ROOT, env=environment, capture_output=True, text=True,
-                                       timeout=timeout_seconds)
-        except subprocess.TimeoutExpired:
-            return {"bug": bug.name, "outcome": "killed", "detail": f"tests timed out after {timeout_seconds} s"}
-        tail = (completed.stdout.strip().splitlines() or ["no output"])[-1]
-        # Exit status 1: tests failed; anything else but 0 (collection error, usage) is not a kill.
-        outcome = {0: "survived", 1: "killed"}.get(completed.returncode, "error")
-        return {"bug": bug.name, "outcome": outcome, "detail": tail, "tests": list(bug.tests),
-                "seconds": round(time.perf_counter() - started, 1)}
+            environment = test_environment(copy)
+        except RuntimeError as error:
+            return {"bug": bug.name, "outcome": "error", "detail": str(error)}
+        result = run_tests(copy, environment, bug.tests, timeout_seconds)
+        if result["outcome"] == "timeout":        # a bug that hangs the tests is noticed
+            result["outcome"] = "killed"
+        return {"bug": bug.name, **result, "tests": list(bug.tests)}
 
 
 def main() -> int:

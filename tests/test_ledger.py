@@ -56,3 +56,16 @@ def test_ledger_counts_a_storage_once():
     # Block "1" saves x (the Linear's output) three ways, y's factors and the view's cos input;
     # distinct storages: x, y, the repeated slice. Block "0" saves only the model input (resident).
     assert stats.peak_activation_bytes == 3 * linear_output_bytes
+
+
+def test_the_ledger_tells_its_observer_the_bytes_before_each_change():
+    # The profiler's recorder ends its interval at the old value: it must hear of removals as of additions.
+    from oomless.runtime.ledger import Ledger
+    ledger, told = Ledger(), []
+    ledger.observer = told.append
+    ledger.add(100)
+    ledger.add(50)
+    ledger.remove(100)
+    ledger.remove(50)
+    assert told == [0, 100, 150, 50]
+    assert (ledger.resident_activation_bytes, ledger.peak_activation_bytes) == (0, 150)

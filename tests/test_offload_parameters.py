@@ -93,6 +93,47 @@ def test_it_needs_the_update_in_backward(transformer_profile):
         oomless.plan(model, inputs, "1TiB", max_grad_norm=1.0, **common)
 
 
+
+class SideBranch(torch.nn.Module):
+    """Its middle block's output feeds only a statistic kept aside, not the loss: that block runs
+    forward but its weights get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.side = None
+
+    def forward(self, x):
+        h = torch.relu(self.blocks[0](x))
+        self.side = self.blocks[1](h).detach().mean()
+        return self.blocks[2](h)
+
+
+def test_weights_without_a_gradient_are_placeholders_between_steps_too():
+    """A block that ran forward but got no gradient has its weights freed after its forward under
+    their real shape; after the step they too become the empty placeholder (reading one gives
+    nothing, never a real shape over no memory), as every block's do after a forward under no_grad;
+    training equals plain PyTorch."""
+    torch.manual_seed(0)
+    model, inputs = SideBranch(), torch.randn(8, 32)
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, offload_parameters=True,
+                        offload_optimizer_state=True, min_swap_bytes=0, blocks=["blocks.0", "blocks.1", "blocks.2"])
+    oomless.apply(model, plan, optimizer=optimizer)
+    _train(reference, reference_optimizer, inputs, loss_fn, steps=2)
+    _train(model, optimizer, inputs, loss_fn, steps=2)
+    assert all(param.shape == (0,) and not param.untyped_storage().nbytes() for param in model.blocks.parameters())
+    with torch.no_grad():           # a forward that no backward follows puts them out at its end
+        assert torch.equal(model(inputs), reference(inputs))
+    assert all(param.shape == (0,) and not param.untyped_storage().nbytes() for param in model.blocks.parameters())
+    oomless.remove(model)
+    for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(expected, actual), name
+    assert torch.equal(model.side, reference.side)
+
 def test_a_model_with_weights_over_twice_the_budget_trains_bit_equal():
     torch.manual_seed(0)
     # 48 layers of 1 MiB: the smallest budget is three blocks' parameters, gradients and state in

@@ -73,6 +73,26 @@ def test_offloaded_state_equals_plain_pytorch(name, in_backward):
         reference[0].weight].keys()
 
 
+
+def test_after_a_step_in_backward_the_first_state_of_the_next_step_is_on_its_way_in():
+    """The user's optimizer.step() ends a step whose updates ran in backward: the state remembers
+    that step's update order (each parameter once) and starts bringing in the state the next
+    backward updates first."""
+    model, inputs = _case()
+    optimizer = torch.optim.Adam(model.parameters())
+    update = apply_update_in_backward(model, optimizer, in_backward=True, offload_state=True, min_offload_bytes=0)
+    prefetched = []
+    tier_prefetch = update.state.tier.prefetch
+    update.state.tier.prefetch = lambda ticket: (prefetched.append(ticket), tier_prefetch(ticket))
+    for steps in (1, 2):
+        prefetched.clear()
+        _train(model, optimizer, inputs, steps=1)
+        order = update.state.order
+        assert len(order) == len(list(model.parameters())) and set(order) == set(model.parameters())
+        first = [entry.ticket for entry in update.state.out[order[0]].values()]
+        assert first and prefetched[-len(first):] == first
+
+
 def test_loading_a_checkpoint_into_an_offloaded_optimizer_continues_bit_equal():
     model, inputs = _case()
     reference = copy.deepcopy(model)

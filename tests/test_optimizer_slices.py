@@ -95,3 +95,26 @@ def test_an_optimizer_that_needs_every_parameter_at_once_is_refused(gloo_world_o
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     with pytest.raises(InputError, match="LBFGS needs every parameter in one step"):
         apply_overlapped_update(ddp, torch.optim.LBFGS(model.parameters()))
+
+
+def test_buckets_the_optimizer_holds_nothing_of_are_left_as_they_are(gloo_world_of_one):
+    """Fine-tuning the head alone: the optimizer holds the last layer's parameters, so the buckets of
+    the other layers have no optimizer slice; they stay as they were, and the run equals DDP's."""
+    states = []
+    for overlapped in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        optimizer = torch.optim.Adam(model[4].parameters(), lr=1e-2)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+        update = apply_overlapped_update(ddp, optimizer) if overlapped else None
+        inputs = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
+        for step in range(3):
+            ddp(inputs[step]).square().mean().backward()
+            optimizer.step() if update is None else update.step()
+            optimizer.zero_grad(set_to_none=True) if update is None else update.zero_grad()
+        if update is not None:
+            update.remove()
+        states.append(model.state_dict())
+        assert all(torch.equal(before[name], states[-1][name]) for name in before if not name.startswith("4."))
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])

@@ -120,24 +120,31 @@ def _fp16_case(model_name):
     return model, copy.deepcopy(model), inputs, loss_fn
 
 
-@pytest.mark.parametrize("policy, initial_scale", [("keep", 2.0**22), ("swap", 2.0**16), ("recompute", 2.0**22)])
-def test_fp16_equals_grad_scaler(policy, initial_scale):
+@pytest.mark.parametrize("policy, initial_scale, growth_interval",
+                         [("keep", 2.0**22, 2000), ("swap", 2.0**16, 2000), ("recompute", 2.0**22, 2000),
+                          ("keep", 2.0**10, 2)])
+def test_fp16_equals_grad_scaler(policy, initial_scale, growth_interval):
     """Loss scaling at the model's boundary equals GradScaler on the loss, including the steps it
-    skips (2**22 overflows fp16 at first: those steps are skipped and the scale halves)."""
+    skips (2**22 overflows fp16 at first: those steps are skipped and the scale halves) and the
+    growth after ``growth_interval`` clean steps (2**10 overflows nothing: it doubles twice in 4 steps)."""
     model, reference, inputs, loss_fn = _fp16_case("transformer")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     plan, _ = plan_under(model, inputs, loss_fn, policy, precision="fp16", optimizer=optimizer)
     oomless.apply(model, plan, optimizer=optimizer)
     precision_state(model).scaler.scale = initial_scale
-    scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale)
+    precision_state(model).scaler.growth_interval = growth_interval
+    scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale, growth_interval=growth_interval)
 
     _train_plain(reference, inputs, loss_fn, "fp16", steps=4, scaler=scaler)
     train_steps(model, optimizer, inputs, loss_fn, steps=4)
 
     stats = oomless.stats(model)
     assert stats.loss_scale == scaler.get_scale()
-    expected_skips = round(torch.log2(torch.tensor(initial_scale / scaler.get_scale())).item())
-    assert stats.skipped_steps == expected_skips
+    if growth_interval == 2:
+        assert (stats.loss_scale, stats.skipped_steps) == (initial_scale * 4, 0), "two growths in four clean steps"
+    else:
+        expected_skips = round(torch.log2(torch.tensor(initial_scale / scaler.get_scale())).item())
+        assert stats.skipped_steps == expected_skips
     if initial_scale > 2.0**16:
         assert 0 < stats.skipped_steps < 4, "some steps overflow at 2**22 and some train"
     for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):

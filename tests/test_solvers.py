@@ -5,12 +5,17 @@ The exact solver is exact for its separable model (see `oomless.plan.solvers`); 
 on the family below, the greedy's predicted step is within GREEDY_WITHIN of the exact solver's.
 """
 
+import dataclasses
+import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from oomless.plan.planner import make_plan, smallest_memory
-from oomless.plan.solvers import brute_force, evaluate, separable_model, solve_separable
+from oomless.plan.simulate import simulate
+from oomless.plan.solvers import (_phase_units, brute_force, evaluate, exact, separable_model, simulator_for,
+                                   relax, solve_separable)
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 MiB = 2**20
@@ -56,6 +61,30 @@ def test_exact_matches_brute_force(seed, selective):
         assert found_seconds == pytest.approx(brute_seconds, rel=1e-9, abs=1e-12)
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_separable_model_peaks_where_the_simulator_does_without_swaps(seed):
+    # With one byte a unit, the model's largest phase (what earlier blocks hold plus the block's own
+    # phase, and everything held plus the loss) is the simulator's peak byte for byte, for every plan
+    # of keeps and recomputes: the DP's model and the judge of every plan count the same bytes.
+    profile = generated_profile(4, seed)
+    # Working memory that differs between a block's forward and backward: a recomputed block's
+    # backward re-runs its forward first and holds the larger.
+    rng = random.Random(seed)
+    profile = dataclasses.replace(profile, blocks=[
+        dataclasses.replace(block, forward_transient_bytes=rng.randint(0, 40) * MiB,
+                            backward_transient_bytes=rng.randint(0, 40) * MiB) for block in profile.blocks])
+    budget_bytes = 10**12
+    model = separable_model(profile, budget_bytes, bins=budget_bytes)
+    run = simulator_for(profile, None, None)
+    for decisions in itertools.product(("keep", "recompute"), repeat=len(profile.blocks)):
+        held, peak = 0, 0
+        for index, decision in enumerate(decisions):
+            peak = max(peak, held + _phase_units(model, index, decision))
+            held += model.held_units[decision][index]
+        assert max(peak, held + model.final_units) == run(decisions).total_peak_bytes, decisions
+
+
 def _memory_at(profile: Profile, share: float) -> int:
     roomy = make_plan(profile, 10**15)
     wanted = roomy.static_bytes + roomy.reserve_bytes + int(share * roomy.predicted_activation_peak_bytes)
@@ -77,6 +106,53 @@ def test_greedy_is_within_stated_percentage_of_exact(seed, share, selective):
     assert greedy.predicted_step_seconds <= exact.predicted_step_seconds * (1 + GREEDY_WITHIN)
 
 
+
+def test_a_plan_that_keeps_everything_predicts_the_plain_step():
+    profile = generated_profile(6, 2)
+    plan = make_plan(profile, 10**15)
+    assert {block.decision for block in plan.blocks} == {"keep"}
+    assert plan.predicted_peak_bytes == plan.plain_peak_bytes
+    assert plan.predicted_step_seconds == plan.plain_step_seconds
+
+
+
+def test_blocks_that_save_nothing_predict_no_activation_bytes():
+    profile = generated_profile(3, 4)
+    profile = dataclasses.replace(profile, unassigned_saved_bytes=0, blocks=[
+        dataclasses.replace(block, saved_bytes=0, largest_saved_bytes=0, input_bytes=0) for block in profile.blocks])
+    plan = make_plan(profile, 10**15)
+    assert plan.predicted_activation_peak_bytes == 0
+
+
+
+
+
+def test_the_exact_solver_returns_its_models_optimum_where_the_simulator_agrees():
+    agreed = 0
+    for seed in range(6):
+        profile = generated_profile(6, seed)
+        budget_bytes = int(0.6 * simulator_for(profile, None, None)(["keep"] * 6).total_peak_bytes)
+        run = simulator_for(profile, None, None, budget_bytes)    # prefetches as far as the budget allows
+        optimum, _ = solve_separable(separable_model(profile, budget_bytes))
+        assert optimum is not None and set(optimum) != {"keep"}
+        if run(optimum).total_peak_bytes <= budget_bytes:       # else exact re-solves with a tighter budget
+            agreed += 1
+            assert exact(run, profile, budget_bytes) == optimum, seed
+    assert agreed >= 3
+
+
+def test_a_prefetch_window_of_exactly_one_tensors_bytes_admits_it():
+    # Every block saves 8 MiB and is swapped over a slow link, so bringing one back ahead of use
+    # shortens the step; a window of 8 MiB counts bytes exactly: it admits one, as 8 MiB + 1 does.
+    profile = generated_profile(5, 1, link_bytes_per_second=1e9)
+    profile = dataclasses.replace(profile, blocks=[
+        dataclasses.replace(block, saved_bytes=8 * MiB, largest_saved_bytes=8 * MiB) for block in profile.blocks])
+    swapped = ["swap"] * 5
+    timelines = {window: simulate(profile, swapped, window, None) for window in (8 * MiB - 1, 8 * MiB, 8 * MiB + 1)}
+    assert timelines[8 * MiB].step_seconds == timelines[8 * MiB + 1].step_seconds
+    assert timelines[8 * MiB].step_seconds < timelines[8 * MiB - 1].step_seconds
+
+
 def test_every_decision_carries_its_reason():
     profile = generated_profile(30, 7, link_bytes_per_second=3e8)
     plan = make_plan(profile, _memory_at(profile, 0.3))
@@ -93,6 +169,22 @@ def test_a_thousand_blocks_plan_and_fit():
     plan = make_plan(profile, _memory_at(profile, 0.4))
     assert len(plan.blocks) == 1000
     assert plan.predicted_activation_peak_bytes <= plan.activation_budget
+
+
+
+@pytest.mark.parametrize("blocks, trials", [(500, 40), (2000, 16)])
+def test_relax_spends_at_most_its_simulations_on_a_long_model(blocks, trials):
+    # Cost by counting (not timing): relax tries 20000 // blocks undos on a long model, at least 16,
+    # each one simulation; here every undo overshoots, so it tries exactly that many and keeps the plan.
+    profile = generated_profile(blocks, 5)
+    simulated = []
+
+    def run(decisions):
+        simulated.append(decisions)
+        return SimpleNamespace(total_peak_bytes=0 if len(simulated) == 1 else 2**60, step_seconds=1.0)
+    start = ["recompute"] * blocks
+    assert relax(run, profile, 2**40, start) == start
+    assert len(simulated) == 1 + trials
 
 
 def test_unknown_solver_is_an_input_error():

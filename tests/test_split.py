@@ -133,6 +133,35 @@ def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, norm, sla
     _assert_same_step(stage, copy.deepcopy(stage), [x, skip], slabs)
 
 
+
+@pytest.mark.parametrize("dimensions", [1, 2])
+def test_upsampling_chains_in_one_and_two_dimensions_equal_the_unsplit_ones(thin_slabs, dimensions):
+    """A transposed convolution's stride has one entry per spatial dimension: in one and two
+    dimensions too the upsampled rows (and, in two, columns) are what the slabs are cut from."""
+    torch.manual_seed(0)
+    transposed, convolution = {1: (nn.ConvTranspose1d, nn.Conv1d), 2: (nn.ConvTranspose2d, nn.Conv2d)}[dimensions]
+    chain = nn.Sequential(transposed(4, 4, 2, stride=2), nn.ReLU(), convolution(4, 3, 3, padding=1))
+    x = torch.randn(2, 4, 9, 5)[(..., 0) if dimensions == 1 else ...].requires_grad_()
+    assert [node.kind for node in SlabGraph.of(chain).nodes][:2] == ["input", "up"]
+    _assert_same_step(chain, copy.deepcopy(chain), [x], 4)
+
+
+
+def test_on_cpu_a_slab_after_an_upsampling_is_as_thick_as_onednn_needs_in_the_upsampled_shape():
+    """A convolution's input slab needs ONEDNN_MIN_INPUT_ELEMENTS // (batch * channels * rows of the
+    other axis) + 1 rows: counted in the shape the transposed convolution makes (its stride along
+    the other axis, 1 in one dimension), so 10000 rows (1D) allow 1 slab and 1300 x 8 (2D, stride
+    (2, 1)) allow 2."""
+    cases = [(nn.ConvTranspose1d(4, 4, 2, stride=2), nn.Conv1d(4, 4, 3, padding=1), torch.randn(1, 4, 5000),
+              10000 // (slabs_module.ONEDNN_MIN_INPUT_ELEMENTS // (4 * 1) + 1)),
+             (nn.ConvTranspose2d(4, 4, (2, 1), stride=(2, 1)), nn.Conv2d(4, 4, 3, padding=1), torch.randn(1, 4, 650, 8),
+              1300 // (slabs_module.ONEDNN_MIN_INPUT_ELEMENTS // (4 * 8) + 1))]
+    assert [expected for *_, expected in cases] == [1, 2]
+    for up, convolution, x, expected in cases:
+        graph = SlabGraph.of(nn.Sequential(up, convolution))
+        assert slabs_module._most_slabs(graph, 1, graph.shapes((x,)), torch.device("cpu")) == expected
+
+
 class _Residual(nn.Module):
     """A residual unit: its input feeds a convolution path (with an in-place activation) and the
     addition, with halos of 1 and 2 rows on the way; a function applied after the addition."""

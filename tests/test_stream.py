@@ -16,7 +16,7 @@ from oomless.errors import ApplyError, InputError
 from oomless.models.unet3d import UNet3D
 from oomless.runtime import slabs as slabs_module
 from oomless.runtime.split import apply_split, remove_split, split_names, stream_candidate
-from oomless.runtime.stream import STREAM, is_streamed
+from oomless.runtime.stream import STREAM, is_streamed, outer_level
 
 from tests.conftest import FakeFloors, train_steps
 
@@ -212,3 +212,29 @@ def test_models_streaming_would_change_are_refused_and_left_as_they_were():
     model = _SkipBranch()
     model.head.register_forward_hook(lambda module, inputs, output: output * 2)
     assert "hooks are registered on head" in stream_candidate(model)
+
+
+class _PoolOnlyBranch(nn.Module):
+    """``to_pool`` feeds only the pooling; the skip ``skip`` feeds the pooling's branch and the decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.skip = nn.Conv3d(1, 2, 3, padding=1)
+        self.to_pool = nn.Conv3d(2, 2, 3, padding=1)
+        self.pool = nn.MaxPool3d(2)
+        self.inner = nn.Conv3d(2, 2, 3, padding=1)
+        self.up = nn.ConvTranspose3d(2, 2, 2, stride=2)
+        self.out = nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = self.skip(x)
+        below = self.up(self.inner(self.pool(self.to_pool(h))))
+        return self.out(torch.cat([h, below], dim=1))
+
+
+def test_the_decoder_computes_again_only_the_encoder_ops_it_reads():
+    """The decoder's slabs recompute the skip's convolution (it reads it), never ``to_pool``, which
+    only the pooling reads (through the level below, not through the decoder)."""
+    found = outer_level(_PoolOnlyBranch(), set())
+    assert [node.kind for node in found.encode.nodes] == ["input", "conv", "conv", "down"]
+    assert [node.kind for node in found.decode.nodes] == ["input", "input", "conv", "up", "cat", "conv"]

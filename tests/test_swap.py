@@ -219,3 +219,107 @@ def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
     assert stats.resident_activation_bytes == 0
     for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
+    """Per-block backward limits: the last block's backward (first in backward) allows two outputs,
+    the others four. Once backward has left the last block its tighter limit no longer binds: the
+    prefetch of block 1's output goes out while block 4's backward runs, not two blocks later."""
+    blocks = 6
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.sum()     # noqa: E731
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(blocks)})
+    storage_bytes = BATCH * WIDTH * 4
+    limits = [4 * storage_bytes] * (blocks - 1) + [2 * storage_bytes]
+    plan = dataclasses.replace(plan, activation_budget=4 * storage_bytes, prefetch_bytes=None,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=limit)
+                                       for block, limit in zip(plan.blocks, limits)])
+    tier = SlowTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    assert oomless.stats(model).peak_activation_bytes == 4 * storage_bytes
+    assert tier.calls.index(("release", 5)) < tier.calls.index(("prefetch", 1)) < tier.calls.index(("get", 4))
+    assert tier.calls.index(("release", 4)) < tier.calls.index(("prefetch", 0)) < tier.calls.index(("get", 3))
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
+    """A block of an applied model called directly (outside the model's forward, so before any
+    forward of the model has begun) is still recomputed, and its gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(3)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=lambda out: out.sum(), min_swap_bytes=0,
+                        decisions={str(index): "recompute" for index in range(3)})
+    oomless.apply(model, plan)
+    model[1](inputs).sum().backward()
+    reference[1](inputs).sum().backward()
+    assert oomless.stats(model).recomputed_blocks == 1
+    for (name, expected), (_, actual) in zip(reference[1].named_parameters(), model[1].named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+def test_the_disk_tier_counts_what_it_moved_and_removes_a_file_released_while_still_being_written(tmp_path):
+    """The CPU tier: the bytes it reports moved (the planner's bandwidth) are the bytes it wrote and
+    read; a ticket released while its write is still running has its file removed once the write ends
+    (not before: the write would create it again, and the file would outlive the step)."""
+    import os
+    import threading
+
+    from oomless.runtime.tiers import DiskTier
+
+    tier = DiskTier(str(tmp_path))
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    ticket = tier.put(data)
+    assert torch.equal(tier.get(ticket), data)
+    assert (tier.moved["out"][0], tier.moved["in"][0]) == (4000, 4000)
+    assert tier.measured_rates(minimum_bytes=4000) is not None and tier.measured_rates(minimum_bytes=4001) is None
+    tier.release(ticket)
+    assert not os.path.exists(ticket.path)
+
+    write, go = tier._write, threading.Event()
+    tier._write = lambda ticket, data: (go.wait(), write(ticket, data))
+    slow = tier.put(data)
+    tier.release(slow)                  # its write has not started yet
+    go.set()
+    tier._writer.shutdown(wait=True)    # the write, then its done-callbacks, have run
+    assert not os.path.exists(slow.path)
+    tier.close()
+
+
+class SparseMix(nn.Module):
+    """Mixes the batch rows with a sparse buffer: ``sparse.mm`` saves that sparse matrix for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("mix", torch.eye(BATCH).to_sparse())
+
+    def forward(self, x):
+        return torch.relu(self.linear(torch.sparse.mm(self.mix, x)))
+
+
+def test_a_model_with_a_sparse_buffer_plans_and_swaps_its_dense_tensors_only():
+    """A sparse tensor has no storage to copy out: the buffer's bytes are counted from its indices and
+    values, it is saved as it is, and the dense saved tensors around it are swapped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(SparseMix() for _ in range(3)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=lambda out: out.sum(), min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(3)})
+    oomless.apply(model, plan)
+    model(inputs).sum().backward()
+    reference(inputs).sum().backward()
+    assert oomless.stats(model).offloaded_bytes > 0
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"

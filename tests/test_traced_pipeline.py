@@ -159,6 +159,36 @@ def test_what_cannot_be_traced_says_why_and_what_works():
     model, inputs = _Outputs(), torch.randn(3, 4)
     sequence = sequence_for(model, inputs, output="logits")
     assert sequence.origin == TRACED and torch.equal(sequence(inputs), model(inputs)["logits"])
+    # A tuple (no keys): output= is an index, negative ones included.
+    tupled = _TupleOutputs()
+    for index in (0, -2):
+        assert torch.equal(traced_sequence(tupled, inputs, output=index)(inputs), tupled(inputs)[0])
+
+
+class _RampInEveryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        ramp = torch.arange(x.shape[-1], dtype=x.dtype)     # from a size alone
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + ramp)
+        return x
+
+
+def test_what_is_computed_from_sizes_alone_is_computed_again_in_each_block_never_sent():
+    model, inputs = _RampInEveryBlock(), torch.randn(2, 4)
+    sequence = traced_sequence(model, inputs)
+    assert [block.name for block in sequence.blocks] == ["layers_0", "layers_1", "layers_2"]
+    assert [len(sequence.crossing(cut)) for cut in (1, 2)] == [1, 1]     # the activation only
+    assert torch.equal(sequence(inputs), model(inputs))
+
+
+class _TupleOutputs(_Outputs):
+    def forward(self, x):
+        outputs = super().forward(x)
+        return outputs["logits"], outputs["aux"]
 
 
 def test_sequence_for_prefers_the_hand_written_cuts():

@@ -11,11 +11,18 @@ def tensors_in(value) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor.untyped_storage()`` exists: not for sparse or nested tensors."""
+    return not (tensor.is_sparse or tensor.is_nested)
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}
     for tensor in tensors:
-        if tensor.device.type == "meta":
+        if tensor.is_sparse:            # COO: no storage of its own (untyped_storage() raises)
+            seen[id(tensor)] = storage_bytes([tensor._indices(), tensor._values()])
+        elif tensor.device.type == "meta":
             seen[id(tensor)] = tensor.numel() * tensor.element_size()
         else:
             storage = tensor.untyped_storage()

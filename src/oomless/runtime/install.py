@@ -18,7 +18,7 @@ except ImportError:          # a build without torch.distributed: no sharded par
     DTensor = ()
 
 from oomless.errors import ApplyError
-from oomless.profile.tensors import tensors_in
+from oomless.profile.tensors import has_storage, tensors_in
 from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
@@ -28,8 +28,10 @@ STATE_ATTRIBUTE = "_oomless"
 
 
 def _storage_keys(tensors) -> set[tuple]:
+    # Sparse and nested tensors have no single storage to name (untyped_storage() raises); the pack
+    # hook hands them back unswapped anyway.
     return {(t.device, t.untyped_storage().data_ptr()) for t in map(_local, tensors)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and has_storage(t)}
 
 
 def _local(tensor):
