@@ -184,11 +184,12 @@ def recompute_seconds(block: BlockProfile, decision: str) -> float:
 
 
 class _Entry:
-    __slots__ = ("size", "block", "swapped", "out_end", "issued", "ready")
+    __slots__ = ("size", "block", "swapped", "out_end", "leave", "issued", "ready")
 
     def __init__(self, size: int, block: int, swapped: bool):
         self.size, self.block, self.swapped = size, block, swapped
-        self.out_end = 0.0
+        self.out_end = 0.0      # its copy out has ended
+        self.leave = 0.0        # it leaves the ledger: copied out and freed by the forward
         self.issued = False
         self.ready = 0.0
 
@@ -237,8 +238,17 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     pending_bytes = 0
     per_block: list[list[_Entry]] = []
     swapped: list[_Entry] = []
+    # Swapped entries the forward still references, by the block whose forward is the last they
+    # live through (`BlockProfile.saved_alive_blocks`): they leave the ledger no earlier than its end.
+    freed_after: dict[int, list[_Entry]] = {}
+
+    def leave_at(entry: _Entry, time: float) -> None:
+        entry.leave = max(entry.out_end, time)
+        add(entry.leave, -entry.size, SWAPPED, entry.block)
+        heapq.heappush(copy_outs, (entry.leave, entry.size, entry.block))
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
         sizes = entry_sizes(block)
+        alive = block.saved_alive_blocks if len(block.saved_alive_blocks) == len(sizes) else None
         kept = set(block.kept_when_swapped)
         per_block.append([_Entry(size, i, decision == "swap" and k not in kept) for k, size in enumerate(sizes)]
                          if decision not in RECOMPUTING else [])
@@ -268,17 +278,26 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             if entry.swapped:
                 copy_start = max(copy_out_free, saved_at)
                 copy_out_free = entry.out_end = copy_start + entry.size / out_rate
-                add(entry.out_end, -entry.size, SWAPPED, i)
-                heapq.heappush(copy_outs, (entry.out_end, entry.size, i))
+                if alive is None:
+                    leave_at(entry, entry.out_end)
+                elif alive[k] < 0:
+                    entry.leave = float("inf")   # the forward holds it into backward: it stays
+                else:
+                    freed_after.setdefault(i + alive[k], []).append(entry)
                 pending_out.append((entry.out_end, entry.size))
                 pending_bytes += entry.size
                 swapped.append(entry)
         now = start + block.forward_seconds
         if decision == "swap" and contended:
             now += swapped_bytes / out_rate
+        for entry in freed_after.pop(i, []):
+            leave_at(entry, now)
     enter(now, loss_phase)
     now += profile.loss_seconds
     forward_end = now
+    for entries in freed_after.values():   # freed during the loss
+        for entry in entries:
+            leave_at(entry, forward_end)
     settle(forward_end)
     forward_end_ledger = ledger
 
@@ -295,11 +314,13 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         copy_in_free = entry.ready = start + entry.size / in_rate
         if ahead:
             add(at, entry.size, AHEAD, entry.block)
-        if at < entry.out_end:
-            # Asked back before its copy out ended: its bytes never left the ledger.
-            copy_outs.remove((entry.out_end, entry.size, entry.block))
+        if entry.leave == float("inf"):
+            pass    # the forward still held it: its bytes never left the ledger
+        elif at < entry.leave:
+            # Asked back before it left the ledger: its bytes never did.
+            copy_outs.remove((entry.leave, entry.size, entry.block))
             heapq.heapify(copy_outs)
-            add(entry.out_end, entry.size, SWAPPED, entry.block)
+            add(entry.leave, entry.size, SWAPPED, entry.block)
         else:
             add(at, entry.size, SWAPPED, entry.block)
             ledger += entry.size
@@ -316,7 +337,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 return
             # It stays until its block's backward: it must fit every phase until then.
             room = room_between(entry.block, current)
-            if at >= entry.out_end and ledger + entry.size > room:
+            if at >= entry.leave and ledger + entry.size > room:
                 return
             issue(entry, at, ahead=True)
             next_prefetch -= 1

@@ -26,6 +26,7 @@ from oomless.profile.tensors import storage_bytes, tensors_in
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
 _BEFORE_BLOCKS = -2  # the forward before its first block
+ALIVE_INTO_BACKWARD = -1  # `BlockProfile.saved_alive_blocks` of a storage the forward still holds at backward
 
 
 class Recorder:
@@ -49,9 +50,13 @@ class Recorder:
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        # Saved storages not yet seen freed: (weak reference, block index, index in its saved_sizes,
+        # position of that block in the forward's order). See `BlockProfile.saved_alive_blocks`.
+        self.saved_alive: list[tuple[StorageWeakRef, int, int, int]] = []
         self.resident: set[tuple] = set()
         self.probe = MemoryProbe(device)
         self.in_backward = False
+        self.in_backward_marked = False
         self.link = None  # the swap tier's bandwidth as seen in this step, where it could tell
         self.every_ledger_change = every_ledger_change
         self.selective_meter = None     # profile.selective.SelectiveMeter, in the sizing step
@@ -151,9 +156,23 @@ class Recorder:
             del live[key]
         return sum(num_bytes for _, num_bytes in live.values())
 
+    def _saved_freed(self, position: int) -> None:
+        """Saved storages freed since the last look were alive until the forward phase at ``position``
+        (in the order the blocks ran; one past the last block: the loss) and no later."""
+        still = []
+        for weak, index, k, saved_at in self.saved_alive:
+            if weak.expired():
+                block = self.blocks[index]
+                if k < len(block.saved_alive_blocks):
+                    block.saved_alive_blocks[k] = max(position - saved_at, 0)
+            else:
+                still.append((weak, index, k, saved_at))
+        self.saved_alive = still
+
     def forward_finished(self, output):
         if self.selective_meter is not None:
             self.selective_meter.__exit__(None, None, None)
+        self._saved_freed(len(self.order) - 1)
         self._enter(("loss", _LOSS))
 
     def unassigned(self, num_bytes):
@@ -168,6 +187,11 @@ class Recorder:
         block = self.blocks[block_index]
         if not movable:
             block.kept_when_swapped.append(len(block.saved_sizes))
+        if tensor is not None and tensor.device.type != "meta":
+            block.saved_alive_blocks.append(ALIVE_INTO_BACKWARD)   # until seen freed
+            position = self.order.index(block_index) if block_index in self.order else len(self.order)
+            self.saved_alive.append((StorageWeakRef(tensor.untyped_storage()), block_index,
+                                     len(block.saved_sizes), position))
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
@@ -175,6 +199,8 @@ class Recorder:
     def block_started(self, index, args):
         if self.in_backward:
             return
+        if self.saved_alive:
+            self._saved_freed(len(self.order) - 1)
         if index not in self.order:
             self.order.append(index)
         block = self.blocks[index]
@@ -205,6 +231,11 @@ class Recorder:
 
     def _backward_mark(self, index):
         def hook(grad):
+            if not self.in_backward_marked:
+                # Saved storages freed during the loss were alive until it; the rest into backward.
+                self.in_backward_marked = True
+                self._saved_freed(len(self.order))
+                self.saved_alive = []
             self._enter(("backward", index))
             self.backward_marks.append((self.now() - self.tier_stall(), index))
             self._track(self.live_gradients, [grad])

@@ -196,6 +196,10 @@ class SavedTensorEngine:
         # Swapped entries whose copy out may still run, in the order the copies were queued (one
         # copy-out stream, one disk writer: they finish in that order).
         self.pending_out: deque[_Entry] = deque()
+        # Swapped entries copied out whose storage the forward still references (a block's output
+        # is the next block's input; a U-Net skip lives until its decoder): resident all the same,
+        # so they stay on the ledger until that storage is freed.
+        self.copied_alive: list[_Entry] = []
         self.resident_storages: set[tuple] = set()
         self.registry: ForwardRegistry | None = None
         self.block_index: int | None = None
@@ -273,18 +277,32 @@ class SavedTensorEngine:
             self.poll()
 
     def poll(self) -> None:
-        """Take swapped-out storages off the ledger once their copy has completed (no waiting).
-        Copies finish in the order they were queued, so this stops at the first one still running."""
+        """Take swapped-out storages off the ledger once their copy has completed and nothing else
+        references them (no waiting). Copies finish in the order they were queued, so this stops at
+        the first one still running. The ledger so counts what is resident whatever the copies'
+        timing: the profiler's "other" bytes (memory beyond the ledger) do not depend on it."""
+        if self.copied_alive:
+            self.copied_alive = [entry for entry in self.copied_alive if not self._left(entry)]
         pending = self.pending_out
         while pending:
             entry = pending[0]
             if entry.ticket is not None and not self.tier.is_out(entry.ticket):
                 return
             pending.popleft()
-            # An entry already asked back for backward stays on the ledger: its copy back is resident.
-            if entry.ticket is not None and entry.on_ledger and not entry.fetch_issued:
-                entry.on_ledger = False
-                self.ledger.remove(entry.num_bytes)
+            if not self._left(entry):
+                self.copied_alive.append(entry)
+
+    def _left(self, entry: _Entry) -> bool:
+        """Whether a copied-out entry is off the ledger now (taking it off if its storage is free)."""
+        # An entry released, or already asked back for backward (its copy back is resident), is not
+        # this method's to take off.
+        if entry.ticket is None or not entry.on_ledger or entry.fetch_issued:
+            return True
+        if not entry.weak.expired():
+            return False
+        entry.on_ledger = False
+        self.ledger.remove(entry.num_bytes)
+        return True
 
     def pack(self, tensor: torch.Tensor):
         registry, block_index = self.registry, self.block_index
