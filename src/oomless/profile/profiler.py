@@ -87,6 +87,7 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
     if tier is not None:
         recorder.tier_stall_source = tier.collect_stall_seconds
+        recorder.tier_is_out = tier.is_out
     try:
         output = call_model(model, example_inputs)
         loss_started = recorder.now()

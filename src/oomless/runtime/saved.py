@@ -98,7 +98,7 @@ class ForwardRegistry:
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
         if self.engine.recorder is not None:
-            self.engine.recorder.saved(block_index, entry.num_bytes, movable, tensor)
+            self.engine.recorder.saved(block_index, entry.num_bytes, movable, tensor, entry)
         if decision == SWAP:
             data = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             entry.ticket = self.engine.tier.put(data)

@@ -221,12 +221,15 @@ class DiskTier:
         with self._lock:
             self._pending.append(ticket)
             self._pending_bytes += ticket.num_bytes
-        ticket.written = self._writer.submit(self._write, ticket, data)
+        ticket.written = self._writer.submit(self._write, ticket, [data])
         return ticket
 
-    def _write(self, ticket: _DiskTicket, data: torch.Tensor) -> None:
+    def _write(self, ticket: _DiskTicket, holding: list) -> None:
         started = time.perf_counter()
-        data.numpy().tofile(ticket.path)
+        holding[0].numpy().tofile(ticket.path)
+        # Let go of the storage before the write is seen done: from then on only the forward can
+        # hold it (the profiler's recorder reads when the forward freed each saved storage).
+        holding.clear()
         self._count("out", ticket.num_bytes, time.perf_counter() - started)
         with self._lock:
             self._pending.remove(ticket)
