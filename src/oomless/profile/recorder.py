@@ -15,7 +15,6 @@ of the forward to the first block's backward), or a block's backward. A rehearsa
 own decisions) reads only at phase changes: its highest reading is what the plan's step really holds.
 """
 
-import functools
 import time
 
 import torch
@@ -28,23 +27,6 @@ from oomless.profile.tensors import storage_bytes, tensors_in
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
 _BEFORE_BLOCKS = -2  # the forward before its first block
 ALIVE_INTO_BACKWARD = -1  # `BlockProfile.saved_alive_blocks` of a storage the forward still holds at backward
-
-
-@functools.cache
-def _tier_only_use_count() -> int | None:
-    """The use count of a storage that only a swap tier's byte view references (the view, and the
-    storage's own Python object where this torch keeps it alive): a saved storage with more is still
-    referenced by the forward. None where this torch does not say."""
-    counter = getattr(torch._C, "_storage_Use_Count", None)
-    if counter is None:
-        return None
-    tensor = torch.empty(16)
-    weak = StorageWeakRef(tensor.untyped_storage())
-    byte_view = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-    del tensor
-    count = counter(weak.cdata)
-    del byte_view
-    return count
 
 
 class Recorder:
@@ -68,11 +50,12 @@ class Recorder:
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[tuple, tuple[StorageWeakRef, int]] = {}
-        # Saved storages not yet seen freed by the forward: (the runtime's entry, block index, index in
-        # its saved_sizes, position of that block in the forward's order); `tier_is_out` tells whether
-        # the swap tier still holds an entry's storage. See `BlockProfile.saved_alive_blocks`.
-        self.saved_alive: list[tuple[object, int, int, int]] = []
-        self.tier_is_out = None
+        # Saved storages not yet seen freed by the forward: (weak reference, block index, index in its
+        # saved_sizes, position of that block in the forward's order). See
+        # `BlockProfile.saved_alive_blocks`. ``finish_copies`` (the profiler's, in the sizing step)
+        # waits for the swap tier's copies still running, which hold the storages they read.
+        self.saved_alive: list[tuple[StorageWeakRef, int, int, int]] = []
+        self.finish_copies = None
         self.resident: set[tuple] = set()
         self.probe = MemoryProbe(device)
         self.in_backward = False
@@ -179,28 +162,18 @@ class Recorder:
     def _saved_freed(self, position: int) -> None:
         """Saved storages freed since the last look were alive until the forward phase at ``position``
         (in the order the blocks ran; one past the last block: the loss) and no later."""
+        if self.finish_copies is not None:
+            self.finish_copies()
         still = []
         for record in self.saved_alive:
-            entry, index, k, saved_at = record
-            if self._freed_by_forward(entry):
+            weak, index, k, saved_at = record
+            if weak.expired():
                 block = self.blocks[index]
                 if k < len(block.saved_alive_blocks):
                     block.saved_alive_blocks[k] = max(position - saved_at, 0)
             else:
                 still.append(record)
         self.saved_alive = still
-
-    def _freed_by_forward(self, entry) -> bool:
-        """Whether nothing but the swap tier references ``entry``'s storage: a copy still running
-        holds one reference of its own (`_tier_only_use_count`), which the forward's freeing of the
-        storage must not wait for, or the reading would depend on how fast the copies ran."""
-        if entry.weak.expired():
-            return True
-        ticket = getattr(entry, "ticket", None)
-        if ticket is None or self.tier_is_out is None or self.tier_is_out(ticket):
-            return False
-        tier_only = _tier_only_use_count()
-        return tier_only is not None and torch._C._storage_Use_Count(entry.weak.cdata) <= tier_only
 
     def forward_finished(self, output):
         if self.selective_meter is not None:
@@ -214,16 +187,17 @@ class Recorder:
     def fetched(self, num_bytes):
         pass
 
-    def saved(self, block_index, num_bytes, movable: bool = True, tensor=None, entry=None):
+    def saved(self, block_index, num_bytes, movable: bool = True, tensor=None):
         if self.selective_meter is not None and tensor is not None:
             self.selective_meter.saved(tensor)
         block = self.blocks[block_index]
         if not movable:
             block.kept_when_swapped.append(len(block.saved_sizes))
-        if entry is not None:
+        if self.finish_copies is not None and tensor is not None:
             block.saved_alive_blocks.append(ALIVE_INTO_BACKWARD)   # until seen freed
             position = self.order.index(block_index) if block_index in self.order else len(self.order)
-            self.saved_alive.append((entry, block_index, len(block.saved_sizes), position))
+            self.saved_alive.append((StorageWeakRef(tensor.untyped_storage()), block_index,
+                                     len(block.saved_sizes), position))
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
