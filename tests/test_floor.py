@@ -51,3 +51,19 @@ def test_oomless_plans_wherever_checkpointing_every_block_trains(name):
     assert "refused" not in planned, planned.get("refused")
     assert planned["peak_bytes"] <= memory
     assert planned["floor_bytes"] < memory
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
+def test_the_smallest_budget_oomless_names_trains_within_it():
+    """Issue 15 item 4 on the 3D U-Net: the budget PlanError names, given back, is accepted, and the
+    step (planning included, three steps) stays within it in resident memory. Before swapped storages
+    stayed on the ledger while the forward held them, this step went 2-3 MB over whenever copies ran
+    faster than in the profiling step. (The transformers are not here yet: a fresh process's profile
+    sometimes measures a block's working memory 3-6 MiB higher, on main as well, so the budget named
+    by one profile is refused by the next; see the closing note of issue 15.)"""
+    name = "unet3d"
+    planned = _child({**MODELS[name], "mode": "oomless", "memory": "floor", "steps": 3})
+    print(f"{name}: named {planned['memory_bytes'] / MiB:.1f} MiB, measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
+          f"(predicted {planned.get('predicted_peak_bytes', 0) / MiB:.1f}), decisions {planned.get('decisions')}")
+    assert "refused" not in planned, planned.get("refused")
+    assert planned["peak_bytes"] <= planned["memory_bytes"]

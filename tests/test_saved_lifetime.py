@@ -103,10 +103,12 @@ def test_the_profile_records_how_long_the_forward_holds_each_saved_storage_whate
     profile = oomless.profile(model, inputs, loss_fn=lambda out: out.square().mean(), blocks=BLOCKS)
     lifetimes = {block.name: block.saved_alive_blocks for block in profile.blocks}
     sizes = {block.name: block.saved_sizes for block in profile.blocks}
-    assert sizes["first"] == [STORAGE] and lifetimes["first"] == [3]        # the skip: until ``last`` ran
-    assert sizes["middle.0"] == [STORAGE] and lifetimes["middle.0"] == [1]  # the next block's input
-    assert sizes["middle.1"] == [STORAGE] and lifetimes["middle.1"] == [1]  # y, until ``last`` ran
-    assert sizes["last"] == [STORAGE] and lifetimes["last"] == [0]          # y + skip, freed with the forward
+    # In blocks after its own, in the order they ran, until the forward let go of it; a whole number:
+    # at the start of that block (4: once the forward had returned, before the loss).
+    assert sizes["first"] == [STORAGE] and lifetimes["first"] == [4.0]         # the skip: past ``last``
+    assert sizes["middle.0"] == [STORAGE] and lifetimes["middle.0"] == [2.0]   # middle.1's input
+    assert sizes["middle.1"] == [STORAGE] and lifetimes["middle.1"] == [2.0]   # y, past ``last``
+    assert sizes["last"] == [STORAGE] and lifetimes["last"] == [1.0]           # y + skip, past ``last``
 
 
 def _profile(alive: list[list[int]]) -> Profile:
@@ -126,15 +128,15 @@ def simulate_(profile, decisions):
 
 def test_the_simulator_keeps_a_swapped_storage_on_the_ledger_while_the_forward_holds_it():
     swap = ["swap"] * 4
-    copied_and_gone = simulate_(_profile([[0], [0], [0], [0]]), swap)
+    copied_and_gone = simulate_(_profile([[0.5], [0.5], [0.5], [0.5]]), swap)
     assert copied_and_gone.activation_peak_bytes == MiB
     assert copied_and_gone.forward_end_bytes == 0
-    # b0's storage is a skip held through b2's forward: two storages at once until then.
-    skip = simulate_(_profile([[2], [0], [0], [0]]), swap)
+    # b0's storage is a skip held until b2 starts: two storages at once until then.
+    skip = simulate_(_profile([[2], [0.5], [0.5], [0.5]]), swap)
     assert skip.activation_peak_bytes == 2 * MiB
     assert skip.forward_end_bytes == 0
     # Held past the loss: still on the ledger when backward starts, and never counted twice.
-    held = simulate_(_profile([[-1], [0], [0], [0]]), swap)
+    held = simulate_(_profile([[-1], [0.5], [0.5], [0.5]]), swap)
     assert held.forward_end_bytes == MiB
     assert held.activation_peak_bytes == 2 * MiB
     # Where the profile did not measure it (a hand-made or meta profile): out when its copy is.

@@ -155,7 +155,7 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
     return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes, "loss"), backward
 
 
-SWAPPED, HELD, AHEAD, LATE = 0, 1, 2, 3
+SWAPPED, HELD, AHEAD = 0, 1, 2
 SELECTIVE = "selective"
 RECOMPUTING = ("recompute", SELECTIVE)
 
@@ -217,8 +217,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     room_between = _RangeMin([float("inf") if budget_bytes is None else budget_bytes - phase.other
                               for phase in backward_phases])
     # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
-    # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too),
-    # LATE for swapped bytes the forward has freed whose copy out still runs (already SWAPPED too).
+    # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too).
     events: list[tuple[float, int, int, Phase | None, int]] = []
     copy_outs: list[tuple[float, int, int]] = []   # heap of (copy end, bytes, block) still on the ledger
     ledger = 0                                      # the ledger as of `now`, copy-outs applied lazily
@@ -239,17 +238,12 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     pending_bytes = 0
     per_block: list[list[_Entry]] = []
     swapped: list[_Entry] = []
-    # Swapped entries the forward still references, by the block whose forward is the last they
-    # live through (`BlockProfile.saved_alive_blocks`): they leave the ledger no earlier than its end.
-    freed_after: dict[int, list[_Entry]] = {}
+    # Swapped entries the forward still references, by the block in whose forward it frees them, with
+    # how far into that forward (`BlockProfile.saved_alive_blocks`): they leave the ledger no earlier.
+    freed_in: dict[int, list[tuple[_Entry, float]]] = {}
 
     def leave_at(entry: _Entry, freed: float) -> None:
         entry.leave = max(entry.out_end, freed)
-        if entry.out_end > freed:
-            # Freed by the forward with its copy still running: the profiling step finished its
-            # copies at block starts, so its measured peaks do not hold these bytes (`_sweep`).
-            add(freed, entry.size, LATE, entry.block)
-            add(entry.out_end, -entry.size, LATE, entry.block)
         add(entry.leave, -entry.size, SWAPPED, entry.block)
         heapq.heappush(copy_outs, (entry.leave, entry.size, entry.block))
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
@@ -289,20 +283,21 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 elif alive[k] < 0:
                     entry.leave = float("inf")   # the forward holds it into backward: it stays
                 else:
-                    freed_after.setdefault(i + alive[k], []).append(entry)
+                    freed_block = i + int(alive[k])
+                    freed_in.setdefault(freed_block, []).append((entry, i + alive[k] - freed_block))
                 pending_out.append((entry.out_end, entry.size))
                 pending_bytes += entry.size
                 swapped.append(entry)
         now = start + block.forward_seconds
         if decision == "swap" and contended:
             now += swapped_bytes / out_rate
-        for entry in freed_after.pop(i, []):
-            leave_at(entry, now)
+        for entry, share in freed_in.pop(i, []):
+            leave_at(entry, start + share * block.forward_seconds)
     enter(now, loss_phase)
     now += profile.loss_seconds
     forward_end = now
-    for entries in freed_after.values():   # freed during the loss
-        for entry in entries:
+    for entries in freed_in.values():   # freed during the loss
+        for entry, _ in entries:
             leave_at(entry, forward_end)
     settle(forward_end)
     forward_end_ledger = ledger
@@ -423,15 +418,14 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
     static memory. Where the running phase's peak was measured, the profiling step had on its
     ledger what this plan's swapped tensors are (written out as saved, back when used): those are
     inside the measured peak, and what this plan holds besides (kept tensors, recompute inputs and
-    recomputed tensors, tensors prefetched ahead of use, and swapped tensors the forward has freed
-    whose copy out still runs: the profiling step waited for those at each block's start) comes on
-    top, and the whole ledger with the least other bytes of any phase (``least_other``) is a floor
-    under it. Elsewhere, the phase's other bytes come on top of the whole ledger."""
+    recomputed tensors, tensors prefetched ahead of use) comes on top, and the whole ledger with the
+    least other bytes of any phase (``least_other``) is a floor under it. Elsewhere, the phase's other
+    bytes come on top of the whole ledger."""
     # At equal times, events in the order the replay made them: the runtime's order (a tensor used
     # is freed before the prefetch that its room allows). Sorting plain tuples natively: a key
     # function would dominate.
     ordered = sorted((time, index) for index, (time, _, _, _, _) in enumerate(events))
-    resident, held, ahead, late, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0, 0.0, 0, []
+    resident, held, ahead, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0.0, 0, []
     phase = Phase(-1, 0, None)
     peak_phase = (phase.kind, phase.block)
     peak_position = 0
@@ -441,8 +435,6 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
             phase = entered
         elif kind == AHEAD:
             ahead += delta
-        elif kind == LATE:
-            late += delta
         else:
             resident += delta
             if kind == HELD:
@@ -453,7 +445,7 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
             # Never less than the ledger and the least working memory of any phase: resident memory
             # does not grow for every tensor (one brought back may reuse freed pages), so a measured
             # peak can miss some of them, and the runtime's ledger must fit the activation budget.
-            total = max(phase.peak + held + ahead + late, resident + least_other)
+            total = max(phase.peak + held + ahead, resident + least_other)
         else:
             total = resident + phase.other
         if total > total_peak:
@@ -468,6 +460,6 @@ def _holders(events, ordered) -> dict[int, int]:
     holders: dict[int, int] = {}
     for _, index in ordered:
         _, delta, kind, entered, block = events[index]
-        if entered is None and kind not in (AHEAD, LATE):
+        if entered is None and kind != AHEAD:
             holders[block] = holders.get(block, 0) + delta
     return {block: held for block, held in holders.items() if held > 0}

@@ -16,13 +16,14 @@ class BlockProfile:
     # cannot move (recorded while profiling: runtime/saved.py `_movable`), and, in the profile a plan
     # is made from, those under its ``min_swap_bytes`` (`plan.simulate.with_swap_threshold`).
     kept_when_swapped: list[int] = field(default_factory=list)
-    # For each of those storages, how many blocks after this one (in the order they ran) started
-    # while the forward still referenced it (0: freed within this block, as its intermediates are; 1:
-    # this block's output, freed once the next block has used it; more: a U-Net skip), and -1 where
-    # it outlived the loss. A swapped storage stays resident until its copy is out and it is freed
-    # (runtime/saved.py `poll`), so the simulator keeps it that long. Empty where not measured: it
-    # leaves when its copy is out.
-    saved_alive_blocks: list[int] = field(default_factory=list)
+    # For each of those storages, when the forward freed it, in blocks after this one in the order
+    # they ran: the whole part counts blocks, the fraction how far into that block's forward (by its
+    # saved storages). Below 1: freed within this block, as its intermediates are; about 1: this
+    # block's output, freed once the next block has used it; more: a U-Net skip; -1: it outlived the
+    # loss. A swapped storage stays resident until its copy is out and it is freed (runtime/saved.py
+    # `poll`), so the simulator keeps it that long. Empty where not measured: it leaves when its copy
+    # is out.
+    saved_alive_blocks: list[float] = field(default_factory=list)
     input_bytes: int = 0
     output_bytes: int = 0
     parameter_bytes: int = 0

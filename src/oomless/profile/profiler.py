@@ -87,10 +87,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
     if tier is not None:
         recorder.tier_stall_source = tier.collect_stall_seconds
-        if decisions is None and device.type != "meta":
-            # The sizing step reads when the forward frees each saved storage (at block starts), once
-            # the copies that still read them have ended: not a reading of how fast they ran.
-            recorder.finish_copies = state.engine.finish_copies
+        if decisions is None:
+            recorder.tier_is_out = tier.is_out   # the sizing step reads when the forward frees each saved storage
     try:
         output = call_model(model, example_inputs)
         loss_started = recorder.now()

@@ -50,12 +50,13 @@ class Recorder:
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[tuple, tuple[StorageWeakRef, int]] = {}
-        # Saved storages not yet seen freed by the forward: (weak reference, block index, index in its
-        # saved_sizes, position of that block in the forward's order). See
-        # `BlockProfile.saved_alive_blocks`. ``finish_copies`` (the profiler's, in the sizing step)
-        # waits for the swap tier's copies still running, which hold the storages they read.
-        self.saved_alive: list[tuple[StorageWeakRef, int, int, int]] = []
-        self.finish_copies = None
+        # When the forward frees each saved storage (`BlockProfile.saved_alive_blocks`), read in the
+        # sizing step, whose ``tier_is_out`` is the swap tier's: the runtime's entries not yet seen
+        # freed, as (entry, block index, index in its saved_sizes, position of that block in the
+        # forward's order), and those seen freed, with the position and the saves so far there.
+        self.saved_alive: list[tuple[object, int, int, int]] = []
+        self.saved_freed: list[tuple[int, int, int, int, int]] = []
+        self.tier_is_out = None
         self.resident: set[tuple] = set()
         self.probe = MemoryProbe(device)
         self.in_backward = False
@@ -159,26 +160,43 @@ class Recorder:
             del live[key]
         return sum(num_bytes for _, num_bytes in live.values())
 
-    def _saved_freed(self, position: int) -> None:
-        """Saved storages freed since the last look were alive until the forward phase at ``position``
-        (in the order the blocks ran; one past the last block: the loss) and no later."""
-        if self.finish_copies is not None:
-            self.finish_copies()
+    def _look_for_freed(self, position: int, saves: int) -> None:
+        """Note the saved storages the forward has freed by now: the phase at ``position`` (in the
+        order the blocks ran; one past the last block: the loss), ``saves`` storages into it."""
         still = []
         for record in self.saved_alive:
-            weak, index, k, saved_at = record
-            if weak.expired():
-                block = self.blocks[index]
-                if k < len(block.saved_alive_blocks):
-                    block.saved_alive_blocks[k] = max(position - saved_at, 0)
+            entry, index, k, saved_at = record
+            if self._freed_by_forward(entry):
+                self.saved_freed.append((index, k, saved_at, position, saves))
             else:
                 still.append(record)
         self.saved_alive = still
 
+    def _freed_by_forward(self, entry) -> bool:
+        """Whether nothing but the swap tier still references ``entry``'s storage. A copy still
+        running holds exactly one reference, its storage object (runtime/tiers.py), which must not
+        count: when the forward freed it is then read alike however fast the copies run."""
+        if entry.weak.expired():
+            return True
+        if entry.ticket is None or self.tier_is_out(entry.ticket):
+            return False
+        return torch._C._storage_Use_Count(entry.weak.cdata) <= 1
+
+    def _fill_lifetimes(self) -> None:
+        for index, k, saved_at, position, saves in self.saved_freed:
+            lifetime = float(position - saved_at)
+            if position < len(self.order):
+                # Freed after the ``saves``-th storage that block saved: that share into its forward.
+                count = len(self.blocks[self.order[position]].saved_sizes)
+                lifetime += min(saves / count, 1.0) if count else 0.0
+            self.blocks[index].saved_alive_blocks[k] = max(lifetime, 0.0)
+        self.saved_freed = []
+
     def forward_finished(self, output):
         if self.selective_meter is not None:
             self.selective_meter.__exit__(None, None, None)
-        self._saved_freed(len(self.order) - 1)
+        if self.saved_alive:
+            self._look_for_freed(len(self.order), 0)
         self._enter(("loss", _LOSS))
 
     def unassigned(self, num_bytes):
@@ -187,17 +205,18 @@ class Recorder:
     def fetched(self, num_bytes):
         pass
 
-    def saved(self, block_index, num_bytes, movable: bool = True, tensor=None):
+    def saved(self, block_index, num_bytes, movable: bool = True, tensor=None, entry=None):
         if self.selective_meter is not None and tensor is not None:
             self.selective_meter.saved(tensor)
         block = self.blocks[block_index]
         if not movable:
             block.kept_when_swapped.append(len(block.saved_sizes))
-        if self.finish_copies is not None and tensor is not None:
+        if self.tier_is_out is not None and entry is not None and block_index in self.order:
+            position = self.order.index(block_index)
+            if self.saved_alive:
+                self._look_for_freed(position, len(block.saved_sizes) + 1)
             block.saved_alive_blocks.append(ALIVE_INTO_BACKWARD)   # until seen freed
-            position = self.order.index(block_index) if block_index in self.order else len(self.order)
-            self.saved_alive.append((StorageWeakRef(tensor.untyped_storage()), block_index,
-                                     len(block.saved_sizes), position))
+            self.saved_alive.append((entry, block_index, len(block.saved_sizes), position))
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
@@ -205,10 +224,10 @@ class Recorder:
     def block_started(self, index, args):
         if self.in_backward:
             return
-        if self.saved_alive:
-            self._saved_freed(len(self.order) - 1)
         if index not in self.order:
             self.order.append(index)
+            if self.saved_alive:
+                self._look_for_freed(len(self.order) - 1, 0)
         block = self.blocks[index]
         block.calls += 1
         block.input_bytes += storage_bytes(tensors_in(args))
@@ -240,7 +259,8 @@ class Recorder:
             if not self.in_backward_marked:
                 # Saved storages freed during the loss were alive until it; the rest into backward.
                 self.in_backward_marked = True
-                self._saved_freed(len(self.order))
+                if self.saved_alive:
+                    self._look_for_freed(len(self.order), 0)
                 self.saved_alive = []
             self._enter(("backward", index))
             self.backward_marks.append((self.now() - self.tier_stall(), index))
@@ -252,6 +272,7 @@ class Recorder:
     def backward_finished(self) -> None:
         """Backward has ended: close the last interval and fill the derived transient fields."""
         self._enter(None)
+        self._fill_lifetimes()
         for block in self.blocks.values():
             if block.forward_other_bytes is not None:
                 block.forward_transient_bytes = max(block.forward_other_bytes - block.held_forward_bytes, 0)

@@ -98,7 +98,7 @@ class ForwardRegistry:
         entry.on_ledger = True
         ledger.add(entry.num_bytes)
         if self.engine.recorder is not None:
-            self.engine.recorder.saved(block_index, entry.num_bytes, movable, tensor)
+            self.engine.recorder.saved(block_index, entry.num_bytes, movable, tensor, entry)
         if decision == SWAP:
             data = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             entry.ticket = self.engine.tier.put(data)
@@ -275,13 +275,6 @@ class SavedTensorEngine:
                 self.tier.wait_out(entry.ticket)
             self.ledger.stall_seconds += time.perf_counter() - started
             self.poll()
-
-    def finish_copies(self) -> None:
-        """Wait for every copy out still running, and take what it freed off the ledger (profiling)."""
-        for entry in list(self.pending_out):
-            if entry.ticket is not None:
-                self.tier.wait_out(entry.ticket)
-        self.poll()
 
     def poll(self) -> None:
         """Take swapped-out storages off the ledger once their copy has completed and nothing else

@@ -102,7 +102,7 @@ class PinnedHostTier:
         # it off. Not `record_stream`: that counts the bytes as freed in `max_memory_allocated`
         # at once, yet keeps the block unusable until this stream passes an event recorded at
         # free time, behind every copy queued since, so the ledger's "out" would not mean free.
-        ticket.source = data
+        ticket.source = data.untyped_storage()   # the storage object alone: one reference (see DiskTier.put)
         return ticket
 
     def is_out(self, ticket: _CudaTicket) -> bool:
@@ -221,14 +221,18 @@ class DiskTier:
         with self._lock:
             self._pending.append(ticket)
             self._pending_bytes += ticket.num_bytes
-        ticket.written = self._writer.submit(self._write, ticket, [data])
+        # The writer holds the storage object alone, not a tensor: exactly one reference while the
+        # write runs, let go of before the write is seen done (the profiler's recorder reads past it
+        # when the forward frees each saved storage: profile/recorder.py `_freed_by_forward`).
+        ticket.written = self._writer.submit(self._write, ticket, [data.untyped_storage()])
         return ticket
 
     def _write(self, ticket: _DiskTicket, holding: list) -> None:
         started = time.perf_counter()
-        holding[0].numpy().tofile(ticket.path)
-        # Let go of the storage before the write is seen done: from then on only the forward can
-        # hold it (the profiler's recorder reads when the forward freed each saved storage).
+        storage = holding[0]
+        view = (ctypes.c_uint8 * ticket.num_bytes).from_address(storage.data_ptr())
+        np.frombuffer(view, dtype=np.uint8).tofile(ticket.path)
+        del view, storage
         holding.clear()
         self._count("out", ticket.num_bytes, time.perf_counter() - started)
         with self._lock:
