@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import oomless
 from oomless.plan.partition import in_flight_microbatches
+from oomless.profile import profiler
 from oomless.profile.selective import without_selective
 from oomless.sizes import parse_bytes
 
@@ -80,13 +81,24 @@ def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str
 def _replica_zero_plan(pipeline, make_plan):
     """Every replica plans (profiling runs BatchNorm's all-reduce over the replicas, so all must),
     then all take replica 0's plan."""
-    plan = make_plan()
     group = pipeline.dp_group
     if group is None or dist.get_world_size(group) == 1:
-        return plan
+        return make_plan()
+    previous = profiler.agree_across_replicas
+    profiler.agree_across_replicas = lambda choice: _any_replica(choice, group, pipeline.device)
+    try:
+        plan = make_plan()
+    finally:
+        profiler.agree_across_replicas = previous
     shared = [plan.to_json()]
     dist.broadcast_object_list(shared, group=group, group_src=0)
     return oomless.Plan.from_json(shared[0])
+
+
+def _any_replica(choice: bool, group, device: torch.device) -> bool:
+    flag = torch.tensor([int(choice)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 @torch.no_grad()

@@ -116,6 +116,16 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
 # A first step that keeps more than a quarter of its own peak rise is a fresh process starting up.
 COLD_START_SHARE = 4
 
+# Where replicas profile together (their BatchNorm's statistics all-reduced across them, as in
+# `parallel.stage_fit`), each must run as many profiling steps as the others, or their collectives
+# pair up wrongly and wait for ever: such callers set this to a function that agrees on a choice
+# across them (any replica's True makes it True for all). None: choices are this process's own.
+agree_across_replicas = None
+
+
+def _agreed(choice: bool) -> bool:
+    return choice if agree_across_replicas is None else agree_across_replicas(choice)
+
 
 def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
     """Times come from the timing step. Memory comes from the sizing step only: the timing step runs
@@ -193,7 +203,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         for p in parameters:
             p.grad = None
         kept = probe.current() - baseline["bytes"]
-        if kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20):
+        if _agreed(kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20)):
             # The first step of a process loads libraries and initialises kernels and thread pools,
             # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
             # step treats it). Measured again, from what the process holds now.
