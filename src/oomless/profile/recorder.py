@@ -178,9 +178,10 @@ class Recorder:
         count: when the forward freed it is then read alike however fast the copies run."""
         if entry.weak.expired():
             return True
-        if entry.ticket is None or self.tier_is_out(entry.ticket):
-            return False
-        return torch._C._storage_Use_Count(entry.weak.cdata) <= 1
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if entry.ticket is None or use_count is None or self.tier_is_out(entry.ticket):
+            return False    # (a torch without the count: alive until seen expired, the longer reading)
+        return use_count(entry.weak.cdata) <= 1
 
     def _fill_lifetimes(self) -> None:
         for index, k, saved_at, position, saves in self.saved_freed:
