@@ -121,6 +121,24 @@ def test_every_solver_plans_at_the_smallest_memory_it_names(solver, link):
     assert set(plan.decisions.values()) != {"keep"}
 
 
+@pytest.mark.parametrize("sizes", [
+    [(300, 20, 50), (20, 100, 10), (60, 100, 10), (100, 100, 50), (300, 50, 1)],
+    [(100, 100, 50), (100, 1, 200), (60, 5, 200), (20, 100, 10), (20, 20, 200), (100, 1, 1)],
+])
+def test_the_smallest_memory_named_still_plans_when_the_next_profile_measures_a_slower_link(sizes):
+    """A user gives back the budget a PlanError named; oomless profiles the step again and this time
+    the link measures 20 % slower (disk writeback, a busy bus). Copies that ended before the peak now
+    end after it, and the named budget must still plan. (saved MiB, forward ms, input MiB) per block:
+    blocks whose input is larger than what they save gain nothing from recompute, so the smallest plan
+    swaps and its peak depends on the link."""
+    blocks = [_block(f"b{i}", saved, forward, input_mib=inputs) for i, (saved, forward, inputs) in enumerate(sizes)]
+    with pytest.raises(oomless.PlanError) as error:
+        make_plan(_profile(blocks), 100 * MiB)
+    named = error.value.minimum_bytes
+    plan = make_plan(_profile(blocks, link_bytes_per_second=0.8e9), named)
+    assert plan.predicted_peak_bytes <= named
+
+
 def _measured_block(name, saved_mib, forward_other_mib, forward_peak_mib, backward_other_mib, backward_peak_mib):
     """A block as the profiler measures it: one saved storage, working memory and peaks per phase."""
     return BlockProfile(name=name, forward_seconds=0.01, backward_seconds=0.02, saved_bytes=saved_mib * MiB,

@@ -6,6 +6,8 @@ state, the step's inputs) + reserve (transient memory of forward and backward, e
 profile) + activation budget (saved activations, the ledger's domain).
 """
 
+from dataclasses import replace
+
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
 from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, forward_other_bytes, least_other_bytes,
@@ -146,6 +148,18 @@ def _pending_out_bound(profile: Profile, max_pending_out_bytes: int | None) -> i
     return max_pending_out_bytes
 
 
+# The link's bandwidth varies between two profiles of the same step (disk writeback, page cache, a
+# busy bus): the smallest budget named in a PlanError must also fit with a link this much slower,
+# so that giving it back, profiled again, still plans.
+LINK_NOISE = 0.75
+
+
+def _with_slower_link(profile: Profile) -> Profile:
+    link = profile.link
+    return replace(profile, link=replace(link, out_bytes_per_second=link.out_bytes_per_second * LINK_NOISE,
+                                         in_bytes_per_second=link.in_bytes_per_second * LINK_NOISE))
+
+
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None,
                     min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
     """The smallest budget any plan with ``min_swap_bytes`` fits, for this profile (without the
@@ -207,8 +221,10 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     frugal, frugal_timeline = _frugal_plan(profile, max_pending_out_bytes)
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
     # A second profile of the same step measures a little differently: the smallest budget
-    # reported carries a margin so that planning again with it succeeds.
-    minimum = _with_margin(exact_minimum)
+    # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
+    _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
+    minimum = _with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
+                                                       slower_timeline.total_peak_bytes))
     if memory_bytes < exact_minimum and decisions is None:
         limiting_name, why = _what_limits(profile, frugal_timeline)
         floor_name = limiting_name
