@@ -58,6 +58,7 @@ from planted_bugs import ROOT, copy_repository, run_tests, test_environment
 # minute or more each under load): the traced graphs and block sequences are built in-process.
 _TRACED_IN_PROCESS = tuple(f"tests/test_traced_pipeline.py::{name}" for name in (
     "test_what_cannot_be_traced_says_why_and_what_works", "test_sequence_for_prefers_the_hand_written_cuts",
+    "test_an_in_place_write_stays_in_the_block_that_made_the_tensor",
     "test_what_is_computed_from_sizes_alone_is_computed_again_in_each_block_never_sent",
     "test_candidate_blocks_keep_repeated_layers_whole", "test_rebuilt_blocks_call_the_modules_the_model_has_now",
     "test_project_models_with_code_between_modules_trace_exactly",
@@ -134,6 +135,11 @@ EQUIVALENT: dict[str, str] = {
         "unreachable: the one caller that can hold a slice without an optimizer (overlap.BucketUpdate.run) "
         "checks slice.optimizer first; update_in_backward makes slices only of parameters the optimizer "
         "holds. tests/test_optimizer_slices.py's head-only fine-tuning runs such buckets",
+    "parallel/stage_fit.py::_replica_zero_plan::constant::0 -> (1)":
+        "the replicas of a stage broadcast replica 1's plan in place of replica 0's: every replica still "
+        "installs one and the same plan (the function returns early for a group of one, so replica 1 "
+        "exists), each replica's plan is for the same stage on a shard of the same shape, and a plan "
+        "changes no value, only where the saved tensors live",
 }
 
 _COMPARE_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,

@@ -94,3 +94,43 @@ def test_remove_restores_the_model_exactly():
         assert (dict(module._forward_hooks), dict(module._forward_pre_hooks)) == hooks_before[name]
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+class _Scaled(torch.nn.Module):
+    """A block called with a tensor, a number and a flag, positionally and by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x, scale, shift=None, square=False):
+        y = torch.tanh(self.linear(x)) * scale
+        y = y + shift if shift is not None else y
+        return y.square() if square else y
+
+
+class _CallsWithArguments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _Scaled(), _Scaled()
+
+    def forward(self, x):
+        return self.second(self.first(x, 0.5, square=True), 2.0, shift=x)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_blocks_called_with_numbers_flags_and_keywords_equal_plain_pytorch(policy):
+    """The recompute calls each block again with its arguments as given: tensors (the recompute's
+    own inputs), numbers, flags and None in their places, positional or by keyword."""
+    torch.manual_seed(0)
+    model, inputs = _CallsWithArguments(), torch.randn(8, 32)
+    loss_fn = lambda out: out.square().mean()     # noqa: E731
+    reference = copy.deepcopy(model)
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
+                        decisions={"first": policy, "second": policy})
+    oomless.apply(model, plan)
+    _train(reference, inputs, loss_fn)
+    _train(model, inputs, loss_fn)
+    _assert_same(reference, model)
+    if policy == "recompute":
+        assert oomless.stats(model).recomputed_blocks >= 2

@@ -210,3 +210,26 @@ def test_cli_accepts_parallel_fsdp():
     args = build_parser().parse_args(["train", "--parallel", "fsdp", "--size", "16"])
     assert args.parallel == "fsdp"
     assert ParallelConfig(mode="fsdp").validate().sharded
+
+
+def test_apply_fsdp_shards_each_block_with_parameters_and_then_the_root(tmp_path):
+    """`apply_fsdp` makes each named block holding parameters its own FSDP2 unit, and the root one
+    too, so that parameters outside every block (the root's `scale`) are sharded and their gradients
+    reduced like the rest. One rank of gloo, in this process."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from oomless.parallel.sharded import apply_fsdp
+
+    model = _mlp()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = apply_fsdp(model, [f"layers.{index}" for index in range(11)])
+        assert sharded == [f"layers.{index}" for index in range(0, 11, 2)]
+        assert isinstance(model, FSDPModule) and isinstance(model.layers[0], FSDPModule)
+        assert not isinstance(model.layers[1], FSDPModule)         # a ReLU: nothing to shard
+        assert all(isinstance(parameter, DTensor) for parameter in model.parameters())
+        model(torch.randn(8, 16)).sum().backward()
+        assert isinstance(model.scale.grad, DTensor) and model.scale.grad.abs().sum() > 0
+    finally:
+        torch.distributed.destroy_process_group()

@@ -185,3 +185,49 @@ def test_the_predicted_ledger_fits_the_activation_budget_where_resident_memory_m
         plan = make_plan(profile, smallest, decisions=decisions, min_swap_bytes=0)
         assert plan.predicted_peak_bytes <= smallest
         assert plan.predicted_activation_peak_bytes <= plan.activation_budget, plan
+
+
+def test_each_phase_is_limited_to_the_budget_less_its_own_working_memory():
+    """The runtime lets saved activations onto the device up to each phase's limit: the budget beyond
+    static bytes and the margin, less what that phase holds besides them (measured). The plan's
+    activation budget is the limit of the phase that holds the least, so no phase's limit passes it,
+    and static bytes plus it stay within the memory given."""
+    others = [(5, 8), (3, 9), (7, 4)]       # (forward, backward) working memory in MiB, as measured
+    blocks = [_measured_block(f"b{i}", 6, forward_other_mib=forward, forward_peak_mib=forward + 6,
+                              backward_other_mib=backward, backward_peak_mib=backward + 6)
+              for i, (forward, backward) in enumerate(others)]
+    profile = _profile(blocks, link_bytes_per_second=1e10)
+    profile.loss_other_bytes = profile.loss_peak_bytes = 6 * MiB
+    plan = make_plan(profile, smallest_memory(profile, min_swap_bytes=0) + 20 * MiB, min_swap_bytes=0)
+    limits = [(block.forward_limit_bytes, block.backward_limit_bytes) for block in plan.blocks]
+    top = plan.activation_budget
+    assert limits == [(top - (forward - 3) * MiB, top - (backward - 3) * MiB) for forward, backward in others]
+    assert plan.static_bytes + plan.activation_budget + 3 * MiB <= plan.memory_bytes
+
+
+def test_selective_recompute_is_named_on_the_blocks_that_get_it():
+    """A block given "selective" is planned as a recompute that keeps its matmul and convolution
+    outputs (`BlockPlan.selective`); a block given "recompute" re-runs whole, and the other decisions
+    carry no selective flag."""
+    blocks = [_block(f"b{i}", 40, 20) for i in range(4)]
+    for block in blocks:
+        block.selective_kept_bytes, block.selective_unsaved_bytes, block.selective_time_share = 10 * MiB, 30 * MiB, 0.3
+    decisions = {"b0": "selective", "b1": "recompute", "b2": "keep", "b3": "swap"}
+    plan = make_plan(_profile(blocks), 2**40, decisions=decisions)
+    assert plan.decisions == {"b0": "recompute", "b1": "recompute", "b2": "keep", "b3": "swap"}
+    assert [block.selective for block in plan.blocks] == [True, False, False, False]
+    assert "selective" in plan.blocks[0].reason and "selective" not in plan.blocks[1].reason
+
+
+def test_the_simulated_forward_ends_holding_what_each_decision_keeps():
+    """At the end of the forward the simulated ledger holds, per block: everything it saved (keep),
+    its input (recompute), its input and its kept matmul/convolution outputs (selective); the
+    prefetch of the backward starts from that."""
+    blocks = [_block(f"b{i}", 40, 20, input_mib=2) for i in range(4)]
+    for block in blocks:
+        block.selective_kept_bytes, block.selective_unsaved_bytes, block.selective_time_share = 10 * MiB, 30 * MiB, 0.3
+    profile = _profile(blocks)
+    assert simulate(profile, ["keep"] * 4).forward_end_bytes == 4 * 40 * MiB
+    assert simulate(profile, ["recompute"] * 4).forward_end_bytes == 4 * 2 * MiB
+    assert simulate(profile, ["selective"] * 4).forward_end_bytes == 4 * (2 + 10) * MiB
+    assert simulate(profile, ["selective", "recompute", "keep", "recompute"]).forward_end_bytes == (12 + 2 + 40 + 2) * MiB

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import oomless
 from oomless.errors import ApplyError, InputError, PlanError
@@ -160,6 +161,33 @@ def test_on_cpu_a_slab_after_an_upsampling_is_as_thick_as_onednn_needs_in_the_up
     for up, convolution, x, expected in cases:
         graph = SlabGraph.of(nn.Sequential(up, convolution))
         assert slabs_module._most_slabs(graph, 1, graph.shapes((x,)), torch.device("cpu")) == expected
+
+
+class _CountClones(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.clones = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.clones += func is torch.ops.aten.clone.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_in_place_op_in_slabs_copies_only_what_it_must_not_write(thin_slabs):
+    """An in-place activation writes into its slab: into the chain's input it must not (a copy of
+    the slab first), into a slab the chain made itself it may (no copy: a copy per slab of every
+    in-place op would cost a slab's bytes and a pass over them)."""
+    x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)
+    stage = ConvStage(3, 6)            # Conv3d, BatchNorm3d, ReLU(inplace=True), twice
+    with _CountClones() as counted:
+        run_in_slabs(SlabGraph.chain(leaves(stage)), x, 4)
+    assert counted.clones == 0
+    reading_input = nn.Sequential(nn.ReLU(inplace=True), nn.Conv3d(3, 6, 3, padding=1))
+    before = x.detach().clone()
+    with _CountClones() as counted:
+        output = run_in_slabs(SlabGraph.chain(leaves(reading_input)), x, 4)
+    assert counted.clones == 4 and torch.equal(x.detach(), before)
+    assert _close(output, reading_input[1](torch.relu(before)))
 
 
 class _Residual(nn.Module):

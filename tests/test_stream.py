@@ -75,6 +75,23 @@ def test_each_gradient_path_of_the_outer_encoder_is_taken_once(thin_slabs):
     remove_split(model)
 
 
+def test_streamed_models_of_one_class_share_one_streamed_class():
+    """Streaming swaps the model's class for a subclass made once per model class: two streamed U-Nets,
+    and one streamed again after removal, have the same type (torch.compile's guards and pickling by
+    class name see one class; applying and removing in a loop creates no classes)."""
+    first, second = UNet3D(base_channels=4, depth=1), UNet3D(base_channels=4, depth=1)
+    apply_split(first, {STREAM: 5})
+    apply_split(second, {STREAM: 5})
+    streamed = type(first)
+    assert streamed is type(second) and streamed is not UNet3D and isinstance(first, UNet3D)
+    remove_split(first)
+    assert type(first) is UNet3D
+    apply_split(first, {STREAM: 5})
+    assert type(first) is streamed
+    remove_split(first)
+    remove_split(second)
+
+
 class _TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()

@@ -15,6 +15,7 @@ machine's speed.
 import copy
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -190,6 +191,32 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
     assert tier.tickets("prefetch") == list(reversed(range(blocks)))
     for fetched in range(blocks - 2):
         assert tier.calls.index(("release", fetched + 2)) < tier.calls.index(("prefetch", fetched))
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
+@pytest.mark.parametrize("window_storages, ahead", [(2, 2), (2 - 1e-9, 1)])
+def test_the_prefetch_window_counts_bytes_exactly(monkeypatch, window_storages, ahead):
+    """Backward brings swapped storages back ahead of use while the bytes fetched and not yet used fit
+    the plan's prefetch window: a window of exactly two storages keeps two ahead of the one in use, a
+    window one byte short of that keeps one (the budget here is far from binding)."""
+    blocks = 5
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(BATCH, WIDTH)
+    loss_fn = lambda out: out.sum()     # noqa: E731
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
+                        decisions={str(index): "swap" for index in range(blocks)})
+    storage_bytes = BATCH * WIDTH * 4
+    window = int(window_storages * storage_bytes)     # 2 - 1e-9 storages: one byte short of two
+    tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, 100 * storage_bytes, window, monkeypatch)
+
+    backward = [call for call in tier.calls if call[0] in ("prefetch", "get")]
+    for used in range(blocks - 1, 0, -1):
+        # When storage ``used`` is taken, the next ``ahead`` in backward's order are already coming back.
+        issued = [number for name, number in backward[:backward.index(("get", used))] if name == "prefetch"]
+        assert min(issued) == max(used - ahead, 0), (used, backward)
     for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
         assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
 

@@ -185,6 +185,32 @@ def test_what_is_computed_from_sizes_alone_is_computed_again_in_each_block_never
     assert torch.equal(sequence(inputs), model(inputs))
 
 
+class _WritesBack(nn.Module):
+    """Functional code writes in place into a tensor an earlier layer made, after the next layer read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        y = self.layers[1](h)
+        h.mul_(2)
+        y = self.layers[2](y + h)
+        return self.layers[3](y)
+
+
+def test_an_in_place_write_stays_in_the_block_that_made_the_tensor():
+    """A stage receives a copy of what crosses its cut: a write into a tensor made before the cut would
+    change the copy, not the tensor the earlier stage read. The cuts between the maker (layers_0) and
+    the writer are not offered: layers_0 to layers_2 are one block, and only one activation crosses."""
+    model, inputs = _WritesBack(), torch.randn(2, 4)
+    sequence = traced_sequence(model, inputs)
+    assert [block.name for block in sequence.blocks] == ["layers_0", "layers_3"]
+    assert len(sequence.crossing(1)) == 1
+    assert torch.equal(sequence(inputs), model(inputs))
+
+
 class _TupleOutputs(_Outputs):
     def forward(self, x):
         outputs = super().forward(x)
