@@ -71,11 +71,12 @@ BUGS = [
                "fits = timeline.total_peak_bytes <= budget",
                "fits = True", ("tests/test_planner.py",)),
     PlantedBug("slab halos one row short", "runtime/slabs.py",
-               "low, high = max(0, low - op.halo), min(depth, high + op.halo)",
-               "low, high = max(0, low - op.halo + 1), min(depth, high + op.halo)", ("tests/test_split.py",)),
+               "first, last = max(0, low - node.halo), min(depths[source], high + node.halo)",
+               "first, last = max(0, low - node.halo + 1), min(depths[source], high + node.halo)",
+               ("tests/test_split.py",)),
     PlantedBug("slabbed normalisation without its statistics' backward", "runtime/slabs.py",
-               "            for low, high in ctx.bounds:\n"
-               "                backpropagate(index, low, high, through_statistics)",
+               "            for low, high in _slab_bounds(depths[source], count):\n"
+               "                backpropagate(source, low, high, through_statistics)",
                "            pass", ("tests/test_split.py",)),
 ]
 
