@@ -69,6 +69,11 @@ def _views_model():
     return nn.Sequential(ChunkProduct(), ShiftedScale(), TransposedProduct(), ChunkProduct())
 
 
+def _assert_same_gradients(reference: nn.Module, model: nn.Module) -> None:
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+
+
 def test_swapped_views_come_back_at_their_offsets_and_strides():
     model = _views_model()
     reference = copy.deepcopy(model)
@@ -162,15 +167,22 @@ class LinearRelu(nn.Module):
         return torch.relu(self.linear(x))
 
 
-def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monkeypatch):
-    blocks = 6
+def _linear_relus(blocks: int, decisions: dict[str, str] | None = None):
+    """(model, plain reference, inputs, loss_fn, plan): ``blocks`` LinearRelu blocks, each saving exactly
+    its output (the loss saves nothing), planned with every block swapped except as ``decisions`` say."""
     torch.manual_seed(0)
     model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
     reference = copy.deepcopy(model)
     inputs = torch.randn(BATCH, WIDTH)
-    loss_fn = lambda out: out.sum()     # noqa: E731  (saves nothing: each block saves exactly its output)
+    loss_fn = lambda out: out.sum()     # noqa: E731
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
-                        decisions={str(index): "swap" for index in range(blocks)})
+                        decisions={str(index): "swap" for index in range(blocks)} | (decisions or {}))
+    return model, reference, inputs, loss_fn, plan
+
+
+def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monkeypatch):
+    blocks = 6
+    model, reference, inputs, loss_fn, plan = _linear_relus(blocks)
     # Room for two blocks' outputs, in every phase: the third saved storage must wait for a copy.
     storage_bytes = BATCH * WIDTH * 4
     budget = 2 * storage_bytes
@@ -191,8 +203,7 @@ def test_a_slow_tier_makes_swaps_wait_and_prefetch_pause_within_the_budget(monke
     assert tier.tickets("prefetch") == list(reversed(range(blocks)))
     for fetched in range(blocks - 2):
         assert tier.calls.index(("release", fetched + 2)) < tier.calls.index(("prefetch", fetched))
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    _assert_same_gradients(reference, model)
 
 
 @pytest.mark.parametrize("window_storages, ahead", [(2, 2), (2 - 1e-9, 1)])
@@ -201,13 +212,7 @@ def test_the_prefetch_window_counts_bytes_exactly(monkeypatch, window_storages, 
     the plan's prefetch window: a window of exactly two storages keeps two ahead of the one in use, a
     window one byte short of that keeps one (the budget here is far from binding)."""
     blocks = 5
-    torch.manual_seed(0)
-    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
-    reference = copy.deepcopy(model)
-    inputs = torch.randn(BATCH, WIDTH)
-    loss_fn = lambda out: out.sum()     # noqa: E731
-    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
-                        decisions={str(index): "swap" for index in range(blocks)})
+    model, reference, inputs, loss_fn, plan = _linear_relus(blocks)
     storage_bytes = BATCH * WIDTH * 4
     window = int(window_storages * storage_bytes)     # 2 - 1e-9 storages: one byte short of two
     tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, 100 * storage_bytes, window, monkeypatch)
@@ -217,21 +222,14 @@ def test_the_prefetch_window_counts_bytes_exactly(monkeypatch, window_storages, 
         # When storage ``used`` is taken, the next ``ahead`` in backward's order are already coming back.
         issued = [number for name, number in backward[:backward.index(("get", used))] if name == "prefetch"]
         assert min(issued) == max(used - ahead, 0), (used, backward)
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    _assert_same_gradients(reference, model)
 
 
 def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
     """Backward reaches a recomputed block while earlier blocks' copies out are still running (a slow
     disk, a short loss): the recomputed tensors join the ledger only after those copies have made room."""
     blocks = 5
-    torch.manual_seed(0)
-    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
-    reference = copy.deepcopy(model)
-    inputs = torch.randn(BATCH, WIDTH)
-    loss_fn = lambda out: out.sum()     # noqa: E731
-    decisions = {str(index): "swap" for index in range(blocks - 1)} | {str(blocks - 1): "recompute"}
-    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, decisions=decisions)
+    model, reference, inputs, loss_fn, plan = _linear_relus(blocks, {str(blocks - 1): "recompute"})
     storage_bytes = BATCH * WIDTH * 4
     budget = 2 * storage_bytes
     tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, 0, monkeypatch)
@@ -244,8 +242,7 @@ def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
     last_put = tier.tickets("put")[-1]
     assert ("wait_out", last_put - 1) in tier.calls
     assert stats.resident_activation_bytes == 0
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    _assert_same_gradients(reference, model)
 
 
 def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
@@ -253,13 +250,7 @@ def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
     the others four. Once backward has left the last block its tighter limit no longer binds: the
     prefetch of block 1's output goes out while block 4's backward runs, not two blocks later."""
     blocks = 6
-    torch.manual_seed(0)
-    model = nn.Sequential(*(LinearRelu() for _ in range(blocks)))
-    reference = copy.deepcopy(model)
-    inputs = torch.randn(BATCH, WIDTH)
-    loss_fn = lambda out: out.sum()     # noqa: E731
-    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0,
-                        decisions={str(index): "swap" for index in range(blocks)})
+    model, reference, inputs, loss_fn, plan = _linear_relus(blocks)
     storage_bytes = BATCH * WIDTH * 4
     limits = [4 * storage_bytes] * (blocks - 1) + [2 * storage_bytes]
     plan = dataclasses.replace(plan, activation_budget=4 * storage_bytes, prefetch_bytes=None,
@@ -274,8 +265,7 @@ def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
     assert oomless.stats(model).peak_activation_bytes == 4 * storage_bytes
     assert tier.calls.index(("release", 5)) < tier.calls.index(("prefetch", 1)) < tier.calls.index(("get", 4))
     assert tier.calls.index(("release", 4)) < tier.calls.index(("prefetch", 0)) < tier.calls.index(("get", 3))
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    _assert_same_gradients(reference, model)
 
 
 def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
@@ -348,5 +338,4 @@ def test_a_model_with_a_sparse_buffer_plans_and_swaps_its_dense_tensors_only():
     model(inputs).sum().backward()
     reference(inputs).sum().backward()
     assert oomless.stats(model).offloaded_bytes > 0
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected.grad, actual.grad), f"gradient of {name} differs"
+    _assert_same_gradients(reference, model)
