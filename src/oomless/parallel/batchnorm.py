@@ -15,8 +15,8 @@ data-dependent shape: **one host synchronisation per BatchNorm layer per forward
 a CUDA graph is being captured; pytorch/pytorch#78549, #78656). Its backward all-reduces (sum_dy,
 sum_dy_xmu) without any host synchronisation. ``GlobalBatchNorm`` has no host synchronisation (equal
 shards: the count is known), but two all-reduces per layer forward and unfused elementwise kernels
-that save more activations for backward, so ``SyncBatchNorm`` stays the CUDA choice until a GPU
-measurement says otherwise.
+(it saves one input-sized tensor for backward, as BatchNorm does), so ``SyncBatchNorm`` stays the CUDA
+choice until a GPU measurement says otherwise.
 
 `convert_batchnorm_for_data_parallel` swaps the layers in place, reusing the same parameter and buffer
 tensors, so parameter names, the optimizer and hooks installed on parent modules are unaffected. It
@@ -71,10 +71,13 @@ class GlobalBatchNorm(_BatchNorm):
                 self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
                 unbiased = variance.detach() * (count / max(count - 1, 1))
                 self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-        normalised = centred * torch.rsqrt(variance + self.eps).view(shape)
-        if self.affine:
-            normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
-        return normalised
+        # One input-sized tensor saved for backward, as torch's BatchNorm saves its input: the scale is
+        # folded per channel first, so the product saves ``centred`` (saved by the variance already)
+        # and the channels' scale, not the normalised tensor a separate affine product would save.
+        scale = torch.rsqrt(variance + self.eps)
+        if not self.affine:
+            return centred * scale.view(shape)
+        return centred * (scale * self.weight).view(shape) + self.bias.view(shape)
 
 
 def _this_rank_only(tensor: torch.Tensor) -> torch.Tensor:
