@@ -336,8 +336,9 @@ def test_data_parallel_api_without_torchrun_is_world_size_one(tmp_path):
 
 def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
     """While profiled (`statistics_of_each_rank`) a global BatchNorm takes the path it trains on under
-    data parallel (unfused: it saves its centred and normalised input), with this rank's statistics
-    and no collective (no process group exists here: one would raise); afterwards it is as before."""
+    data parallel (unfused ops), with this rank's statistics and no collective (no process group exists
+    here: one would raise); afterwards it is as before. Unfused, it still keeps one input-sized storage
+    for backward, as torch's fused BatchNorm does (its centred input; the affine scale is per channel)."""
     from oomless.parallel.batchnorm import GlobalBatchNorm, convert_batchnorm_for_data_parallel, statistics_of_each_rank
 
     torch.manual_seed(0)
@@ -347,19 +348,28 @@ def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
     assert convert_batchnorm_for_data_parallel(model, torch.device("cpu")) == 1
     inputs = torch.randn(2, 1, 8, 8, 8)
 
-    def saved_bytes(module):
-        sizes = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.untyped_storage().nbytes()) or t,
-                                                      lambda t: t):
+    def saved(module):
+        """(output, sizes of the saved tensors in order, {storage: bytes} of the distinct ones)."""
+        sizes, storages = [], {}
+
+        def pack(tensor):
+            sizes.append(tensor.untyped_storage().nbytes())
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output = module(inputs)
-        return output, sorted(sizes)
+        return output, sorted(sizes), storages
 
     with statistics_of_each_rank(model):
-        output, profiled = saved_bytes(model)
+        output, profiled, profiled_storages = saved(model)
     assert not dist.is_initialized()
-    expected, fused = saved_bytes(plain)
+    expected, fused, fused_storages = saved(plain)
     torch.testing.assert_close(output, expected)
-    assert profiled != fused and profiled.count(2 * 4 * 8**3 * 4) > fused.count(2 * 4 * 8**3 * 4)
+    activation = 2 * 4 * 8**3 * 4          # the convolution's output: BatchNorm's input
+    assert profiled != fused and profiled.count(activation) > fused.count(activation)      # other ops
+    assert list(profiled_storages.values()).count(activation) == list(fused_storages.values()).count(activation) == 2
+    assert sum(profiled_storages.values()) - sum(fused_storages.values()) < 1024          # per-channel tensors
     assert not model[1].each_rank_alone and isinstance(model[1], GlobalBatchNorm)
-    _, alone = saved_bytes(model)               # outside: no group, so the fused path again
+    _, alone, _ = saved(model)             # outside: no group, so the fused path again
     assert alone == fused
