@@ -393,8 +393,8 @@ class _Prepared:
             return oomless.plan(planned, self.inputs, refused.value.minimum_bytes, loss_fn=self.loss_fn,
                                 profile=self.profile, min_swap_bytes=0)
         if kind == "floor":
-            return oomless.plan(planned, self.inputs, smallest_memory(self.profile), loss_fn=self.loss_fn,
-                                profile=self.profile, min_swap_bytes=0)
+            return oomless.plan(planned, self.inputs, smallest_memory(self.profile, min_swap_bytes=0),
+                                loss_fn=self.loss_fn, profile=self.profile, min_swap_bytes=0)
         if kind == "selective":
             decisions = {block.name: "selective" if block.selective_kept_bytes is not None else "recompute"
                          for block in self.profile.blocks}
