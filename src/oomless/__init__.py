@@ -5,9 +5,14 @@
 
 from oomless.api import apply, fit, installed_plan, plan, profile, remove, simulate, stats, sum_of_outputs
 from oomless.errors import ApplyError, InputError, OomlessError, PlanError, SizeError
+from oomless.models.vision import make_torchvision_importable
 from oomless.plan.devices import Device, register_device
 from oomless.plan.plan import BlockPlan, Plan
 from oomless.sizes import format_bytes, parse_bytes
+
+# Before anything else imports torchvision (transformers does, for its image models): beside a
+# CPU-only torch its C++ extension does not load, and `import torchvision` fails without this.
+make_torchvision_importable()
 
 __all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "installed_plan", "Plan", "BlockPlan",
            "Device", "register_device",
