@@ -162,8 +162,9 @@ _IMPORT_IT = """import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "made-importable":
-    from oomless.models.vision import make_torchvision_importable
-    assert make_torchvision_importable() and not make_torchvision_importable()   # a second call does nothing
+    import oomless                          # calls make_torchvision_importable (oomless/__init__.py)
+    from oomless.models import vision
+    assert vision._standin_library is not None and not vision.make_torchvision_importable()   # once only
 try:
     import torchvision
 except RuntimeError as error:

@@ -92,6 +92,9 @@ def test_a_workspace_left_by_an_earlier_profile_counts_in_the_next():
 
 
 def test_the_rehearsed_plan_holding_more_than_predicted_raises_the_margin():
+    # In a fresh process the first profile's first step is start-up: its sizes are measured again on
+    # a second step, which would already hold the 16 MiB. A profile before makes this process warm.
+    profile(WiderOnItsSecondStep())
     measured = profile(WiderOnItsSecondStep())
     assert measured.rehearsal_excess_bytes >= 0.9 * WIDE_BYTES
     plan = oomless.plan(WiderOnItsSecondStep(), torch.randn(16, WIDTH), "1GiB", profile=measured,
