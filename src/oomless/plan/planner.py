@@ -220,12 +220,12 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     frugal, frugal_timeline = _frugal_plan(profile, max_pending_out_bytes)
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
-    # A second profile of the same step measures a little differently: the smallest budget
-    # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
-    _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
-    minimum = _with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
-                                                       slower_timeline.total_peak_bytes))
     if memory_bytes < exact_minimum and decisions is None:
+        # A second profile of the same step measures a little differently: the smallest budget
+        # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
+        _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
+        minimum = _with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
+                                                           slower_timeline.total_peak_bytes))
         limiting_name, why = _what_limits(profile, frugal_timeline)
         floor_name = limiting_name
         if static_bytes + margin >= memory_bytes:
