@@ -13,6 +13,7 @@ from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
+from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
                                      remove_compile)
@@ -285,6 +286,8 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         except Exception:
             remove(model)                   # all or nothing: the model is left as it was
             raise
+    if device.type == "cpu":
+        give_back_free_heap()               # planning's freed objects: the budget is resident memory
     return model
 
 

@@ -225,7 +225,10 @@ def static_parts(profile: Profile, gradient_device_bytes: int, state_device_byte
             StaticPart("optimizer state", profile.optimizer_state_bytes,
                        min(state_device_bytes, profile.optimizer_state_bytes), state_where),
             StaticPart("buffers", profile.buffer_bytes, profile.buffer_bytes, ON_DEVICE),
-            StaticPart("inputs", profile.input_bytes, profile.input_bytes, ON_DEVICE)]
+            StaticPart("inputs", profile.input_bytes, profile.input_bytes, ON_DEVICE),
+            StaticPart("allocator and objects", profile.static_overhead_bytes, profile.static_overhead_bytes,
+                       f"{ON_DEVICE} (page rounding and each static tensor's objects on CPU, allocator rounding "
+                       "on CUDA; profile.tensors.static_overhead_bytes)")]
 
 
 def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:

@@ -91,6 +91,10 @@ class Profile:
     # What the profiler's timing step, run under a plan, held beyond static bytes over the simulator's
     # prediction for that plan (0: within it, or not rehearsed): the planner's margin covers it.
     rehearsal_excess_bytes: int = 0
+    # What the process holds for the static tensors beyond their bytes (`tensors.static_overhead_bytes`:
+    # on CPU page rounding and each tensor's objects, measured ~16 KiB per trainable parameter with Adam;
+    # on CUDA the caching allocator's rounding); 0 in profiles made on meta tensors for a target.
+    static_overhead_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:

@@ -21,7 +21,7 @@ from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
-from oomless.profile.tensors import call_model, check_inputs_device, storage_bytes, tensors_in
+from oomless.profile.tensors import call_model, check_inputs_device, static_overhead_bytes, storage_bytes, tensors_in
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -268,6 +268,9 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=optimizer_state_bytes(optimizer, model, notes),
         input_bytes=storage_bytes(tensors_in(example_inputs)),
+        static_overhead_bytes=static_overhead_bytes(
+            device, len(trainable), len(parameters) - len(trainable) + len(list(model.buffers()))
+            + len(tensors_in(example_inputs))),
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=loss_seconds,
         link=recorder.link or measure_link(str(device)),

@@ -30,6 +30,33 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+# What the process holds beyond a static tensor's bytes, per tensor. CPU (glibc, with oomless's 64 KiB
+# mmap threshold, `profile.rss.return_freed_memory_to_the_system`): a tensor of 64 KiB or more is its
+# own mapping, its bytes plus a header rounded up to pages (~4 KiB more), a smaller one a heap chunk
+# plus its TensorImpl, storage and Python objects (~0.9 KiB more). Measured on the step of a
+# 128-wide transformer with Adam (`bench/bench_beyond.py` sizes, depths 8 to 64): plain PyTorch holds
+# 16-17 KiB per trainable parameter beyond its bytes, its gradient's and its two moments' between
+# steps; with the update in backward and the state and parameters on disk (tickets, hooks, the
+# optimizer's per-parameter step tensor) 10 KiB. CUDA: the caching allocator rounds each block up to
+# 512 bytes, 256 on average, for the parameter, its gradient and two states.
+CPU_BYTES_PER_TRAINABLE_PARAMETER = 16 * 1024
+CPU_BYTES_PER_OTHER_TENSOR = 4 * 1024
+CUDA_BYTES_PER_TRAINABLE_PARAMETER = 4 * 256
+CUDA_BYTES_PER_OTHER_TENSOR = 256
+
+
+def static_overhead_bytes(device: torch.device, trainable_parameters: int, other_tensors: int) -> int:
+    """Bytes the process holds for ``trainable_parameters`` (each with its gradient and optimizer
+    state) and ``other_tensors`` (frozen parameters, buffers, inputs) beyond their bytes: the static
+    bytes as the allocator holds them. On CPU the budget is the whole process's resident memory, so
+    this is what a step of plain PyTorch holds too; 0 on other devices than CPU and CUDA."""
+    if device.type == "cpu":
+        return trainable_parameters * CPU_BYTES_PER_TRAINABLE_PARAMETER + other_tensors * CPU_BYTES_PER_OTHER_TENSOR
+    if device.type == "cuda":
+        return trainable_parameters * CUDA_BYTES_PER_TRAINABLE_PARAMETER + other_tensors * CUDA_BYTES_PER_OTHER_TENSOR
+    return 0
+
+
 def model_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device

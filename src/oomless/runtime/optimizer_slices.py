@@ -1,7 +1,9 @@
 """A slice of the user's optimizer: one ``torch.optim`` optimizer of the user's own class over some of
 its parameters, with the user's param-group settings and the user's state dict. The overlapped
 data-parallel update steps one slice per gradient bucket (`oomless.parallel.overlap`); the update in
-backward one slice per parameter (`oomless.runtime.update_in_backward`).
+backward one parameter at a time (`oomless.runtime.update_in_backward`, `step_only`) through one slice
+per param group: an optimizer object per parameter cost ~3 KiB of host memory each (its hook
+dictionaries and group), which on a CPU run is the budget's memory too.
 
 Why a slice steps bit for bit as the user's optimizer: every ``torch.optim`` optimizer whose state is
 per parameter (SGD, Adam, AdamW, RMSprop, Adagrad, NAdam, ...) computes each parameter on its own, in
@@ -58,6 +60,9 @@ class OptimizerSlice:
         for param in self.parameters:
             by_group.setdefault(group_of[param], []).append(param)
         self.group_indices = sorted(by_group)
+        self._by_group = by_group
+        self._group_position = {param: position for position, index in enumerate(self.group_indices)
+                                for param in by_group[index]}
         self.optimizer: torch.optim.Optimizer | None = None
         if not self.parameters:
             return
@@ -90,3 +95,20 @@ class OptimizerSlice:
     def step(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
+
+    def step_only(self, param: nn.Parameter) -> None:
+        """Step ``param`` alone, one of this slice's parameters: for the call the optimizer holds one
+        group, ``param``'s, whose parameter list is ``[param]``, which is the step of a slice over that
+        parameter alone (the slice's other parameters may hold gradients still accumulating)."""
+        position = self._group_position.get(param)
+        if position is None:
+            raise KeyError(f"not a parameter of this slice: {tuple(param.shape)}")
+        groups = self.optimizer.param_groups
+        group = groups[position]
+        self.optimizer.param_groups = [group]
+        group["params"] = [param]
+        try:
+            self.optimizer.step()
+        finally:
+            group["params"] = self._by_group[self.group_indices[position]]
+            self.optimizer.param_groups = groups

@@ -174,12 +174,29 @@ class PinnedHostTier:
 
 
 class _DiskTicket:
+    """A tensor's bytes in a file. ``written``: the write's future until it succeeded, then None (a
+    future holds a condition and a lock, ~1 KiB of host memory: optimizer state and parameters keep
+    their tickets for the whole run, thousands of them)."""
+
     __slots__ = ("path", "num_bytes", "written", "read")
 
     def __init__(self, path: str, num_bytes: int):
         self.path, self.num_bytes = path, num_bytes
         self.written: Future | None = None
         self.read: Future | None = None
+
+    def wait_written(self) -> None:
+        future = self.written
+        if future is not None:
+            future.result()
+
+    def is_written(self) -> bool:
+        future = self.written
+        return future is None or future.done()
+
+    def _forget_write(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.written = None
 
 
 DISK_MAX_PENDING_BYTES = 256 * 2**20
@@ -225,6 +242,7 @@ class DiskTier:
         # write runs, let go of before the write is seen done (the profiler's recorder reads past it
         # when the forward frees each saved storage: profile/recorder.py `_freed_by_forward`).
         ticket.written = self._writer.submit(self._write, ticket, [data.untyped_storage()])
+        ticket.written.add_done_callback(ticket._forget_write)
         return ticket
 
     def _write(self, ticket: _DiskTicket, holding: list) -> None:
@@ -246,21 +264,21 @@ class DiskTier:
                 if not self._pending or self._pending_bytes + num_bytes <= self.max_pending_bytes:
                     break
                 oldest = self._pending[0]
-            oldest.written.result()
+            oldest.wait_written()
         self.stall_seconds += time.perf_counter() - started
 
     def is_out(self, ticket: _DiskTicket) -> bool:
-        return ticket.written.done()
+        return ticket.is_written()
 
     def wait_out(self, ticket: _DiskTicket) -> None:
-        ticket.written.result()
+        ticket.wait_written()
 
     def prefetch(self, ticket: _DiskTicket) -> None:
         if ticket.read is None:
             ticket.read = self._reader.submit(self._read, ticket)
 
     def _read(self, ticket: _DiskTicket) -> torch.Tensor:
-        ticket.written.result()
+        ticket.wait_written()
         started = time.perf_counter()
         data = torch.from_numpy(np.fromfile(ticket.path, dtype=np.uint8))
         self._count("in", ticket.num_bytes, time.perf_counter() - started)
@@ -284,10 +302,11 @@ class DiskTier:
 
     def release(self, ticket: _DiskTicket) -> None:
         ticket.read = None
-        if ticket.written.done():
+        future = ticket.written
+        if future is None or future.done():
             _remove_quietly(ticket.path)
         else:
-            ticket.written.add_done_callback(lambda _: _remove_quietly(ticket.path))
+            future.add_done_callback(lambda _: _remove_quietly(ticket.path))
 
     def collect_stall_seconds(self) -> float:
         stalled, self.stall_seconds = self.stall_seconds, 0.0

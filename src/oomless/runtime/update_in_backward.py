@@ -16,9 +16,10 @@ optimizer step into the backward pass" and of ``torch.distributed.optim._apply_o
 (``oomless.remove(model)``), which leaves the model and optimizer exactly as plain PyTorch uses them.
 
 Why the result is bit for bit the plain step's:
-- Each parameter is stepped by a slice of the user's optimizer over that parameter alone
-  (`oomless.runtime.optimizer_slices`): the user's class, its group's settings re-read at each step,
-  the user's state dict. Per-parameter optimizers compute each parameter on its own.
+- Each parameter is stepped alone by a slice of the user's optimizer (`oomless.runtime.optimizer_slices`,
+  ``step_only``: its group's parameter list is that one parameter for the call): the user's class, its
+  group's settings re-read at each step, the user's state dict. Per-parameter optimizers compute each
+  parameter on its own.
 - Autograd runs a parameter's AccumulateGrad node only after every node that contributes to its
   gradient, and those are the nodes that saved it; so no later part of backward reads the parameter
   the update has just written (a recomputed block recomputes before its own parameters' gradients
@@ -98,7 +99,8 @@ class UpdateInBackward:
         if not self.names:
             raise InputError("the optimizer holds none of the model's trainable parameters: nothing to update "
                              "per parameter (pass the optimizer that trains this model)")
-        self.slices = {param: OptimizerSlice(optimizer, [param], group_of) for param in self.names}
+        # One slice over every parameter updated here; each update steps one of them (`step_only`).
+        self.slice = OptimizerSlice(optimizer, list(self.names), group_of)
         self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
         self.steps_in_backward = 0                              # counted for tests and stats
         self.state = self.parameters_off = None
@@ -115,11 +117,10 @@ class UpdateInBackward:
         setattr(optimizer, STATE_ATTRIBUTE, self)
 
     def _update(self, param: nn.Parameter) -> None:
-        update = self.slices[param]
-        update.read_settings()
+        self.slice.read_settings()
         if self.state is not None:
             self.state.bring_in(param)
-        update.step()
+        self.slice.step_only(param)
         param.grad = None               # this gradient's memory is free for the rest of backward
         if self.state is not None:
             self.state.send_out(param)
