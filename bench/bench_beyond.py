@@ -5,6 +5,7 @@ and its step time (issue 12).
     python bench/bench_beyond.py --model hf:gpt2 --memory 128MiB      # Hugging Face GPT-2 (transformers)
     python bench/bench_beyond.py --device cuda --dim 1024 --vocab-size 50257 --length 1024 --memory 16GiB
     python bench/bench_beyond.py --quick --out /tmp/beyond.json       # tiny ladder, seconds (CI runs it)
+    python bench/bench_beyond.py --placements 16 --timing-rounds 9    # step time of each static placement
 
 Methods, each on the same model (blocks of width ``--dim``, depth from a ladder), Adam, batch and
 sequence fixed:
@@ -159,6 +160,45 @@ def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_byte
     return record
 
 
+# The static placements timed side by side (``--placements``): every one forced, the memory generous
+# so that the activations are kept alike; the target (issue 12) is the state off the device at
+# <= 1.3x the step with everything on it.
+PLACEMENTS = {
+    "on device": dict(update_in_backward=False, offload_optimizer_state=False, offload_parameters=False),
+    "update in backward": dict(update_in_backward=True, offload_optimizer_state=False, offload_parameters=False),
+    "state off the device": dict(update_in_backward=True, offload_optimizer_state=True, offload_parameters=False),
+    "state and parameters off": dict(update_in_backward=True, offload_optimizer_state=True, offload_parameters=True),
+}
+
+
+def run_placements(model_name: str, depth: int, sizes: dict, rounds: int, device: torch.device) -> dict:
+    """Step time of plain PyTorch and of oomless under each static placement, at one depth, in one
+    process, their steps interleaved round by round (ratios are what count)."""
+    import oomless
+
+    runs = {}
+    for name, moved in [("plain", None), *PLACEMENTS.items()]:
+        model, tokens, loss_fn, _ = build(model_name, depth, sizes, device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        if moved is not None:
+            # Memory to spare: every block is kept, so only the placement differs.
+            oomless.fit(model, tokens, 64 * 2**30, loss_fn=loss_fn, optimizer=optimizer, **moved)
+        runs[name] = (model, tokens, loss_fn, optimizer, [])
+    for _ in range(rounds):
+        for model, tokens, loss_fn, optimizer, seconds in runs.values():
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(tokens)).backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - started)
+    medians = {name: statistics.median(run[4][1:]) for name, run in runs.items()}
+    return {"depth": depth, "rounds": rounds, "step_seconds": medians,
+            "relative_to_on_device": {name: value / medians["on device"] for name, value in medians.items()},
+            "relative_to_plain": {name: value / medians["plain"] for name, value in medians.items()}}
+
+
 def run_timing(methods: list[str], model_name: str, depth: int, sizes: dict, memory_bytes: int, rounds: int,
                device: torch.device) -> dict:
     """Step time of every method at one depth, in one process, their steps interleaved round by round,
@@ -254,6 +294,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every child")
     parser.add_argument("--timing-rounds", type=int, default=5,
                         help="interleaved steps per method at the deepest depth every method trains (0: none)")
+    parser.add_argument("--placements", type=int, metavar="DEPTH", default=None,
+                        help="instead of the search: time plain PyTorch and each static placement (on the device, "
+                             "update in backward, state off the device, state and parameters off) at this depth, "
+                             "interleaved, --timing-rounds steps each (at least 3)")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "DEPTH"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -274,6 +318,17 @@ def main() -> None:
     sizes = dict(dim=32, heads=2, vocab_size=128, batch=2, length=32) if args.quick else \
         dict(dim=args.dim, heads=max(1, args.dim // 32), vocab_size=args.vocab_size, batch=args.batch,
              length=args.length)
+    if args.placements is not None:
+        torch.set_num_threads(args.threads)
+        timing = run_placements(args.model, args.placements, sizes, max(args.timing_rounds, 3), device)
+        print("step time relative to everything on the device: " + ", ".join(
+            f"{name} {ratio:.2f}x" for name, ratio in timing["relative_to_on_device"].items()), flush=True)
+        record = {"provenance": common.provenance(device, threads=args.threads), "model": args.model, "sizes": sizes,
+                  "placements": {name: moved for name, moved in PLACEMENTS.items()}, "timing": timing}
+        out = args.out or common.BENCH_DIRECTORY / "results" / \
+            f"placements-{args.device}-{args.model.replace(':', '-')}-{time.strftime('%Y-%m-%d')}.json"
+        common.write_result(out, record)
+        return
     ladder = (1, 2) if args.quick else LADDER
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))

@@ -70,6 +70,37 @@ def test_offloaded_parameters_train_bit_equal(policy, transformer_profile):
         assert torch.equal(expected, actual)
 
 
+def test_blocks_of_single_modules_whose_output_view_is_changed_in_place_train_bit_equal():
+    """Blocks that are single Linear layers on 3D inputs (their output is a view of the matmul's) and
+    a model that adds in place into an output: autograd rebuilds the view's history, so the hook on the
+    block's output node never runs; the saved weight is brought back when backward unpacks it."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 32)
+            self.fc_out = torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            branch = self.fc_out(F.gelu(self.fc(x)))
+            branch += x                             # in place into fc_out's output, a view
+            return branch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Residual(), Residual())
+    inputs = torch.randn(2, 8, 16)
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
+    loss_fn = lambda out: out.square().mean()      # noqa: E731
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, offload_parameters=True,
+                blocks=[torch.nn.Linear])
+    assert set(oomless.installed_plan(model).decisions) == {"0.fc", "0.fc_out", "1.fc", "1.fc_out"}
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+    for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(expected, actual), name
+
+
 def test_load_state_dict_writes_the_new_weights_out(transformer_profile):
     model, inputs, loss_fn = _transformer()
     reference = copy.deepcopy(model)

@@ -283,6 +283,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                 # saved-tensor engine takes the parameters' storages at the model's forward, before them).
                 engine = installed_state(model).engine
                 update.parameters_off.on_brought_in = lambda keys: engine.resident_storages.update(keys)
+                engine.offloaded_parameters = update.parameters_off     # brought in when backward unpacks one
         except Exception:
             remove(model)                   # all or nothing: the model is left as it was
             raise

@@ -73,6 +73,7 @@ class OffloadedParameters:
         largest = max((sum(param.nbytes for param in block.parameters) for block in self.blocks), default=0)
         self.tier = tier if tier is not None else static_tier(device, largest)
         self.block_of = {param: block for block in self.blocks for param in block.parameters}
+        self._offloaded_by_id = {id(param): param for param in self.block_of}
         self.shapes = {param: param.shape for param in self.block_of}
         self.names = {param: name for name, param in model.named_parameters(remove_duplicate=False)
                       if param in self.block_of}
@@ -170,6 +171,20 @@ class OffloadedParameters:
             return
         self.write_out(param)
         block.is_in = False                     # the rest of its parameters are written out by their updates
+
+    def owner_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
+        """The offloaded parameter ``tensor`` is, or is a view of (autograd saves ``weight.t()``);
+        None for any other tensor."""
+        base = tensor._base
+        return self._offloaded_by_id.get(id(tensor if base is None else base))
+
+    def ensure_in(self, param: nn.Parameter) -> None:
+        """Backward is about to read a saved ``param`` (or a view of it): its block back in if its
+        memory was freed after the forward. The hook on the block's output nodes usually did it; an
+        in-place op on an output that is a view replaces that node, and then only this comes first.
+        A parameter already updated is never read again in the step (autograd's order)."""
+        if param.shape == self.shapes[param] and not param.untyped_storage().nbytes():
+            self.bring_in(self.block_of[param])
 
     # --- hooks ---
 

@@ -35,6 +35,17 @@ class _Entry:
         self.fetched = False        # backward has taken it
 
 
+class _ParameterUse:
+    """A saved parameter (or a view of one) that lives off the device between uses
+    (`oomless.runtime.offload_parameters`): brought back in, if its memory was freed, when backward
+    unpacks it, whatever node reads it (`OffloadedParameters.ensure_in`)."""
+
+    __slots__ = ("tensor", "parameter")
+
+    def __init__(self, tensor: torch.Tensor, parameter):
+        self.tensor, self.parameter = tensor, parameter
+
+
 class _Handle:
     """What autograd holds instead of a saved tensor; dropping it releases its share."""
 
@@ -207,6 +218,8 @@ class SavedTensorEngine:
         self.recorder = None
         self.recompute_bytes: dict[int, int] = {}
         self._recomputed_on_ledger = 0
+        # Parameters off the device between uses (`OffloadedParameters`, set by `oomless.apply`).
+        self.offloaded_parameters = None
 
     def recompute_started(self, block_index: int) -> None:
         """Put a recomputed block's saved bytes (known from the profile) on the ledger: they live
@@ -308,6 +321,10 @@ class SavedTensorEngine:
         registry, block_index = self.registry, self.block_index
         if registry is None or not isinstance(tensor, torch.Tensor):
             return tensor
+        if self.offloaded_parameters is not None:
+            owner = self.offloaded_parameters.owner_of(tensor)
+            if owner is not None:
+                return _ParameterUse(tensor, owner)
         if block_index is None:
             if self.recorder is not None and tensor.device.type != "meta":
                 self.recorder.unassigned(tensor.untyped_storage().nbytes())
@@ -338,6 +355,9 @@ class SavedTensorEngine:
 
     def unpack(self, packed):
         if not isinstance(packed, _Handle):
+            if isinstance(packed, _ParameterUse):
+                self.offloaded_parameters.ensure_in(packed.parameter)
+                return packed.tensor
             return packed
         if self._recomputed_on_ledger:
             self.backward_moved()
