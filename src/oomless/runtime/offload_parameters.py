@@ -7,7 +7,10 @@ Order of a step (block k of n, forward order; ``prefetch`` one block ahead, as a
 - block k's forward pre-hook: bring in block k (waits for its prefetch), start block k+1's;
 - block k's forward hook: drop its device copy (the tier copy is unchanged), and hang a pre-hook on
   the autograd nodes of its outputs: they run before any other node of block k's backward;
-- that node pre-hook: bring in block k again, start block k-1's;
+- that node pre-hook: bring in block k again, start block k-1's; and whenever backward unpacks a
+  saved parameter (or a view of one) whose memory is freed, its block is brought in first
+  (`ensure_in`, called by the saved-tensor engine): an in-place op on an output that is a view makes
+  autograd rebuild the view's history, and the node the pre-hook was on then never runs;
 - each parameter's update in backward (`oomless.runtime.update_in_backward`, required: a gradient for
   every parameter of a model larger than the budget would not fit either): after the step the new
   values are written out, the old copy released, the device copy dropped.
