@@ -39,7 +39,7 @@ def test_the_update_in_backward_holds_one_optimizer_per_param_group_not_per_para
     weights = [module.weight for module in model]
     biases = [module.bias for module in model]
     optimizer = torch.optim.Adam([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-3)
-    adams = sum(isinstance(obj, torch.optim.Adam) for obj in gc.get_objects())
+    adams = sum(type(obj) is torch.optim.Adam for obj in gc.get_objects())
     tracemalloc.start()
     try:
         before, _ = tracemalloc.get_traced_memory()
@@ -48,7 +48,7 @@ def test_the_update_in_backward_holds_one_optimizer_per_param_group_not_per_para
     finally:
         tracemalloc.stop()
     try:
-        assert sum(isinstance(obj, torch.optim.Adam) for obj in gc.get_objects()) == adams + 1
+        assert sum(type(obj) is torch.optim.Adam for obj in gc.get_objects()) == adams + 1
         # One Adam object per parameter held ~2.5 KiB of Python objects each (its hook dictionaries
         # and group); the hooks and the bookkeeping of 300 parameters stay under 1 KiB each.
         per_parameter = (after - before) / len(weights + biases)
