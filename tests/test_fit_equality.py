@@ -16,7 +16,8 @@ from tests.conftest import plan_under, train_steps
 
 
 def _mlp():
-    return MLP((64, 256, 256, 256, 256, 256, 10)), torch.randn(32, 64), lambda out: out.square().mean()
+    # A batch whose activations outweigh the gradients: a plan has something to gain before backward ends.
+    return MLP((64, 256, 256, 256, 256, 256, 10)), torch.randn(512, 64), lambda out: out.square().mean()
 
 
 def _cnn():

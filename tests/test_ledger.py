@@ -26,7 +26,9 @@ def test_ledger_peak_stays_within_the_activation_budget(model_name, share):
     # ledger's peak plus the least working memory of any phase (plan/simulate.py), so the ledger fits
     # the activation budget without a tolerance for it.
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
-    assert stats.peak_activation_bytes <= plan.memory_bytes - plan.static_bytes
+    # Static bytes count every gradient; before backward makes them, their room is the ledger's too.
+    not_yet_made = plan.static_breakdown["gradients"] if plan.gradients_from_backward else 0
+    assert stats.peak_activation_bytes <= plan.memory_bytes - plan.static_bytes + not_yet_made
     assert stats.resident_activation_bytes == 0, "every saved tensor leaves the ledger after backward"
     if share != 1.0 and memory < plan.plain_peak_bytes:
         assert stats.offloaded_bytes > 0 or stats.recomputed_blocks > 0

@@ -70,6 +70,8 @@ def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
     # weight gradients), and torch's cache of kept outputs serves one replay.
     profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer))
+    # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
+    profile = dataclasses.replace(profile, gradients_from_backward=False)
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile)
     fixed = roomy.static_bytes + roomy.reserve_bytes

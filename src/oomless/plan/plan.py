@@ -86,6 +86,9 @@ class Plan:
     # Parameters, gradients and optimizer state sharded over this many ranks (FSDP2, --parallel fsdp;
     # plan.static.sharded_device_bytes): the static bytes counted are one rank's.
     shard_over: int = 1
+    # The plan counts gradients from backward on (`Profile.gradients_from_backward`): each step must
+    # start without them (the loop's ``optimizer.zero_grad()``); the runtime warns where one does not.
+    gradients_from_backward: bool = False
 
     @property
     def decisions(self) -> dict[str, str]:

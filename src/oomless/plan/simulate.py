@@ -90,10 +90,13 @@ def kept_when_swapped_bytes(block: BlockProfile) -> int:
 def least_other_bytes(profile: Profile) -> int:
     """The smallest working memory of any phase (a block's forward or backward, the loss): what
     whichever phase runs holds at least besides the ledger; the plan's activation budget is the
-    rest of the budget beyond static bytes."""
-    others = [forward_other_bytes(profile, block) for block in profile.blocks]
-    others += [backward_other_bytes(profile, block) for block in profile.blocks]
-    return min(others + [loss_other_bytes(profile)])
+    rest of the budget beyond static bytes. Less the gradients not made yet where the step starts
+    without them (`gradients_absent_bytes`), as in `phases`."""
+    before_backward = gradients_absent_bytes(profile, 0)
+    others = [forward_other_bytes(profile, block) - before_backward for block in profile.blocks]
+    others += [backward_other_bytes(profile, block) - gradients_absent_bytes(profile, block.backward_gradient_bytes)
+               for block in profile.blocks]
+    return min(others + [loss_other_bytes(profile) - before_backward])
 
 
 def _estimated_transient(block: BlockProfile) -> int:
@@ -139,20 +142,41 @@ class Phase:
     kind: str = "forward"   # "forward", "backward" or "loss"
 
 
+def gradients_absent_bytes(profile: Profile, present: int | None) -> int:
+    """Of the gradient bytes static memory counts, those that do not exist yet in a phase where
+    ``present`` have been accumulated (None: not measured), when the step starts with none
+    (`Profile.gradients_from_backward`); 0 otherwise. The phases' memory is static memory plus their
+    own, so this much of it is room the phase has."""
+    if not profile.gradients_from_backward or present is None:
+        return 0
+    return max(profile.gradient_bytes - present, 0)
+
+
+def _less(value: int | None, absent: int) -> int | None:
+    return None if value is None else value - absent
+
+
 def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, list[Phase]]:
     """(forward phase per block, the loss, backward phase per block). A recomputed block's backward
-    re-runs its forward first, so it holds the larger of the two."""
+    re-runs its forward first, so it holds the larger of the two. Where the step starts without
+    gradients, each phase's bytes are less those not made yet (`gradients_absent_bytes`; negative
+    where that is more than the phase's own: room static memory counted for them)."""
     forward, backward = [], []
+    before_backward = gradients_absent_bytes(profile, 0)
     for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
         # Where a block is kept or recomputed, its own tensors are on the ledger as what the plan
         # holds: the profiling step's peak, which had them swapped, does not describe it.
         swapped = decision == "swap"
-        forward.append(Phase(i, forward_other_bytes(profile, block), block.forward_peak_bytes if swapped else None))
-        other = backward_other_bytes(profile, block)
+        forward.append(Phase(i, forward_other_bytes(profile, block) - before_backward,
+                             _less(block.forward_peak_bytes, before_backward) if swapped else None))
+        absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
+        other = backward_other_bytes(profile, block) - absent
         if decision in RECOMPUTING:
-            other = max(other, forward[-1].other)
-        backward.append(Phase(i, other, block.backward_peak_bytes if swapped else None, "backward"))
-    return forward, Phase(-1, loss_other_bytes(profile), profile.loss_peak_bytes, "loss"), backward
+            # The recompute re-runs the forward in backward, where the gradients so far exist.
+            other = max(other, forward[-1].other + before_backward - absent)
+        backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward"))
+    return forward, Phase(-1, loss_other_bytes(profile) - before_backward,
+                          _less(profile.loss_peak_bytes, before_backward), "loss"), backward
 
 
 SWAPPED, HELD, AHEAD = 0, 1, 2

@@ -204,6 +204,14 @@ def device_view(profile: Profile, gradient_device_bytes: int, state_device_bytes
                                parameter_bytes=parameters)
 
 
+def gradients_made_in_backward(request: StaticRequest) -> bool:
+    """Whether each step starts without gradients, as a profile measures it (`Profile.gradients_from_backward`):
+    not with gradient accumulation (the earlier micro-batches' are alive), FSDP (sharded gradients
+    kept), or under torch.distributed (DDP's buckets hold every gradient through the step)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return request.accumulation_steps == 1 and request.shard_over == 1 and not distributed
+
+
 def _state_tier(profile: Profile) -> str:
     return "pinned host memory" if profile.device.startswith("cuda") else "disk"
 
@@ -284,8 +292,11 @@ class _Candidates:
 
     def plan(self, placement: Placement) -> Plan | PlanError:
         if placement not in self.results:
+            seen = device_view(self.profile, *self.device_bytes(placement))
+            if not gradients_made_in_backward(self.request):
+                seen = dataclasses.replace(seen, gradients_from_backward=False)
             try:
-                self.results[placement] = self.plan_activations(device_view(self.profile, *self.device_bytes(placement)))
+                self.results[placement] = self.plan_activations(seen)
             except PlanError as refused:
                 self.results[placement] = refused
         return self.results[placement]

@@ -46,6 +46,10 @@ class BlockProfile:
     # The part of those beyond the held bytes (the block's own workspaces); None where not measured.
     forward_transient_bytes: int | None = None
     backward_transient_bytes: int | None = None
+    # Gradient bytes accumulated by the end of this block's backward in the profiling step, which
+    # starts with none (parameters' gradients are made in backward, the later blocks' first); None
+    # where not measured.
+    backward_gradient_bytes: int | None = None
     # Selective recompute (runtime/selective.py), measured in the sizing step; None where not measured
     # (the planner then does not offer it): bytes of the outputs of its costly ops (kept from forward
     # to backward), the part of those its backward does not save anyway (freed after the recompute),
@@ -95,6 +99,12 @@ class Profile:
     # on CPU page rounding and each tensor's objects, measured ~16 KiB per trainable parameter with Adam;
     # on CUDA the caching allocator's rounding); 0 in profiles made on meta tensors for a target.
     static_overhead_bytes: int = 0
+    # Whether the step starts with no gradients (the loop's ``optimizer.zero_grad()``, set_to_none by
+    # default, before the forward): then the forward and the loss hold none, and a block's backward
+    # those accumulated so far (``backward_gradient_bytes``). False (every gradient counted for the
+    # whole step): profiles on meta tensors, gradient accumulation, data parallel (DDP's buckets hold
+    # gradients through the step), FSDP, pipeline stages (gradients accumulate over micro-batches).
+    gradients_from_backward: bool = False
 
     @property
     def activation_bytes(self) -> int:

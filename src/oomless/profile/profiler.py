@@ -234,7 +234,10 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # carried by every plan made from this profile (`planner._margin_bytes`). What it still holds
         # after is the start-up of a code path it ran first (recompute's), not the step's.
         started_up = max(probe.current() - before_rehearsal, 0)
-        sized.rehearsal_excess_bytes = max(timer.highest_above_static_bytes - predicted_bytes - started_up, 0)
+        # (A plan counting gradients from backward on predicts against static memory with all of them.)
+        measured = timer.highest_above_all_gradients_bytes if sized.gradients_from_backward else \
+            timer.highest_above_static_bytes
+        sized.rehearsal_excess_bytes = max(measured - predicted_bytes - started_up, 0)
         _LEFT_BEHIND[model] = max(probe.current() - baseline["bytes"], left_before)
     finally:
         with torch.no_grad():
@@ -268,6 +271,7 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=optimizer_state_bytes(optimizer, model, notes),
         input_bytes=storage_bytes(tensors_in(example_inputs)),
+        gradients_from_backward=True,   # the profiling steps start with every gradient None
         static_overhead_bytes=static_overhead_bytes(
             device, len(trainable), len(parameters) - len(trainable) + len(list(model.buffers()))
             + len(tensors_in(example_inputs))),

@@ -72,6 +72,11 @@ class Recorder:
         self.loss_other_bytes = 0
         self.loss_peak_bytes = 0
         self.highest_above_static_bytes = 0
+        # The most above static memory counting every gradient from the start, as a plan whose
+        # phases have room for the gradients not made yet counts it (`Profile.gradients_from_backward`).
+        parameters = list(dict.fromkeys(parameters))
+        self.total_gradient_bytes = sum(p.nbytes for p in parameters if p.requires_grad)
+        self.highest_above_all_gradients_bytes = -self.total_gradient_bytes
         self._gradient_hooks = []
         self._counted_gradients: set[int] = set()
         for parameter in dict.fromkeys(parameters):
@@ -108,8 +113,11 @@ class Recorder:
         """Attribute the peak since the last reading to the running phase, then start a new interval."""
         if self.phase is None:
             return
-        above_static = max(self.probe.peak_and_mark() - self.base_bytes - self.gradient_bytes, 0)
+        reading = self.probe.peak_and_mark() - self.base_bytes
+        above_static = max(reading - self.gradient_bytes, 0)
         self.highest_above_static_bytes = max(self.highest_above_static_bytes, above_static)
+        self.highest_above_all_gradients_bytes = max(self.highest_above_all_gradients_bytes,
+                                                     reading - self.total_gradient_bytes)
         other = max(above_static - self.ledger_bytes, 0)
         kind, index = self.phase
         if kind == "loss":
@@ -123,6 +131,7 @@ class Recorder:
             block = self.blocks[index]
             block.backward_other_bytes = max(block.backward_other_bytes or 0, other)
             block.backward_peak_bytes = max(block.backward_peak_bytes or 0, above_static)
+            block.backward_gradient_bytes = max(block.backward_gradient_bytes or 0, self.gradient_bytes)
 
     def _enter(self, phase: tuple[str, int] | None) -> None:
         self._read_interval()

@@ -8,6 +8,7 @@ The state lives on the model as ``model._oomless`` and `remove` restores the mod
 """
 
 import inspect
+import warnings
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,7 @@ from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
 from oomless.runtime.tiers import make_tier
+from oomless.sizes import format_bytes
 
 STATE_ATTRIBUTE = "_oomless"
 
@@ -60,6 +62,7 @@ class InstalledPlan:
         self.handles: list = []
         self._hooks_context = None
         self._parameters_move = True
+        self._warned_gradients = False
         self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         modules = dict(model.named_modules())
         missing = [name for name in plan.decisions if name not in modules]
@@ -98,6 +101,16 @@ class InstalledPlan:
             return  # re-entrant call of the model inside its own forward
         kwargs = self._without_cache(model, kwargs)
         parameters = list(model.parameters())
+        if self.plan.gradients_from_backward and not self._warned_gradients:
+            held = sum(p.grad.nbytes for p in parameters if p.grad is not None)
+            if held:
+                self._warned_gradients = True
+                warnings.warn(
+                    f"this step starts with {format_bytes(held)} of gradients, which the plan counts from backward on "
+                    "only (each step starting from optimizer.zero_grad(), set_to_none=True by default): the step may "
+                    f"exceed the plan's {format_bytes(self.plan.memory_bytes)}. Call optimizer.zero_grad() before "
+                    "the forward, or for gradient accumulation plan with accumulation_steps=k", UserWarning,
+                    stacklevel=2)
         # Whether a block's parameters may sit in storages made after this point (FSDP all-gathers
         # sharded ones in its pre-hook; offloaded ones come back from the tier): then each block
         # adds its own when it starts. Otherwise they never move, and the set below holds them.
