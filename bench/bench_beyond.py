@@ -171,6 +171,22 @@ PLACEMENTS = {
 }
 
 
+def _interleaved_medians(runs: dict, rounds: int, device: torch.device) -> dict[str, float]:
+    """{name: median step seconds after the first} of ``runs`` ({name: (model, tokens, loss_fn,
+    optimizer)}), one step of each per round: load from other work falls on all of them alike."""
+    seconds = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (model, tokens, loss_fn, optimizer) in runs.items():
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(tokens)).backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)      # the step's kernels belong to its time
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(times[1:] or times) for name, times in seconds.items()}
+
+
 def run_placements(model_name: str, depth: int, sizes: dict, rounds: int, device: torch.device) -> dict:
     """Step time of plain PyTorch and of oomless under each static placement, at one depth, in one
     process, their steps interleaved round by round (ratios are what count)."""
@@ -183,17 +199,8 @@ def run_placements(model_name: str, depth: int, sizes: dict, rounds: int, device
         if moved is not None:
             # Memory to spare: every block is kept, so only the placement differs.
             oomless.fit(model, tokens, 64 * 2**30, loss_fn=loss_fn, optimizer=optimizer, **moved)
-        runs[name] = (model, tokens, loss_fn, optimizer, [])
-    for _ in range(rounds):
-        for model, tokens, loss_fn, optimizer, seconds in runs.values():
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(tokens)).backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - started)
-    medians = {name: statistics.median(run[4][1:]) for name, run in runs.items()}
+        runs[name] = (model, tokens, loss_fn, optimizer)
+    medians = _interleaved_medians(runs, rounds, device)
     return {"depth": depth, "rounds": rounds, "step_seconds": medians,
             "relative_to_on_device": {name: value / medians["on device"] for name, value in medians.items()},
             "relative_to_plain": {name: value / medians["plain"] for name, value in medians.items()}}
@@ -213,17 +220,8 @@ def run_timing(methods: list[str], model_name: str, depth: int, sizes: dict, mem
             prepare(method, model_name, model, tokens, loss_fn, optimizer, blocks, memory_bytes)
         except oomless.PlanError:
             continue
-        runs[method] = (model, tokens, loss_fn, optimizer, [])
-    for _ in range(rounds):
-        for method, (model, tokens, loss_fn, optimizer, seconds) in runs.items():
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(tokens)).backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - started)
-    medians = {method: statistics.median(run[4][1:]) for method, run in runs.items()}
+        runs[method] = (model, tokens, loss_fn, optimizer)
+    medians = _interleaved_medians(runs, rounds, device)
     base = medians.get("plain")
     return {"depth": depth, "rounds": rounds, "step_seconds": medians,
             "relative_to_plain": {method: value / base for method, value in medians.items()} if base else None}
