@@ -146,15 +146,7 @@ def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_byte
     model.train()
     gc.collect()
     probe.reset()
-    seconds = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(tokens)).backward()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)      # the step's kernels belong to its time
-        seconds.append(time.perf_counter() - started)
+    seconds = [_timed_step(model, tokens, loss_fn, optimizer, device) for _ in range(steps)]
     record.update(peak_above_empty_bytes=probe.peak() - empty, step_seconds=statistics.median(seconds[1:] or seconds),
                   step_seconds_all=seconds)
     return record
@@ -171,19 +163,24 @@ PLACEMENTS = {
 }
 
 
+def _timed_step(model, tokens, loss_fn, optimizer, device: torch.device) -> float:
+    """Seconds of one training step, as the loop runs it."""
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model(tokens)).backward()
+    optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # the step's kernels belong to its time
+    return time.perf_counter() - started
+
+
 def _interleaved_medians(runs: dict, rounds: int, device: torch.device) -> dict[str, float]:
     """{name: median step seconds after the first} of ``runs`` ({name: (model, tokens, loss_fn,
     optimizer)}), one step of each per round: load from other work falls on all of them alike."""
     seconds = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, (model, tokens, loss_fn, optimizer) in runs.items():
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(tokens)).backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)      # the step's kernels belong to its time
-            seconds[name].append(time.perf_counter() - started)
+        for name, run in runs.items():
+            seconds[name].append(_timed_step(*run, device))
     return {name: statistics.median(times[1:] or times) for name, times in seconds.items()}
 
 
