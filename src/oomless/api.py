@@ -13,7 +13,6 @@ from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
-from oomless.profile.profiler import left_behind_bytes
 from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
@@ -26,7 +25,7 @@ from oomless.runtime.split import (DEFAULT_SLABS, apply_split, inside, remove_sp
                                    stream_outer_modules)
 from oomless.runtime.stream import STREAM
 from oomless.runtime.update_in_backward import apply_update_in_backward, remove_update_in_backward
-from oomless.sizes import format_bytes, parse_bytes
+from oomless.sizes import parse_bytes
 
 
 def sum_of_outputs(output) -> torch.Tensor:
@@ -81,8 +80,6 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     smallest plan without splitting does not fit ``memory``, or where ``memory`` is within 10 % of that
     smallest budget and splitting lowers it (those in the block that sets the floor, again while that
     lowers it; `oomless.plan.splitting`); True: every chain; a dict {chain name: slabs}; False: never.
-    The smallest budget a `PlanError` names then counts splitting (and, where that did not lower it,
-    what measuring the slabs left held in this process).
     """
     memory_bytes = parse_bytes(memory)
     autocast_dtype(precision)
@@ -138,36 +135,15 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     except PlanError as error:
         if not may_split:
             raise
-        if error.floor_block is None:
-            raise   # the loss sets the floor: no split lowers that
-        left_before = left_behind_bytes(model)
-        try:
-            made = plan_splitting_the_floor(model, error, plan_profile, profile_split)
-        except PlanError as refused:
-            raise _counting_what_splitting_left(refused, error, left_behind_bytes(model) - left_before,
-                                                memory_bytes) from None
+        if error.limiting_block is None:
+            raise   # static bytes alone exceed the budget (or the loss sets the floor): no split lowers that
+        made = plan_splitting_the_floor(model, error, plan_profile, profile_split)
     else:
         if may_split and split_candidates(model):
             made = plan_splitting_near_the_floor(model, made, profile, plan_profile, profile_split)
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
     return made
-
-
-def _counting_what_splitting_left(refused: PlanError, unsplit: PlanError, left: int, memory_bytes: int) -> PlanError:
-    """``refused``, or where splitting did not lower the floor (``refused`` is the unsplit profile's
-    error) but its profiling steps left ``left`` bytes held in this process (kernel caches for the
-    slabs' shapes): the smallest budget raised by those, so that planning again here with the budget
-    named fits (every later profile of the model counts them)."""
-    if refused is not unsplit or left <= 0 or refused.minimum_bytes is None:
-        return refused
-    minimum = -(-(refused.minimum_bytes + left) // 2**20) * 2**20
-    return PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits in this process is "
-                     f"{format_bytes(minimum)} ({minimum} bytes): {format_bytes(refused.minimum_bytes)} as the step "
-                     f"was first measured, and {format_bytes(left)} that measuring it with chains in slabs left "
-                     f"held (splitting did not lower the floor). Give memory >= {minimum}, or a smaller batch. "
-                     f"As first measured: {refused}", minimum_bytes=minimum, limiting_block=refused.limiting_block,
-                     floor_block=refused.floor_block)
 
 
 def _split_request(model: nn.Module, split) -> dict[str, int]:

@@ -18,7 +18,7 @@ from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
-from oomless.profile.rss import MemoryProbe, give_back_free_heap, return_freed_memory_to_the_system
+from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import call_model, check_inputs_device, static_overhead_bytes, storage_bytes, tensors_in
@@ -159,11 +159,6 @@ def _refined(found, recorder) -> list | None:
 _LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
-def left_behind_bytes(model: nn.Module) -> int:
-    """What ``model``'s profiles so far left held in this process (every later reading counts it)."""
-    return _LEFT_BEHIND.get(model, 0)
-
-
 def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None,
                   memory_bytes: int | None = None, selective: bool = True) -> Profile:
     """Measure one training step of ``model`` (no optimizer step), per block.
@@ -243,8 +238,6 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         measured = timer.highest_above_all_gradients_bytes if sized.gradients_from_backward else \
             timer.highest_above_static_bytes
         sized.rehearsal_excess_bytes = max(measured - predicted_bytes - started_up, 0)
-        if device.type == "cpu":
-            give_back_free_heap()    # the steps' freed heap is not memory a later step needs
         _LEFT_BEHIND[model] = max(probe.current() - baseline["bytes"], left_before)
     finally:
         with torch.no_grad():
