@@ -91,12 +91,9 @@ def least_other_bytes(profile: Profile) -> int:
     """The smallest working memory of any phase (a block's forward or backward, the loss): what
     whichever phase runs holds at least besides the ledger; the plan's activation budget is the
     rest of the budget beyond static bytes. Less the gradients not made yet where the step starts
-    without them (`gradients_absent_bytes`), as in `phases`."""
-    before_backward = gradients_absent_bytes(profile, 0)
-    others = [forward_other_bytes(profile, block) - before_backward for block in profile.blocks]
-    others += [backward_other_bytes(profile, block) - gradients_absent_bytes(profile, block.backward_gradient_bytes)
-               for block in profile.blocks]
-    return min(others + [loss_other_bytes(profile) - before_backward])
+    without them (`gradients_absent_bytes`): the phases of a plan keeping every block."""
+    forward, loss, backward = phases(profile, ["keep"] * len(profile.blocks))
+    return min(phase.other for phase in [*forward, loss, *backward])
 
 
 def _estimated_transient(block: BlockProfile) -> int:

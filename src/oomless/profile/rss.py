@@ -47,6 +47,19 @@ def reset_peak_rss() -> bool:
 
 
 @functools.cache
+def _glibc():
+    """The C library on Linux (glibc's malloc tunables), loaded once: ``find_library`` runs ldconfig.
+    None elsewhere or where it cannot be loaded."""
+    library = ctypes.util.find_library("c")
+    if library is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(library)
+    except OSError:
+        return None
+
+
+@functools.cache
 def return_freed_memory_to_the_system() -> bool:
     """Make glibc serve allocations of 64 KiB and more by mmap, so freeing them really lowers
     resident memory.
@@ -59,14 +72,12 @@ def return_freed_memory_to_the_system() -> bool:
     MiB with the hooks against 127 MiB without, at a 256 KiB threshold; 123 against 121 at 64 KiB,
     the step time unchanged within the noise, measured interleaved). No effect off glibc.
     """
-    library = ctypes.util.find_library("c")
-    if library is None or not sys.platform.startswith("linux"):
-        return False
+    libc = _glibc()
     try:
-        libc = ctypes.CDLL(library)
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 64 * 1024)) and bool(libc.mallopt(m_trim_threshold, 1024 * 1024))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.mallopt(m_mmap_threshold, 64 * 1024)) and \
+            bool(libc.mallopt(m_trim_threshold, 1024 * 1024))
+    except AttributeError:
         return False
 
 
@@ -74,12 +85,10 @@ def give_back_free_heap() -> bool:
     """Return the free pages inside glibc's heaps to the system (``malloc_trim``): planning frees its
     profiling steps' objects in the middle of the heap, which the 1 MiB trim threshold (top only)
     leaves resident (~7 MiB after planning a 128-block transformer). False off glibc."""
-    library = ctypes.util.find_library("c")
-    if library is None or not sys.platform.startswith("linux"):
-        return False
+    libc = _glibc()
     try:
-        return bool(ctypes.CDLL(library).malloc_trim(0))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.malloc_trim(0))
+    except AttributeError:
         return False
 
 

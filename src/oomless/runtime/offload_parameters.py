@@ -76,7 +76,6 @@ class OffloadedParameters:
         largest = max((sum(param.nbytes for param in block.parameters) for block in self.blocks), default=0)
         self.tier = tier if tier is not None else static_tier(device, largest)
         self.block_of = {param: block for block in self.blocks for param in block.parameters}
-        self._offloaded_by_id = {id(param): param for param in self.block_of}
         self.shapes = {param: param.shape for param in self.block_of}
         self.names = {param: name for name, param in model.named_parameters(remove_duplicate=False)
                       if param in self.block_of}
@@ -178,8 +177,8 @@ class OffloadedParameters:
     def owner_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
         """The offloaded parameter ``tensor`` is, or is a view of (autograd saves ``weight.t()``);
         None for any other tensor."""
-        base = tensor._base
-        return self._offloaded_by_id.get(id(tensor if base is None else base))
+        base = tensor if tensor._base is None else tensor._base
+        return base if base in self.block_of else None     # tensors hash by identity
 
     def ensure_in(self, param: nn.Parameter) -> None:
         """Backward is about to read a saved ``param`` (or a view of it): its block back in if its
