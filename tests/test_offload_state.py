@@ -110,6 +110,50 @@ def test_loading_a_checkpoint_into_an_offloaded_optimizer_continues_bit_equal():
     _assert_same(reference, reference_optimizer, model, optimizer)
 
 
+class _ReplacingSGD(torch.optim.Optimizer):
+    """Momentum SGD that replaces its state tensor at every step instead of updating it in place."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                state["buffer"] = 0.9 * state["buffer"] + param.grad if "buffer" in state else param.grad.clone()
+                param.add_(state["buffer"], alpha=-group["lr"])
+
+
+def test_on_cpu_the_state_is_its_file_mapped_and_steady_steps_copy_no_byte():
+    """On a CPU-only run each state tensor is a file of its own; the step updates the file mapped, so
+    once the files exist a step writes and reads none of their bytes (it copied them all out and back
+    before). An optimizer that replaces its state tensors still trains bit-equal (the new ones are
+    written)."""
+    for make in (lambda params: torch.optim.Adam(params), _ReplacingSGD):
+        model, inputs = _case()
+        reference = copy.deepcopy(model)
+        optimizer, reference_optimizer = make(model.parameters()), make(reference.parameters())
+        update = apply_update_in_backward(model, optimizer, offload_state=True, min_offload_bytes=0)
+        files = update.state.tier
+        written, read = [], []
+        overwrite, read_file = files.overwrite, files.read
+        files.overwrite = lambda file, data: (written.append(data.numel()), overwrite(file, data))
+        files.read = lambda file: (read.append(file.num_bytes), read_file(file))[1]
+        _train(reference, reference_optimizer, inputs, steps=2)
+        _train(model, optimizer, inputs, steps=2)
+        written.clear(), read.clear()
+        _train(reference, reference_optimizer, inputs, steps=2)
+        _train(model, optimizer, inputs, steps=2)
+        replaces = make is _ReplacingSGD
+        assert (sum(written) == 2 * update.state.offloaded_bytes) if replaces else written == [], written
+        assert read == []
+        _assert_same(reference, reference_optimizer, model, optimizer)
+        remove_update_in_backward(model)
+
+
 def test_forcing_it_where_the_update_cannot_be_split_is_refused():
     model, inputs = _case()
     with pytest.raises(InputError, match="offload_optimizer_state=True is not possible: LBFGS"):

@@ -47,7 +47,7 @@ def reset_peak_rss() -> bool:
 
 
 @functools.cache
-def _glibc():
+def glibc():
     """The C library on Linux (glibc's malloc tunables), loaded once: ``find_library`` runs ldconfig.
     None elsewhere or where it cannot be loaded."""
     library = ctypes.util.find_library("c")
@@ -72,7 +72,7 @@ def return_freed_memory_to_the_system() -> bool:
     MiB with the hooks against 127 MiB without, at a 256 KiB threshold; 123 against 121 at 64 KiB,
     the step time unchanged within the noise, measured interleaved). No effect off glibc.
     """
-    libc = _glibc()
+    libc = glibc()
     try:
         m_trim_threshold, m_mmap_threshold = -1, -3
         return libc is not None and bool(libc.mallopt(m_mmap_threshold, 64 * 1024)) and \
@@ -85,7 +85,7 @@ def give_back_free_heap() -> bool:
     """Return the free pages inside glibc's heaps to the system (``malloc_trim``): planning frees its
     profiling steps' objects in the middle of the heap, which the 1 MiB trim threshold (top only)
     leaves resident (~7 MiB after planning a 128-block transformer). False off glibc."""
-    libc = _glibc()
+    libc = glibc()
     try:
         return libc is not None and bool(libc.malloc_trim(0))
     except AttributeError:

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from oomless.profile.rss import glibc
 from oomless.runtime.pinned_pool import PinnedPool
 
 _CU_STREAM_NON_BLOCKING = 0x1
@@ -315,6 +316,96 @@ class DiskTier:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class MappedFile:
+    """One tensor's bytes in a file of its own, kept for the life of the store."""
+
+    __slots__ = ("path", "num_bytes", "mapping")
+
+    def __init__(self, path: str, num_bytes: int):
+        self.path, self.num_bytes = path, num_bytes
+        self.mapping: Future | None = None          # a prefetched mapping, until `map` takes it
+
+
+_MADV_POPULATE_WRITE = 23                           # Linux >= 5.14
+
+
+class MappedFiles:
+    """Static bytes on a CPU-only run (optimizer state): each tensor lives in a file of its own, and
+    while it is in use the tensor *is* the file, mapped shared (``torch.from_file``): the optimizer's
+    step updates it in place and its writes go to the file's page cache, so going out is only the
+    mapping dropped (the pages leave the resident set) and coming in only the file mapped again, with
+    no copy either way (the disk tier's write and read of every state tensor at every step cost ~10x
+    more). A prefetch maps the file in a background thread and populates its page tables for writing
+    (``MADV_POPULATE_WRITE``), so the step takes no page faults on it. Resident memory is the honest
+    measure: mapped pages count in it (VmRSS includes file pages), unmapped ones do not, and the kernel
+    writes them to disk and may evict them, as it does the disk tier's files.
+    """
+
+    def __init__(self, directory: str | None = None):
+        self.directory = tempfile.mkdtemp(prefix="oomless-static-", dir=directory)
+        self._names = itertools.count()
+        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-map")
+        self.stall_seconds = 0.0
+
+    def create(self, data: torch.Tensor) -> MappedFile:
+        """A new file holding ``data``'s bytes (a uint8 tensor)."""
+        file = MappedFile(os.path.join(self.directory, f"{next(self._names)}.bin"), data.numel())
+        self.overwrite(file, data)
+        return file
+
+    def overwrite(self, file: MappedFile, data: torch.Tensor) -> None:
+        """``data`` (uint8, ``file.num_bytes`` of them) replaces the file's bytes."""
+        self._forget_prefetch(file)
+        # In place, never truncated: a mapping of the file still alive must not lose its pages.
+        with open(file.path, "r+b" if os.path.exists(file.path) else "wb") as stream:
+            stream.write(memoryview(data.contiguous().numpy()))
+
+    def prefetch(self, file: MappedFile) -> None:
+        if file.mapping is None:
+            file.mapping = self._mapper.submit(self._map_populated, file)
+
+    def _map_populated(self, file: MappedFile) -> torch.Tensor:
+        mapping = torch.from_file(file.path, shared=True, size=file.num_bytes, dtype=torch.uint8)
+        libc = glibc()
+        if libc is not None:
+            # Fails harmlessly (EINVAL) on kernels before 5.14: the step then takes the faults itself.
+            libc.madvise(ctypes.c_void_p(mapping.data_ptr()), ctypes.c_size_t(file.num_bytes),
+                         ctypes.c_int(_MADV_POPULATE_WRITE))
+        return mapping
+
+    def map(self, file: MappedFile) -> torch.Tensor:
+        """The file as a uint8 tensor: writes to it are writes to the file; dropping every reference
+        unmaps it."""
+        if file.mapping is None:
+            return torch.from_file(file.path, shared=True, size=file.num_bytes, dtype=torch.uint8)
+        started = time.perf_counter()
+        mapping, file.mapping = file.mapping.result(), None
+        self.stall_seconds += time.perf_counter() - started
+        return mapping
+
+    def read(self, file: MappedFile) -> torch.Tensor:
+        """A copy of the file's bytes in the process's own memory (not tied to the file)."""
+        self._forget_prefetch(file)
+        return torch.from_numpy(np.fromfile(file.path, dtype=np.uint8))
+
+    def _forget_prefetch(self, file: MappedFile) -> None:
+        if file.mapping is not None:
+            file.mapping.result()                   # a mapping being made is dropped once made
+            file.mapping = None
+
+    def remove(self, file: MappedFile) -> None:
+        self._forget_prefetch(file)
+        _remove_quietly(file.path)
+
+    def collect_stall_seconds(self) -> float:
+        stalled, self.stall_seconds = self.stall_seconds, 0.0
+        return stalled
+
+    def close(self) -> None:
+        self._mapper.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
