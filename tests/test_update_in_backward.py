@@ -97,6 +97,42 @@ def test_update_in_backward_equals_plain_pytorch(name, transformer_profile):
     assert installed_update(model).steps_in_backward == STEPS * len(list(model.parameters()))
 
 
+class _HalfUsed(torch.nn.Module):
+    """A module registering two parameters, one of which the forward uses only at even steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP((32, 64, 32))
+        self.scale = torch.nn.Parameter(torch.ones(32))
+        self.shift = torch.nn.Parameter(torch.zeros(32))
+        self.calls = 0
+
+    def forward(self, inputs):
+        self.calls += 1
+        out = self.body(inputs) * self.scale
+        return out + self.shift if self.calls % 2 else out
+
+
+@pytest.mark.parametrize("offload_state", [False, True], ids=["state-on-device", "state-off"])
+def test_a_module_whose_other_parameter_got_no_gradient_is_stepped_at_the_users_step(offload_state):
+    """Parameters are stepped one module's at a time, as soon as all of that module's have their
+    gradients; where one of them got none this step, the others are stepped at optimizer.step(),
+    still bit-equal to plain PyTorch (whose step skips the one without a gradient)."""
+    from oomless.runtime.update_in_backward import apply_update_in_backward
+
+    torch.manual_seed(0)
+    model, inputs = _HalfUsed(), torch.randn(8, 32)
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
+    update = apply_update_in_backward(model, optimizer, offload_state=offload_state, min_offload_bytes=0)
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+    used = len(list(model.parameters()))
+    assert update.steps_in_backward == STEPS * used - STEPS // 2
+
+
 @pytest.mark.parametrize("policy", ["swap", "recompute"])
 def test_update_in_backward_composes_with_swap_and_recompute(policy, transformer_profile):
     """Recomputed blocks recompute before their own parameters are updated: still bit-equal."""
@@ -177,7 +213,8 @@ def test_remove_gives_the_gradients_back_to_the_loop(transformer_profile):
 
 
 def _largest_gradient_bytes_alive(update_in_backward: bool) -> tuple[int, int, int]:
-    """(most gradient bytes alive at once in one backward, all gradient bytes, largest parameter's)."""
+    """(most gradient bytes alive at once in one backward, all gradient bytes, the largest module's
+    own parameters': a Linear's weight and bias are made together and stepped together)."""
     torch.manual_seed(0)
     model = MLP((256,) * 12)
     inputs = torch.randn(8, 256)
@@ -196,7 +233,8 @@ def _largest_gradient_bytes_alive(update_in_backward: bool) -> tuple[int, int, i
         model(inputs).square().mean().backward()
         optimizer.step()
     all_bytes = sum(param.nbytes for param in model.parameters())
-    return max(alive), all_bytes, max(param.nbytes for param in model.parameters())
+    return max(alive), all_bytes, max(sum(param.nbytes for param in module.parameters(recurse=False))
+                                      for module in model.modules())
 
 
 def test_gradients_alive_at_once_drop_by_at_least_80_percent():

@@ -1,6 +1,8 @@
-"""Parameters off the device: each block's parameters live in a tier (pinned host memory on CUDA, the
-disk tier on a CPU-only run) and are on the device only while the block runs its forward, its
-backward and its parameters' updates, so a model whose weights exceed the budget still trains.
+"""Parameters off the device: each block's parameters live in a tier (pinned host memory on CUDA; on a
+CPU-only run a file of its own per parameter, `tiers.MappedFiles`: brought in by a copy from its
+mapping, prefetched and populated for reading in the background, written out by rewriting the file in
+place) and are on the device only while the block runs its forward, its backward and its
+parameters' updates, so a model whose weights exceed the budget still trains.
 
 Order of a step (block k of n, forward order; ``prefetch`` one block ahead, as activations are):
 - model forward pre-hook: start bringing in block 0;
@@ -38,6 +40,7 @@ from torch import nn
 
 from oomless.profile.tensors import tensors_in
 from oomless.runtime.offload_state import static_tier
+from oomless.runtime.tiers import MappedFiles
 
 
 class _Block:
@@ -74,7 +77,10 @@ class OffloadedParameters:
         self.blocks = [_Block(index, *block) for index, block in enumerate(with_parameters)]
         # Up to one block's parameters wait to be written (resident while they wait).
         largest = max((sum(param.nbytes for param in block.parameters) for block in self.blocks), default=0)
-        self.tier = tier if tier is not None else static_tier(device, largest)
+        # CPU: each parameter a file of its own, read from its mapping and rewritten in place after
+        # its update (`tiers.MappedFiles`); CUDA: pinned host memory.
+        self.mapped = tier is None and device.type == "cpu"
+        self.tier = MappedFiles() if self.mapped else tier if tier is not None else static_tier(device, largest)
         self.block_of = {param: block for block in self.blocks for param in block.parameters}
         self.shapes = {param: param.shape for param in self.block_of}
         self.names = {param: name for name, param in model.named_parameters(remove_duplicate=False)
@@ -107,7 +113,10 @@ class OffloadedParameters:
     def prefetch(self, block: _Block) -> None:
         if not block.is_in:
             for param in block.parameters:
-                self.tier.prefetch(self.tickets[param])
+                if self.mapped:
+                    self.tier.prefetch(self.tickets[param], for_writing=False)
+                else:
+                    self.tier.prefetch(self.tickets[param])
 
     def bring_in(self, block: _Block) -> None:
         if block.is_in:
@@ -115,15 +124,17 @@ class OffloadedParameters:
         with torch.no_grad():
             for param in block.parameters:
                 ticket = self.tickets[param]
-                raw = self.tier.get(ticket)
+                raw = self.tier.map(ticket) if self.mapped else self.tier.get(ticket)
                 if param.shape == self.shapes[param]:
                     # Freed after its forward: autograd's saved views share this storage; refill it.
                     param.untyped_storage().resize_(raw.numel())
                 else:
                     param.data = torch.empty(self.shapes[param], dtype=param.dtype, device=param.device)
                 self._bytes_of(param).copy_(raw)
-                self.tier.drop_copy_in(ticket)      # the tier keeps its copy for the next use
+                if not self.mapped:
+                    self.tier.drop_copy_in(ticket)  # the tier keeps its copy for the next use
                 self.brought_in_bytes += raw.numel()
+                del raw                             # (mapped: unmapped here)
         block.is_in = True
         if self.on_brought_in is not None:
             self.on_brought_in({(param.device, param.untyped_storage().data_ptr()) for param in block.parameters})
@@ -140,8 +151,16 @@ class OffloadedParameters:
 
     def write_out(self, param: nn.Parameter) -> None:
         """``param`` changed on the device (its update): its new values replace the tier's copy, and
-        its memory is freed. The tier gets a copy, so the storage can be freed at once."""
+        its memory is freed. The tier gets a copy, so the storage can be freed at once (mapped files:
+        the bytes are written into the parameter's file before this returns)."""
         old = self.tickets.get(param)
+        if self.mapped:
+            if old is None:
+                self.tickets[param] = self.tier.create(self._bytes_of(param))
+            else:
+                self.tier.overwrite(old, self._bytes_of(param))
+            self._to_placeholder(param)
+            return
         ticket = self.tier.put(self._bytes_of(param).clone())
         self.tickets[param] = ticket
         if self.device.type == "cuda":
@@ -255,6 +274,7 @@ class OffloadedParameters:
         for ticket in self.tickets.values():
             if self.device.type == "cuda":
                 self.tier.wait_out(ticket)
-            self.tier.release(ticket)
+            if not self.mapped:
+                self.tier.release(ticket)
         self.tickets.clear()
         self.tier.close()

@@ -61,12 +61,13 @@ class OffloadedState:
     """The state of ``parameters`` in ``optimizer.state``, kept in a tier between their steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], device: torch.device,
-                 min_offload_bytes: int = 64 * 1024, prefetch_parameters: int = 1, tier=None):
+                 min_offload_bytes: int = 64 * 1024, units: dict[nn.Parameter, tuple] | None = None, tier=None):
         self.optimizer = optimizer
         self.parameters = list(parameters)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
-        self.prefetch_parameters = prefetch_parameters
+        # Parameters stepped together (`update_in_backward`: one module's): a prefetch brings a unit in.
+        self.units = units or {}
         # Up to one parameter's state (two copies of the largest, as Adam's) waits to be written.
         largest = max((param.nbytes for param in self.parameters), default=0)
         self.mapped = tier is None and device.type == "cpu"
@@ -155,13 +156,10 @@ class OffloadedState:
         return entry
 
     def prefetch_after(self, param: nn.Parameter) -> None:
-        """Start bringing in the states of the parameters updated after ``param`` last step."""
+        """Start bringing in the states of the unit updated after ``param`` last step."""
         index = self._position.get(param)
-        if index is None:
-            return
-        for ahead in self.order[index + 1:index + 1 + self.prefetch_parameters]:
-            for entry in self.out.get(ahead, {}).values():
-                self.tier.prefetch(entry.ticket)
+        if index is not None and index + 1 < len(self.order):
+            self._prefetch_unit(self.order[index + 1])
 
     def step_finished(self) -> None:
         """Every update of this step ran: remember their order and start bringing in the states the
@@ -169,8 +167,12 @@ class OffloadedState:
         if self._this_step:
             self.order, self._this_step = self._this_step, []
             self._position = {param: index for index, param in enumerate(self.order)}
-        for param in self.order[:self.prefetch_parameters]:
-            for entry in self.out.get(param, {}).values():
+        if self.order:
+            self._prefetch_unit(self.order[0])
+
+    def _prefetch_unit(self, param: nn.Parameter) -> None:
+        for member in self.units.get(param, (param,)):
+            for entry in self.out.get(member, {}).values():
                 self.tier.prefetch(entry.ticket)
 
     def _free_finished_copies(self) -> None:

@@ -1,8 +1,8 @@
 """A slice of the user's optimizer: one ``torch.optim`` optimizer of the user's own class over some of
 its parameters, with the user's param-group settings and the user's state dict. The overlapped
 data-parallel update steps one slice per gradient bucket (`oomless.parallel.overlap`); the update in
-backward one parameter at a time (`oomless.runtime.update_in_backward`, `step_only`) through one slice
-per param group: an optimizer object per parameter cost ~3 KiB of host memory each (its hook
+backward one module's parameters at a time (`oomless.runtime.update_in_backward`, `step_only`) through
+one slice per param group: an optimizer object per parameter cost ~3 KiB of host memory each (its hook
 dictionaries and group), which on a CPU run is the budget's memory too.
 
 Why a slice steps bit for bit as the user's optimizer: every ``torch.optim`` optimizer whose state is
@@ -96,19 +96,24 @@ class OptimizerSlice:
         if self.optimizer is not None:
             self.optimizer.step()
 
-    def step_only(self, param: nn.Parameter) -> None:
-        """Step ``param`` alone, one of this slice's parameters: for the call the optimizer holds one
-        group, ``param``'s, whose parameter list is ``[param]``, which is the step of a slice over that
-        parameter alone (the slice's other parameters may hold gradients still accumulating)."""
-        position = self._group_position.get(param)
-        if position is None:
-            raise KeyError(f"not a parameter of this slice: {tuple(param.shape)}")
+    def step_only(self, params: list[nn.Parameter]) -> None:
+        """Step ``params`` alone, some of this slice's parameters: for the call the optimizer holds
+        only their groups, each group's parameter list only its share of ``params``, which is the step
+        of a slice over those parameters alone (the slice's other parameters may hold gradients still
+        accumulating)."""
+        share: dict[int, list[nn.Parameter]] = {}
+        for param in params:
+            position = self._group_position.get(param)
+            if position is None:
+                raise KeyError(f"not a parameter of this slice: {tuple(param.shape)}")
+            share.setdefault(position, []).append(param)
         groups = self.optimizer.param_groups
-        group = groups[position]
-        self.optimizer.param_groups = [group]
-        group["params"] = [param]
+        self.optimizer.param_groups = [groups[position] for position in sorted(share)]
+        for position, chosen in share.items():
+            groups[position]["params"] = chosen
         try:
             self.optimizer.step()
         finally:
-            group["params"] = self._by_group[self.group_indices[position]]
+            for position in share:
+                groups[position]["params"] = self._by_group[self.group_indices[position]]
             self.optimizer.param_groups = groups

@@ -329,7 +329,7 @@ class MappedFile:
         self.mapping: Future | None = None          # a prefetched mapping, until `map` takes it
 
 
-_MADV_POPULATE_WRITE = 23                           # Linux >= 5.14
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14
 
 
 class MappedFiles:
@@ -359,21 +359,28 @@ class MappedFiles:
     def overwrite(self, file: MappedFile, data: torch.Tensor) -> None:
         """``data`` (uint8, ``file.num_bytes`` of them) replaces the file's bytes."""
         self._forget_prefetch(file)
-        # In place, never truncated: a mapping of the file still alive must not lose its pages.
+        data = data.contiguous()
+        # Through a ctypes view, not ``Tensor.numpy()``: that marks the storage not resizable, and
+        # offloaded parameters free theirs by resizing. In place, never truncated: a mapping of the
+        # file still alive must not lose its pages.
+        view = (ctypes.c_uint8 * file.num_bytes).from_address(data.data_ptr())
         with open(file.path, "r+b" if os.path.exists(file.path) else "wb") as stream:
-            stream.write(memoryview(data.contiguous().numpy()))
+            stream.write(view)
 
-    def prefetch(self, file: MappedFile) -> None:
+    def prefetch(self, file: MappedFile, for_writing: bool = True) -> None:
+        """Map ``file`` in the background with its page tables populated, for writing (the step's
+        state) or for reading only (populated for writing, every page would be marked dirty and
+        written back to disk although unchanged)."""
         if file.mapping is None:
-            file.mapping = self._mapper.submit(self._map_populated, file)
+            file.mapping = self._mapper.submit(self._map_populated, file, for_writing)
 
-    def _map_populated(self, file: MappedFile) -> torch.Tensor:
+    def _map_populated(self, file: MappedFile, for_writing: bool) -> torch.Tensor:
         mapping = torch.from_file(file.path, shared=True, size=file.num_bytes, dtype=torch.uint8)
         libc = glibc()
         if libc is not None:
-            # Fails harmlessly (EINVAL) on kernels before 5.14: the step then takes the faults itself.
+            # Fails harmlessly (EINVAL) on kernels before 5.14: the first touch then takes the faults.
             libc.madvise(ctypes.c_void_p(mapping.data_ptr()), ctypes.c_size_t(file.num_bytes),
-                         ctypes.c_int(_MADV_POPULATE_WRITE))
+                         ctypes.c_int(_MADV_POPULATE_WRITE if for_writing else _MADV_POPULATE_READ))
         return mapping
 
     def map(self, file: MappedFile) -> torch.Tensor:
