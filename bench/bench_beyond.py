@@ -15,7 +15,10 @@ sequence fixed:
 - ``oomless-activations``: ``oomless.fit`` for the memory with every static byte kept on the device
   (update_in_backward, offload_optimizer_state and offload_parameters False): activations only;
 - ``oomless``: ``oomless.fit`` for the memory, the planner deciding the update in backward and the
-  optimizer state and parameters off the device as well.
+  optimizer state and parameters off the device as well;
+- ``torchao-offload`` (CUDA, where torchao is installed: ``--methods ...,torchao-offload``): torchao's
+  ``CPUOffloadOptimizer`` over ``torch.optim.Adam`` (fused, its recommended setting), gradients
+  offloaded too; the state and the step on the host, activations as plain PyTorch keeps them.
 Each (method, depth) runs in its own child process: the truth for memory on CPU is the process's peak
 resident memory (DESIGN.md section 3), here above the process before the model was built (after one
 warm-up step of the same model one block deep: start-up of kernels and threads is not the model's), over
@@ -46,6 +49,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 METHODS = ("plain", "checkpoint", "oomless-activations", "oomless")
+EXTRA_METHODS = ("torchao-offload",)       # not run unless asked for (CUDA and torchao only)
+
+
+def make_optimizer(method: str, model) -> torch.optim.Optimizer:
+    """Adam over ``model``, as every method trains it; torchao's offload wraps it."""
+    if method == "torchao-offload":
+        from torchao.optim import CPUOffloadOptimizer
+
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.Adam, offload_gradients=True, fused=True, lr=1e-4)
+    return torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def why_not_available(method: str, device: torch.device) -> str | None:
+    if method != "torchao-offload":
+        return None
+    if device.type != "cuda":
+        return "torchao's CPUOffloadOptimizer offloads from a CUDA (or XPU) device only"
+    import importlib.util
+
+    return None if importlib.util.find_spec("torchao") else "torchao is not installed (pip install torchao)"
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -126,7 +149,7 @@ def run_child(method: str, model_name: str, depth: int, sizes: dict, memory_byte
     gc.collect()
     empty = probe.current()
     model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = make_optimizer(method, model)
     record = {"method": method, "depth": depth, "parameters": sum(p.numel() for p in model.parameters()),
               "parameter_bytes": sum(p.nbytes for p in model.parameters())}
     if method.startswith("oomless"):
@@ -212,7 +235,7 @@ def run_timing(methods: list[str], model_name: str, depth: int, sizes: dict, mem
     runs = {}
     for method in methods:
         model, tokens, loss_fn, blocks = build(model_name, depth, sizes, device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        optimizer = make_optimizer(method, model)
         try:
             prepare(method, model_name, model, tokens, loss_fn, optimizer, blocks, memory_bytes)
         except oomless.PlanError:
@@ -326,9 +349,13 @@ def main() -> None:
         return
     ladder = (1, 2) if args.quick else LADDER
     methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(set(methods) - set(METHODS) - set(EXTRA_METHODS))
     if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
+    not_run = {method: why_not_available(method, device) for method in methods if why_not_available(method, device)}
+    for method, why in not_run.items():
+        print(f"{method}: not run ({why})", flush=True)
+    methods = [method for method in methods if method not in not_run]
     print(f"{args.model} (dim {sizes['dim']}, batch {sizes['batch']} x {sizes['length']} tokens, Adam) "
           f"under {args.memory} on {args.device}", flush=True)
     results = {}
@@ -352,6 +379,7 @@ def main() -> None:
         print(f"interleaved step time at depth {common_depth}: {timing.get('relative_to_plain') or timing}", flush=True)
     record = {"provenance": common.provenance(device, threads=args.threads), "model": args.model, "sizes": sizes,
               "memory_bytes": memory_bytes, "ladder": ladder, "steps": args.steps, "methods": results,
+              "not_run": not_run,
               "interleaved_timing": timing,
               "measured": ("peak resident memory above the process before the model (CPU) over the training "
                            "steps; planning's own peak reported apart")}

@@ -155,3 +155,34 @@ def test_training_under_a_memory_budget_matches_plain_pytorch(monkeypatch):
     assert stats.recomputed_blocks == 2 * recomputed, (stats, recomputed)
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
     _assert_state_equal(plain.model.state_dict(), tight.model.state_dict())
+
+
+def test_resume_with_the_optimizer_state_and_parameters_off_the_device_equals_plain_bitwise(tmp_path, monkeypatch):
+    """Checkpoints save and restore the state wherever it lives: with the update in backward, the
+    optimizer state and the parameters in their files off the device (forced through a stand-in for
+    the planner the loop calls), a run that stops after 2 steps and resumes equals 4 steps of plain
+    PyTorch bit for bit, parameters and optimizer state."""
+    import oomless
+    from oomless.api import plan as plan_for_memory
+    from oomless.train.checkpoint_files import read_checkpoint_file
+
+    made = []
+
+    def moving_static(model, example_inputs, memory, **kwargs):
+        kwargs.update(split=False, update_in_backward=True, offload_optimizer_state=True, offload_parameters=True)
+        made.append(plan_for_memory(model, example_inputs, 2**40, **kwargs))
+        return made[-1]
+
+    plain = train(_config(steps=4, checkpoint_dir=tmp_path / "plain"))
+    monkeypatch.setattr(oomless, "plan", moving_static)
+    train(_config(steps=2, memory="1GiB", checkpoint_dir=tmp_path / "moved"))
+    resumed = train(_config(steps=4, memory="1GiB", checkpoint_dir=tmp_path / "moved", resume=True))
+    assert len(made) == 2 and all(plan.offload_optimizer_state and plan.offload_parameters for plan in made)
+    assert [record["step"] for record in resumed.history][-1] == 4
+    _assert_state_equal(plain.model.state_dict(), resumed.model.state_dict())
+    # The last checkpoints (step 4) hold the same optimizer state, tensor for tensor.
+    (_, expected), (_, actual) = (read_checkpoint_file(latest_checkpoint(tmp_path / name)) for name in ("plain", "moved"))
+    expected, actual = ({name: tensor for name, tensor in tensors.items() if name.startswith("optimizer.")}
+                        for tensors in (expected, actual))
+    assert expected and expected.keys() == actual.keys()
+    _assert_state_equal(expected, actual)
