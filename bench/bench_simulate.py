@@ -13,6 +13,9 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   rank's batch, in N processes at once, each with a rank's threads and no communication, so the
   profile carries the contention of N ranks on the cores; the per-block median of ``--profiles``
   profiles (after one discarded) of rank 0. Simulate scales it to each layout's (micro-)batch.
+  At N > 1 also what the zero-bubble schedules' split backward costs against the backward in one
+  pass (`oomless.profile.split_backward`, torch's own stage backward functions), at the micro-batch
+  their pipelines run; the profile carries the ranks' median (``split_backward_ratio``).
 - Links: gloo all-reduces of 4 KiB to 4 MiB between the N processes after a barrier, fitted to the
   ring formula 2(n-1) alpha + 2(n-1)/n S/B (`oomless.plan.collectives`) for B; alpha from what a
   small all-reduce adds to a 10 ms burst of compute it follows (`_collective_after_compute`), since
@@ -199,9 +202,22 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     profiles = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer).to_json()
                 for _ in range(settings["profiles"])]
     bandwidth = _memory_bandwidth(settings["threads"])
+    measured = {"profiles": profiles, "memory_bytes_per_second": bandwidth}
+    if world_size > 1:
+        # The zero-bubble schedules' split backward against the backward in one pass, at the
+        # micro-batch their pipelines run (simulate's largest micro-batch count for this many ranks).
+        from oomless.plan.layouts import microbatch_candidates
+        from oomless.profile.split_backward import measure_split_backward_ratio
+
+        samples = settings["global_batch"]
+        micro = max(1, samples // max(microbatch_candidates(samples, world_size)))
+        model, _, volumes, labels = _build(settings, micro, rank)
+        measured["split_backward_ratio"] = measure_split_backward_ratio(
+            model, volumes, lambda logits: segmentation_loss(logits, labels))
+        measured["split_backward_batch"] = micro
     if world_size == 1:
-        return {"profiles": profiles, "memory_bytes_per_second": bandwidth}
-    return {"profiles": profiles, "memory_bytes_per_second": bandwidth,
+        return measured
+    return {**measured,
             "all_reduce_seconds": _time_all_reduce(rank, world_size, settings),
             "all_reduce_after_compute_seconds": _collective_after_compute(settings)}
 
@@ -330,8 +346,12 @@ def calibrate(world_size: int, settings: dict) -> dict:
     batch = settings["global_batch"] // world_size
     measured = run_processes(world_size, "calibrate", {**settings, "threads": threads, "batch": batch,
                                                        "repeats": settings["link_repeats"]})
+    profile = median_profile(measured[0]["profiles"])
+    if "split_backward_ratio" in measured[0]:
+        profile = replace(profile, split_backward_ratio=statistics.median(rank["split_backward_ratio"]
+                                                                          for rank in measured))
     record = {"world_size": world_size, "threads": threads, "profiled_batch": batch,
-              "profile": median_profile(measured[0]["profiles"]).to_json(),
+              "profile": profile.to_json(),
               "memory_bytes_per_second": statistics.median(rank["memory_bytes_per_second"] for rank in measured)}
     if world_size > 1:
         # Every rank waits for the slowest: the collective's time is the latest rank's.
@@ -432,11 +452,16 @@ def layout_row(world_size: int, estimates: list, runs: list[list[dict]], warmup:
 
 
 def recommendation_check(world_size: int, simulation, rows: list[dict]) -> dict:
-    """Whether the layout simulate predicts fastest among those run is the measured fastest, or
-    within 5 % of it (simulate's own recommendation may be a layout not run: it is recorded too)."""
+    """Whether the layout simulate would recommend among those run (its rule, `layouts.recommend`:
+    the fastest predicted, the least memory among those within 1 % of it) is the measured fastest,
+    or within 5 % of it (simulate's own recommendation may be a layout not run: it is recorded too)."""
+    from oomless.plan.layouts import RECOMMEND_TIE
+
     here = [row for row in rows if row["world_size"] == world_size]
     fastest = min(here, key=lambda row: row["measured"]["step_seconds"])
-    recommended = min(here, key=lambda row: row["predicted"]["step_seconds"])
+    quickest = min(row["predicted"]["step_seconds"] for row in here)
+    recommended = min((row for row in here if row["predicted"]["step_seconds"] <= quickest * (1 + RECOMMEND_TIE)),
+                      key=lambda row: row["predicted"]["peak_bytes"])
     slower = recommended["measured"]["step_seconds"] / fastest["measured"]["step_seconds"] - 1
     return {"world_size": world_size, "simulate_recommended": simulation.recommended,
             "recommended_among_run": recommended["layout"], "measured_fastest": fastest["layout"],

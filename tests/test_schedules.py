@@ -122,3 +122,28 @@ def test_closed_forms_of_the_other_schedules_equal_their_simulation():
                         assert predicted_step_seconds(schedule, ranks, per_rank, microbatches, 1.0, forward_fraction) == (
                             pytest.approx(simulated_step_seconds(schedule, ranks, per_rank, microbatches, 1.0,
                                                                  forward_fraction), rel=1e-12))
+
+
+def test_a_split_backward_that_costs_more_lengthens_only_the_zero_bubble_schedules():
+    """With the backward split into input- and weight-gradient passes costing r times the backward in
+    one pass (measured by `oomless.profile.split_backward`), a zero-bubble rank's micro-batch takes
+    T (f + r (1 - f)): past the warm-up each further micro-batch adds exactly that, and at r = 1 the
+    prediction is unchanged; the schedules that do not split the backward ignore r."""
+    for schedule in SCHEDULES:
+        per_rank = 2 if schedule in ("interleaved-1f1b", "zero-bubble", "zbv") else 1
+        for ranks in (2, 3, 4):
+            microbatches = 4 * ranks
+            if microbatch_problem(schedule, ranks, microbatches):
+                continue
+            for forward_fraction in FORWARD_FRACTIONS:
+                plain = predicted_step_seconds(schedule, ranks, per_rank, microbatches, 1.0, forward_fraction)
+                assert predicted_step_seconds(schedule, ranks, per_rank, microbatches, 1.0, forward_fraction,
+                                              1.0) == plain
+                split = [predicted_step_seconds(schedule, ranks, per_rank, m, 1.0, forward_fraction, 1.3)
+                         for m in (microbatches, microbatches + 1)]
+                if schedule in ("zero-bubble", "zbv"):
+                    assert split[0] > plain
+                    assert split[1] - split[0] == pytest.approx(forward_fraction + 1.3 * (1 - forward_fraction),
+                                                                rel=1e-9)
+                else:
+                    assert split[0] == plain

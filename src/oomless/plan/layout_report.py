@@ -125,7 +125,8 @@ def pipeline_spans(estimate: LayoutEstimate) -> list[Span]:
     def seconds(stage: int, kind: str) -> float:
         total = partition.stage_seconds[stage] + partition.overhead_seconds
         forward = total * partition.forward_fraction
-        return {"F": forward, "B": total - forward}.get(kind, (total - forward) / 2)
+        split = (total - forward) * partition.split_backward_ratio      # the input and weight passes together
+        return {"F": forward, "B": total - forward}.get(kind, split / 2)
 
     spans = []
 

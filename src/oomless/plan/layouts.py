@@ -440,8 +440,18 @@ def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster, gl
     return estimates
 
 
+# Predicted steps this close count as a tie: a prediction is not that exact.
+RECOMMEND_TIE = 0.01
+
+
 def recommend(estimates: list[LayoutEstimate]) -> LayoutEstimate | None:
-    """The fastest predicted step among the layouts that fit (the first listed, on ties)."""
+    """The fastest predicted step among the layouts that fit; among those within `RECOMMEND_TIE` of
+    it, the one with the least memory per rank (GPipe and 1F1B predict the same step, 1F1B holding
+    fewer micro-batches; the first listed, on ties of both)."""
     fitting = [estimate for estimate in estimates if estimate.fits]
-    return min(fitting, key=lambda estimate: estimate.step_seconds) if fitting else None
+    if not fitting:
+        return None
+    fastest = min(estimate.step_seconds for estimate in fitting)
+    close = [estimate for estimate in fitting if estimate.step_seconds <= fastest * (1 + RECOMMEND_TIE)]
+    return min(close, key=lambda estimate: estimate.memory_per_rank_bytes)
 

@@ -64,7 +64,7 @@ from itertools import accumulate
 from oomless.errors import InputError, PlanError
 from oomless.plan.planner import _transient_bytes
 from oomless.plan.schedules import (DEFAULT_FORWARD_FRACTION, check_schedule, microbatch_problem,
-                                    predicted_step_seconds, rank_in_flight, stage_ranks)
+                                    predicted_step_seconds, rank_in_flight, split_backward_terms, stage_ranks)
 # Not used here: re-exported for the callers that import them from this module (parallel/, cli/, tests).
 from oomless.plan.schedules import SCHEDULES, in_flight_microbatches  # noqa: F401
 from oomless.profile.profile import Profile
@@ -95,6 +95,7 @@ class Partition:
     rank_bytes: list[int] = field(default_factory=list)   # predicted peak bytes of each rank
     overhead_seconds: float = 0.0       # added per micro-batch to every stage's seconds
     forward_fraction: float = DEFAULT_FORWARD_FRACTION
+    split_backward_ratio: float = 1.0   # the profile's (zero-bubble schedules: split backward's cost)
 
     def __post_init__(self):
         if not self.rank_bytes and self.stages_per_rank == 1:   # a partition saved before ranks had several stages
@@ -139,13 +140,16 @@ class Partition:
     @property
     def predicted_step_seconds(self) -> float:
         return predicted_step_seconds(self.schedule, self.ranks, self.stages_per_rank, self.microbatches,
-                                      self.bottleneck_seconds, self.forward_fraction)
+                                      self.bottleneck_seconds, self.forward_fraction, self.split_backward_ratio)
 
     @property
     def predicted_bubble_fraction(self) -> float:
-        """Share of the predicted step the slowest rank waits: 1 - M T / step."""
+        """Share of the predicted step the slowest rank waits: 1 - M T / step (T with the split
+        backward's cost, where the schedule splits it)."""
         step = self.predicted_step_seconds
-        return 1 - self.microbatches * self.bottleneck_seconds / step if step else 0.0
+        busy, _ = split_backward_terms(self.schedule, self.bottleneck_seconds, self.forward_fraction,
+                                       self.split_backward_ratio)
+        return 1 - self.microbatches * busy / step if step else 0.0
 
     @property
     def bubble_fraction(self) -> float:
@@ -458,7 +462,7 @@ def partition_stages(profile: Profile, stages: int, memory, microbatches: int = 
         stage_bytes=[costs.bytes(stage, start, stop) for stage, (start, stop) in enumerate(spans)],
         rank_bytes=costs.rank_bytes(cuts), memory_limits=limits,
         crossing_bytes=[costs.crossing[start] for start, _ in spans], in_flight=list(costs.in_flight),
-        forward_fraction=_forward_fraction(profile), notes=notes)
+        forward_fraction=_forward_fraction(profile), split_backward_ratio=profile.split_backward_ratio, notes=notes)
 
 
 def _raise_no_cut_fits(profile: Profile, costs: StageCosts, limits: list[int], stopped: bool = False):

@@ -315,10 +315,27 @@ def _simulated_step_units(schedule: str, ranks: int, stages_per_rank: int, micro
                              for rank in range(ranks)], action_seconds)
 
 
+def split_backward_terms(schedule: str, rank_seconds: float, forward_fraction: float,
+                         split_backward_ratio: float) -> tuple[float, float]:
+    """(rank seconds, forward fraction) of a micro-batch once the zero-bubble schedules' backward,
+    split into input- and weight-gradient passes, costs ``split_backward_ratio`` times the backward
+    in one pass (measured: `oomless.profile.split_backward`); unchanged for the other schedules.
+    Every stage's backward is taken as split (torch runs stage 0's whole backward as its weight pass,
+    unsplit: the few percent that over-counts for it)."""
+    if schedule not in ZERO_BUBBLE_SCHEDULES or split_backward_ratio == 1.0:
+        return rank_seconds, forward_fraction
+    scale = forward_fraction + split_backward_ratio * (1 - forward_fraction)
+    return rank_seconds * scale, forward_fraction / scale
+
+
 def predicted_step_seconds(schedule: str, ranks: int, stages_per_rank: int, microbatches: int,
-                           rank_seconds: float, forward_fraction: float = DEFAULT_FORWARD_FRACTION) -> float:
+                           rank_seconds: float, forward_fraction: float = DEFAULT_FORWARD_FRACTION,
+                           split_backward_ratio: float = 1.0) -> float:
     """One step's seconds under ``schedule`` when the slowest rank takes ``rank_seconds`` per
-    micro-batch, ``forward_fraction`` of it in forward (formulas, method and sources: module docstring)."""
+    micro-batch, ``forward_fraction`` of it in forward (formulas, method and sources: module docstring);
+    ``split_backward_ratio``: what the zero-bubble schedules' split backward costs (`split_backward_terms`)."""
+    rank_seconds, forward_fraction = split_backward_terms(schedule, rank_seconds, forward_fraction,
+                                                          split_backward_ratio)
     P, V, M, T = ranks, stages_per_rank, microbatches, rank_seconds
     if schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")

@@ -105,6 +105,11 @@ class Profile:
     # whole step): profiles on meta tensors, gradient accumulation, data parallel (DDP's buckets hold
     # gradients through the step), FSDP, pipeline stages (gradients accumulate over micro-batches).
     gradients_from_backward: bool = False
+    # Seconds of the backward split into an input-gradient and a weight-gradient pass, as the
+    # zero-bubble pipeline schedules run it (torch's ``stage_backward_input`` then
+    # ``stage_backward_weight``), over the backward in one pass (`profile.split_backward`); 1.0 where
+    # not measured (Qi et al.'s working assumption: splitting costs nothing).
+    split_backward_ratio: float = 1.0
 
     @property
     def activation_bytes(self) -> int:
