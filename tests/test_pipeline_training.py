@@ -128,3 +128,33 @@ def test_the_readme_pipeline_command_runs_under_torchrun(tmp_path):
     assert "done: 3 steps" in finished.stdout
     saved = load_file(str(tmp_path / "switched.safetensors"))
     assert saved.keys() == UNet3D(base_channels=2, depth=1).state_dict().keys()
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_the_cut_is_profiled_at_one_micro_batch_when_their_number_is_given(monkeypatch, microbatches):
+    """Rank 0 profiles the model for its cut at the size each stage runs: one micro-batch when the
+    number of micro-batches is given (no scaling; no workspaces kept for shapes no stage runs), the
+    whole replica batch when the partitioner chooses the number."""
+    import torch
+
+    import oomless
+    from oomless.parallel.block_sequence import sequence_for
+    from oomless.parallel.pipeline_training import PipelineTraining
+
+    profiled = []
+    real_profile = oomless.profile
+
+    def recording(module, inputs, **kwargs):
+        profiled.append(inputs.shape[0])
+        return real_profile(module, inputs, **kwargs)
+
+    monkeypatch.setattr(oomless, "profile", recording)
+    torch.manual_seed(0)
+    model = UNet3D(in_channels=1, base_channels=2, depth=2)
+    volumes, labels = torch.randn(4, 1, 8, 8, 8), torch.randint(0, 2, (4, 8, 8, 8))
+    strategy = PipelineTraining.__new__(PipelineTraining)        # no process group: the cut alone
+    strategy.config = ParallelConfig(mode="pipeline", stages=2, microbatches=microbatches)
+    strategy.optimizer, strategy.memory, strategy.device = torch.optim.Adam(model.parameters()), None, torch.device("cpu")
+    partition = strategy._partition(sequence_for(model), (volumes, labels))
+    assert profiled == [4 // (microbatches or 1)]
+    assert partition.stages == 2 and (microbatches is None or partition.microbatches == microbatches)
