@@ -71,3 +71,41 @@ def test_the_ledger_tells_its_observer_the_bytes_before_each_change():
     ledger.remove(50)
     assert told == [0, 100, 150, 50]
     assert (ledger.resident_activation_bytes, ledger.peak_activation_bytes) == (0, 150)
+
+
+def test_an_all_keep_plan_counts_its_first_forwards_of_each_shape_then_runs_without_hooks():
+    """Every block kept moves nothing: the pack hooks only count. They count the first
+    COUNTED_FORWARDS forwards of each inputs' shape and no more (the same count would repeat); a new
+    shape is counted again. The peak reported is the counted one, and training stays bitwise plain."""
+    import copy
+
+    from oomless.runtime.install import COUNTED_FORWARDS, installed_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    small, large = torch.randn(8, 64), torch.randn(32, 64)
+    loss_fn = lambda out: out.square().mean()     # noqa: E731
+    plan = oomless.plan(model, small, "1GiB", loss_fn=loss_fn, min_swap_bytes=0)
+    oomless.apply(model, plan.with_decisions({name: "keep" for name in plan.decisions}))
+    state = installed_state(model)
+    packed = []
+    pack = state._pack
+    state._pack = lambda tensor: (packed.append(tensor), pack(tensor))[1]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    shapes = [small] * (COUNTED_FORWARDS + 2) + [large] * (COUNTED_FORWARDS + 1)
+    peaks, packs = [], []
+    for inputs in shapes:
+        before = len(packed)
+        for net, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(net(inputs)).backward()
+            optimizer.step()
+        packs.append(len(packed) - before)
+        peaks.append(oomless.stats(model).peak_activation_bytes)
+    counted = packs[0]
+    assert counted > 0
+    assert packs == [counted] * COUNTED_FORWARDS + [0, 0] + [counted] * COUNTED_FORWARDS + [0]
+    assert peaks[0] > 0 and peaks[COUNTED_FORWARDS + 1] == peaks[0] and peaks[-1] > peaks[0]
+    assert oomless.stats(model).steps == 2 * COUNTED_FORWARDS + 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
