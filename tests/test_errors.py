@@ -41,6 +41,49 @@ def test_memory_too_small_names_the_minimum_and_the_block():
     oomless.fit(model, inputs, error.value.minimum_bytes, loss_fn=_loss)
 
 
+def test_the_named_minimum_given_back_plans_from_the_same_measurements(monkeypatch):
+    """Each profile of a step measures a little differently; the budget a PlanError names is a
+    promise about the step it measured. Given back (or more) for the same step, plan reuses that
+    profile, so it is accepted even where a new measurement would name more; anything else (a
+    smaller budget, other inputs) measures again. Here every profile measures each block's working
+    memory half as much again as the one before, far beyond the named budget's margin."""
+    import dataclasses
+
+    import oomless.api
+
+    measured = []
+    real = oomless.api.profile_configured
+
+    def noisier(*args, **kwargs):
+        profile = real(*args, **kwargs)
+        grow = 1 + 0.5 * len(measured)
+        measured.append(profile)
+        return dataclasses.replace(profile, blocks=[dataclasses.replace(
+            block, forward_transient_bytes=int(block.forward_transient_bytes * grow),
+            backward_transient_bytes=int(block.backward_transient_bytes * grow)) for block in profile.blocks])
+
+    monkeypatch.setattr(oomless.api, "profile_configured", noisier)
+    torch.manual_seed(0)
+    model, inputs = SmallCNN(in_channels=3, num_classes=10), torch.randn(32, 3, 64, 64)
+    with pytest.raises(oomless.PlanError) as error:
+        oomless.plan(model, inputs, "1KiB", loss_fn=_loss, split=False)
+    named = error.value.minimum_bytes
+    plan = oomless.plan(model, inputs, named, loss_fn=_loss, split=False)
+    assert len(measured) == 1 and plan.memory_bytes == named and plan.predicted_peak_bytes <= named
+    # Not the same request: measured again each time.
+    with pytest.raises(oomless.PlanError):
+        oomless.plan(model, inputs, 1024, loss_fn=_loss, split=False)          # a smaller budget
+    assert len(measured) == 2
+    with pytest.raises(oomless.PlanError):
+        oomless.plan(model, inputs[:16], 1024, loss_fn=_loss, split=False)    # other inputs
+    assert len(measured) == 3
+    # The last refusal's number, given back, is accepted from that refusal's own profile.
+    with pytest.raises(oomless.PlanError) as again:
+        oomless.plan(model, inputs, 1024, loss_fn=_loss, split=False)
+    plan = oomless.plan(model, inputs, again.value.minimum_bytes, loss_fn=_loss, split=False)
+    assert len(measured) == 4 and plan.predicted_peak_bytes <= again.value.minimum_bytes
+
+
 def test_block_forcing_the_minimum_is_named_when_static_bytes_fit():
     model, inputs = _model_and_inputs()
     profile = oomless.profile(model, inputs, loss_fn=_loss)
