@@ -22,8 +22,9 @@ plan's notes:
 - when the step fits with every block kept and everything on the device, nothing moves;
 - otherwise the activation plan is made for each possible placement, and the fastest that fits is
   chosen: its predicted step plus what the placement adds (the measured cost of one optimizer call
-  per parameter; the bytes moved over the tier's measured link, not assumed hidden: the state out
-  and in, the parameters in twice and out once).
+  per module; the bytes moved over the tier's measured link, not assumed hidden: the state out
+  and in, the parameters in twice and out once; on a CPU-only run, where they are mapped files, at
+  the rates measured mapping and writing one, `runtime.tiers.mapped_files_rates`).
   Freed static bytes are room for activations, so moving them can also buy fewer swaps and recomputes.
 
 The activation planner (`plan.planner.make_plan`) is given the profile as the device sees it under a
@@ -50,6 +51,7 @@ from oomless.errors import InputError, PlanError
 from oomless.plan.plan import Plan, StaticPart
 from oomless.profile.profile import Profile
 from oomless.runtime.optimizer_slices import NOT_SLICEABLE, OptimizerSlice
+from oomless.runtime.tiers import mapped_files_rates
 from oomless.sizes import format_bytes
 
 ON_DEVICE = "device"
@@ -282,6 +284,12 @@ class _Candidates:
         self.parameters_offloaded = parameter_bytes_offloaded(model, profile)
         self.results: dict[Placement, Plan | PlanError] = {}
         self._per_call_seconds = None
+        # One optimizer call per module registering trainable parameters the optimizer holds (the
+        # update in backward steps a module's own parameters together: `runtime.update_in_backward`).
+        held = {param for group in (optimizer.param_groups if optimizer is not None else [])
+                for param in group["params"] if param.requires_grad}
+        self.update_calls = len({id(module) for module in model.modules()
+                                 if any(param in held for param in module.parameters(recurse=False))})
 
     def device_bytes(self, placement: Placement) -> tuple[int, int, int]:
         """(gradients, optimizer state, parameters) on the device at once."""
@@ -307,19 +315,24 @@ class _Candidates:
             return 0.0, ""
         if self._per_call_seconds is None:
             self._per_call_seconds = per_parameter_step_seconds(self.optimizer) or 0.0
-        calls = sum(1 for group in self.optimizer.param_groups for param in group["params"] if param.requires_grad)
+        calls = self.update_calls
         seconds = self._per_call_seconds * calls
         parts = [f"{calls} optimizer calls {seconds * 1e3:.1f} ms"]
+        # Out and in over the tier's measured link; on a CPU-only run the static bytes are mapped
+        # files instead (`runtime.tiers.MappedFiles`): state mapped in, updated in place, unmapped;
+        # parameters copied from their mapping twice and written into their file once.
+        mapped = self.profile.device == "cpu"
+        rate_in, rate_out = mapped_files_rates() if mapped else (self.profile.link.in_bytes_per_second,
+                                                                 self.profile.link.out_bytes_per_second)
         if placement.offload_optimizer_state:
-            link = self.profile.link
             moved = self.profile.optimizer_state_bytes
-            copies = moved / link.out_bytes_per_second + moved / link.in_bytes_per_second
+            copies = moved / rate_in + (0.0 if mapped else moved / rate_out)
             seconds += copies
-            parts.append(f"state out and in {format_bytes(moved)} each way {copies * 1e3:.1f} ms")
+            parts.append(f"state {'mapped in' if mapped else 'out and in'} {format_bytes(moved)} "
+                         f"{'' if mapped else 'each way '}{copies * 1e3:.1f} ms")
         if placement.offload_parameters:
-            link = self.profile.link
             moved = self.profile.parameter_bytes
-            copies = 2 * moved / link.in_bytes_per_second + moved / link.out_bytes_per_second
+            copies = 2 * moved / rate_in + moved / rate_out
             seconds += copies
             parts.append(f"parameters in twice and out once, {format_bytes(moved)} each, {copies * 1e3:.1f} ms")
         return seconds, ", ".join(parts)
