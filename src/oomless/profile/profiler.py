@@ -21,7 +21,8 @@ from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
-from oomless.profile.tensors import call_model, check_inputs_device, static_overhead_bytes, storage_bytes, tensors_in
+from oomless.profile.tensors import (call_model, check_inputs_device, static_overhead_bytes, storage_bytes,
+                                     tensors_in, training_state_kept)
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -177,43 +178,39 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     found = find_blocks(model, blocks)
     notes: list[str] = []
     parameters = list(dict.fromkeys(model.parameters()))
-    saved_grads = [p.grad for p in parameters]
-    saved_buffers = [b.detach().clone() for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # Gradients, buffers and RNG as they were, after.
+    with training_state_kept(model) as (cpu_rng, cuda_rng):
+        # Memory beyond static bytes is measured against what the process held before the first step:
+        # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
+        # memory the training steps will hold too.
+        probe = MemoryProbe(device)
+        left_before = _LEFT_BEHIND.get(model, 0)
+        baseline = {"bytes": probe.current() - left_before}
 
-    # Memory beyond static bytes is measured against what the process held before the first step:
-    # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
-    # memory the training steps will hold too.
-    probe = MemoryProbe(device)
-    left_before = _LEFT_BEHIND.get(model, 0)
-    baseline = {"bytes": probe.current() - left_before}
+        def measure(decisions: dict[str, str] | None = None):
+            for p in parameters:
+                p.grad = None
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline["bytes"],
+                                 measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
 
-    def measure(decisions: dict[str, str] | None = None):
-        for p in parameters:
-            p.grad = None
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline["bytes"],
-                             measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
-
-    def measure_sizes():
-        recorder, loss_seconds = measure()
-        for p in parameters:
-            p.grad = None
-        kept = probe.current() - baseline["bytes"]
-        if _agreed(kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20)):
-            # The first step of a process loads libraries and initialises kernels and thread pools,
-            # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
-            # step treats it). Measured again, from what the process holds now.
-            notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
-                         "sizes measured again on a second step")
-            baseline["bytes"] = probe.current() - left_before
+        def measure_sizes():
             recorder, loss_seconds = measure()
-        return recorder, loss_seconds
+            for p in parameters:
+                p.grad = None
+            kept = probe.current() - baseline["bytes"]
+            if _agreed(kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20)):
+                # The first step of a process loads libraries and initialises kernels and thread pools,
+                # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
+                # step treats it). Measured again, from what the process holds now.
+                notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
+                             "sizes measured again on a second step")
+                baseline["bytes"] = probe.current() - left_before
+                recorder, loss_seconds = measure()
+            return recorder, loss_seconds
 
-    try:
         recorder, loss_seconds = measure_sizes()
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
@@ -239,15 +236,6 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             timer.highest_above_static_bytes
         sized.rehearsal_excess_bytes = max(measured - predicted_bytes - started_up, 0)
         _LEFT_BEHIND[model] = max(probe.current() - baseline["bytes"], left_before)
-    finally:
-        with torch.no_grad():
-            for p, grad in zip(parameters, saved_grads):
-                p.grad = grad
-            for buffer, saved in zip(model.buffers(), saved_buffers):
-                buffer.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     return sized
 
 

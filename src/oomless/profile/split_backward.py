@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from oomless.profile.tensors import call_model, tensors_in
+from oomless.profile.tensors import call_model, tensors_in, training_state_kept
 
 
 def _loss(output, loss_fn):
@@ -39,9 +39,6 @@ def measure_split_backward_ratio(model: nn.Module, example_inputs, loss_fn=None,
     if not inputs:
         return 1.0
     parameters = [param for param in model.parameters() if param.requires_grad]
-    kept = [param.grad for param in parameters]
-    buffers = [buffer.detach().clone() for buffer in model.buffers()]
-    rng = torch.get_rng_state()
 
     def backward_seconds(split: bool) -> float:
         leaves = [tensor.detach().requires_grad_(True) for tensor in inputs]
@@ -59,17 +56,10 @@ def measure_split_backward_ratio(model: nn.Module, example_inputs, loss_fn=None,
             param.grad = None
         return seconds
 
-    try:
+    with training_state_kept(model):
         backward_seconds(False), backward_seconds(True)          # first calls: start-up, not the pass
         whole, split = [], []
         for _ in range(max(repeats, 1)):
             whole.append(backward_seconds(False))
             split.append(backward_seconds(True))
-    finally:
-        with torch.no_grad():
-            for param, grad in zip(parameters, kept):
-                param.grad = grad
-            for buffer, saved in zip(model.buffers(), buffers):
-                buffer.copy_(saved)
-        torch.set_rng_state(rng)
     return statistics.median(split) / statistics.median(whole)

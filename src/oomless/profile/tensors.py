@@ -1,5 +1,7 @@
 """Small helpers on tensors and models shared by the profiler and the runtime."""
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -85,3 +87,27 @@ def call_model(model: nn.Module, example_inputs):
     if isinstance(example_inputs, (tuple, list)):
         return model(*example_inputs)
     return model(example_inputs)
+
+
+@contextlib.contextmanager
+def training_state_kept(model: nn.Module):
+    """Run steps that measure ``model`` and leave it as it was: its gradients, its buffers (BatchNorm's
+    running statistics) and the RNG (CPU, and CUDA where initialised) restored after, whatever the
+    steps did. Yields (CPU RNG state, CUDA RNG states or None): steps that must draw the same random
+    numbers start from them."""
+    parameters = list(dict.fromkeys(model.parameters()))
+    grads = [param.grad for param in parameters]
+    buffers = [buffer.detach().clone() for buffer in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield cpu_rng, cuda_rng
+    finally:
+        with torch.no_grad():
+            for param, grad in zip(parameters, grads):
+                param.grad = grad
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

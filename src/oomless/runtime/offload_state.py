@@ -8,8 +8,8 @@ file, mapped: coming in maps it (prefetched: mapped and its pages populated in t
 out drops the mapping; no byte is copied either way (copying every state tensor out and back at every
 step, as the activations' disk tier would, made the step 1.6-1.7x the all-on-device one).
 
-How a step runs (`OffloadedState` is driven by `oomless.runtime.update_in_backward`, one parameter at
-a time, in backward or at the user's ``optimizer.step()``): ``bring_in(param)`` puts the parameter's
+How a step runs (`OffloadedState` is driven by `oomless.runtime.update_in_backward`, one module's
+parameters at a time, in backward or at the user's ``optimizer.step()``): ``bring_in(param)`` puts the parameter's
 state back into the user's ``optimizer.state[param]``, the step runs on the compute device as it
 would without offload (the same kernels, so bit for bit the same result: the bytes make an exact
 round trip), ``send_out(param)`` copies the updated state out and drops it from the dict, and
@@ -95,7 +95,8 @@ class OffloadedState:
     def bring_in(self, param: nn.Parameter, copy: bool = False) -> None:
         """Before ``param``'s step: its state back in ``optimizer.state[param]``, on the device.
         ``copy``: with mapped files, a copy in the process's own memory rather than the file mapped
-        (for state dicts and `remove`, whose tensors must not change with later steps)."""
+        (for state dicts and `remove`: tensors not tied to a file that later steps rewrite in place
+        and that `remove` deletes)."""
         entries = self.out.pop(param, None)
         if not entries:
             return
