@@ -40,7 +40,7 @@ def sum_of_outputs(output) -> torch.Tensor:
 # Per model: the profile behind the last PlanError `plan` raised for it, with what it was measured
 # for and the smallest budget the error named. Given that budget back (or more) for the same step,
 # `plan` plans from the same measurements, so the named budget is accepted: a profile measured again
-# differs a little (a 6-layer GPT-2's named floor was refused once in 8 fresh processes, its second
+# differs a little (a 6-layer GPT-2's named floor was refused once in 9 fresh processes, its second
 # profile's floor over 2 % higher), and the PlanError's promise is about this step, not a new sample.
 _REFUSED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 

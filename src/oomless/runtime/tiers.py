@@ -334,9 +334,10 @@ _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14
 
 
 class MappedFiles:
-    """Static bytes on a CPU-only run (optimizer state): each tensor lives in a file of its own, and
-    while it is in use the tensor *is* the file, mapped shared (``torch.from_file``): the optimizer's
-    step updates it in place and its writes go to the file's page cache, so going out is only the
+    """Static bytes on a CPU-only run (optimizer state, and parameters off the device, which are copied
+    from their mapping since autograd holds their own storages): each tensor lives in a file of its
+    own, and while optimizer state is in use the tensor *is* the file, mapped shared
+    (``torch.from_file``): the optimizer's step updates it in place and its writes go to the file's page cache, so going out is only the
     mapping dropped (the pages leave the resident set) and coming in only the file mapped again, with
     no copy either way (the disk tier's write and read of every state tensor at every step cost ~10x
     more). A prefetch maps the file in a background thread and populates its page tables for writing
@@ -349,7 +350,6 @@ class MappedFiles:
         self.directory = tempfile.mkdtemp(prefix="oomless-static-", dir=directory)
         self._names = itertools.count()
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-map")
-        self.stall_seconds = 0.0
 
     def create(self, data: torch.Tensor) -> MappedFile:
         """A new file holding ``data``'s bytes (a uint8 tensor)."""
@@ -389,9 +389,7 @@ class MappedFiles:
         unmaps it."""
         if file.mapping is None:
             return torch.from_file(file.path, shared=True, size=file.num_bytes, dtype=torch.uint8)
-        started = time.perf_counter()
         mapping, file.mapping = file.mapping.result(), None
-        self.stall_seconds += time.perf_counter() - started
         return mapping
 
     def read(self, file: MappedFile) -> torch.Tensor:
@@ -407,10 +405,6 @@ class MappedFiles:
     def remove(self, file: MappedFile) -> None:
         self._forget_prefetch(file)
         _remove_quietly(file.path)
-
-    def collect_stall_seconds(self) -> float:
-        stalled, self.stall_seconds = self.stall_seconds, 0.0
-        return stalled
 
     def close(self) -> None:
         self._mapper.shutdown(wait=True)

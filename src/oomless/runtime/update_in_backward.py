@@ -124,8 +124,8 @@ class UpdateInBackward:
         """Each parameter updated here -> the parameters stepped with it: those its module registers
         itself (a Linear's weight and bias, made by one autograd node, ready together; a parameter
         registered twice belongs to the first module). One optimizer call per module rather than per
-        parameter: each call costs ~0.1-0.3 ms besides its arithmetic (the optimizer's wrappers,
-        hooks and group setup), 15 % of a small transformer's step when paid per parameter. The
+        parameter (each call has its fixed cost: wrappers, hooks, group setup): on a 16-block
+        transformer the update in backward went from 1.15x to 1.12x the all-on-device step. The
         planner's gradient count is already one module's (`plan.static`)."""
         unit_of: dict[nn.Parameter, tuple[nn.Parameter, ...]] = {}
         for module in self.model.modules():
