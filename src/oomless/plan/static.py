@@ -52,6 +52,7 @@ from oomless.plan.plan import Plan, StaticPart
 from oomless.profile.profile import Profile
 from oomless.runtime.optimizer_slices import NOT_SLICEABLE, OptimizerSlice
 from oomless.runtime.tiers import mapped_files_rates
+from oomless.runtime.update_in_backward import update_units
 from oomless.sizes import format_bytes
 
 ON_DEVICE = "device"
@@ -284,12 +285,10 @@ class _Candidates:
         self.parameters_offloaded = parameter_bytes_offloaded(model, profile)
         self.results: dict[Placement, Plan | PlanError] = {}
         self._per_call_seconds = None
-        # One optimizer call per module registering trainable parameters the optimizer holds (the
-        # update in backward steps a module's own parameters together: `runtime.update_in_backward`).
-        held = {param for group in (optimizer.param_groups if optimizer is not None else [])
-                for param in group["params"] if param.requires_grad}
-        self.update_calls = len({id(module) for module in model.modules()
-                                 if any(param in held for param in module.parameters(recurse=False))})
+        # One optimizer call per module's trainable parameters the optimizer holds (`update_units`).
+        held = [param for group in (optimizer.param_groups if optimizer is not None else [])
+                for param in group["params"] if param.requires_grad]
+        self.update_calls = len({id(unit) for unit in update_units(model, held).values()})
 
     def device_bytes(self, placement: Placement) -> tuple[int, int, int]:
         """(gradients, optimizer state, parameters) on the device at once."""

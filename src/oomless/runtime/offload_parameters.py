@@ -75,12 +75,10 @@ class OffloadedParameters:
         owned = parameters_owned_by_blocks(model, block_modules)
         with_parameters = [(name, module, params) for (name, module), params in zip(block_modules, owned) if params]
         self.blocks = [_Block(index, *block) for index, block in enumerate(with_parameters)]
-        # Up to one block's parameters wait to be written (resident while they wait).
-        largest = max((sum(param.nbytes for param in block.parameters) for block in self.blocks), default=0)
         # CPU: each parameter a file of its own, read from its mapping and rewritten in place after
         # its update (`tiers.MappedFiles`); CUDA: pinned host memory.
-        self.mapped = tier is None and device.type == "cpu"
-        self.tier = MappedFiles() if self.mapped else tier if tier is not None else static_tier(device, largest)
+        self.tier = tier if tier is not None else static_tier(device)
+        self.mapped = isinstance(self.tier, MappedFiles)
         self.block_of = {param: block for block in self.blocks for param in block.parameters}
         self.shapes = {param: param.shape for param in self.block_of}
         self.names = {param: name for name, param in model.named_parameters(remove_duplicate=False)

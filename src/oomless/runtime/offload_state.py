@@ -36,16 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from oomless.runtime.tiers import DiskTier, MappedFiles, PinnedHostTier
+from oomless.runtime.tiers import MappedFiles, PinnedHostTier
 
 
-def static_tier(device: torch.device, max_pending_bytes: int):
-    """The tier for static bytes: pinned host memory (CUDA), or the disk store (CPU) with at most
-    ``max_pending_bytes`` waiting to be written: bytes waiting are resident, and the planner counts
-    about one parameter's (or block's) worth in flight, not the activations' 256 MiB backlog."""
+def static_tier(device: torch.device):
+    """The tier for static bytes (optimizer state, parameters off the device): pinned host memory
+    (CUDA), or a mapped file per tensor (CPU)."""
     if device.type == "cuda":
         return PinnedHostTier(device)
-    return DiskTier(max_pending_bytes=max_pending_bytes)
+    return MappedFiles()
 
 
 @dataclass
@@ -68,13 +67,8 @@ class OffloadedState:
         self.min_offload_bytes = min_offload_bytes
         # Parameters stepped together (`update_in_backward`: one module's): a prefetch brings a unit in.
         self.units = units or {}
-        # Up to one parameter's state (two copies of the largest, as Adam's) waits to be written.
-        largest = max((param.nbytes for param in self.parameters), default=0)
-        self.mapped = tier is None and device.type == "cpu"
-        if self.mapped:
-            self.tier = MappedFiles()
-        else:
-            self.tier = tier if tier is not None else static_tier(device, 2 * largest)
+        self.tier = tier if tier is not None else static_tier(device)
+        self.mapped = isinstance(self.tier, MappedFiles)
         self.out: dict[nn.Parameter, dict[str, _OutEntry]] = {}
         self.files: dict[nn.Parameter, dict[str, _OutEntry]] = {}     # mapped files: every state tensor's, kept
         self.order: list[nn.Parameter] = []         # the order of the last step's updates
