@@ -195,3 +195,22 @@ def test_torchvision_whose_extension_does_not_load_is_made_importable(tmp_path):
         outputs[mode] = completed.stdout.strip()
     assert outputs["plain"] == "import failed: operator torchvision::nms does not exist"
     assert outputs["made-importable"] == "imported; nms raises NotImplementedError"
+
+
+@pytest.mark.parametrize("name", ["_C", "_C_stable"])
+def test_a_torchvision_extension_that_loads_is_left_alone(tmp_path, name):
+    """torchvision 0.29 ships its extension as ``_C_stable`` (torch's stable ABI), earlier releases as
+    ``_C``: either one that loads means torchvision defines its ops itself, and defining them first
+    would make its import fail on a duplicate registration."""
+    import _ctypes
+    import importlib.machinery
+    import shutil
+
+    from oomless.models import vision
+
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    assert not vision._extension_loads(package)       # no extension at all
+    # Any shared library that loads stands for the extension (torch.ops.load_library only dlopens it).
+    shutil.copy(_ctypes.__file__, package / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}")
+    assert vision._extension_loads(package)

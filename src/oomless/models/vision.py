@@ -33,15 +33,20 @@ _UNGUARDED_SCHEMAS = (
 _standin_library: torch.library.Library | None = None    # kept: its definitions last as long as it does
 
 
+# torchvision's extension: `_C` up to 0.28, `_C_stable` (built on torch's stable ABI) from 0.29.
+_EXTENSION_NAMES = ("_C", "_C_stable")
+
+
 def _extension_loads(package_directory: Path) -> bool:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = package_directory / f"_C{suffix}"
-        if path.is_file():
-            try:
-                torch.ops.load_library(str(path))
-            except OSError:
-                return False
-            return True
+    for name in _EXTENSION_NAMES:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = package_directory / f"{name}{suffix}"
+            if path.is_file():
+                try:
+                    torch.ops.load_library(str(path))
+                except OSError:
+                    return False
+                return True
     return False
 
 
