@@ -41,11 +41,13 @@ ROOT = BENCH_DIRECTORY.parent
 if str(BENCH_DIRECTORY) not in sys.path:
     sys.path.insert(0, str(BENCH_DIRECTORY))
 
-METHODS = ("plain", "checkpoint", "save_on_cpu", "oomless", "oomless-split")
+METHODS = ("plain", "checkpoint", "save_on_cpu", "oomless", "oomless-split", "oomless-split-loss")
 # "oomless-split": oomless.plan(..., split=True), every U-Net stage computed in slabs (README, "Chains
-# computed in slabs"); "oomless" lets the planner decide (it splits only where no plan without fits).
+# computed in slabs"); "oomless" lets the planner decide (it splits only where no plan without fits);
+# "oomless-split-loss": split=True and the loss computed in slabs too (oomless.loss_in_slabs), the
+# one change to the user's training step among the methods.
 METHOD_COLORS = {"plain": "tab:red", "checkpoint": "tab:orange", "save_on_cpu": "tab:gray", "oomless": "tab:blue",
-                 "oomless-split": "tab:cyan"}
+                 "oomless-split": "tab:cyan", "oomless-split-loss": "tab:green"}
 TRIAL_TIMEOUT_SECONDS = 1800
 
 
@@ -91,7 +93,8 @@ def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: i
               "steps": steps, "memory_limit_bytes": memory_bytes, "precision": precision}
     if method.startswith("oomless"):
         config["memory"] = memory_bytes
-        config["split"] = True if method == "oomless-split" else None
+        config["split"] = True if method.startswith("oomless-split") else None
+        config["loss_in_slabs"] = method == "oomless-split-loss"
     config["mode"] = "oomless" if method.startswith("oomless") else method
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()

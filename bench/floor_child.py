@@ -63,6 +63,11 @@ def build(config: dict, device: torch.device, small: bool = False):
         else:
             from monai.networks.nets import SegResNet
             model = SegResNet(spatial_dims=3, in_channels=channels, out_channels=2, init_filters=8)
+        if config.get("loss_in_slabs"):
+            # The loss computed in slabs (oomless.loss_in_slabs): none of its per-voxel tensors whole,
+            # and the labels as one byte per voxel (it makes each slab's int64 for cross-entropy).
+            labels = labels.to(torch.uint8)
+            return model.to(device), volume, lambda out: oomless.loss_in_slabs(F.cross_entropy, out, labels)
         return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
     if name == "deeplabv3":
         # torchvision's DeepLabv3, no weights: square RGB images, two classes. Trains at a batch of 2 or
@@ -72,6 +77,8 @@ def build(config: dict, device: torch.device, small: bool = False):
         images = torch.randn(batch, 3, side, side, device=device)
         labels = (images[:, 0] > 0.5).long()
         model = build_deeplabv3(num_classes=2, backbone=config.get("backbone", "resnet50"))
+        if config.get("loss_in_slabs"):
+            return model.to(device), images, lambda out: oomless.loss_in_slabs(F.cross_entropy, out["out"], labels)
         return model.to(device), images, lambda out: F.cross_entropy(out["out"], labels)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel

@@ -8,13 +8,15 @@ from oomless.errors import ApplyError, InputError, OomlessError, PlanError, Size
 from oomless.models.vision import make_torchvision_importable
 from oomless.plan.devices import Device, register_device
 from oomless.plan.plan import BlockPlan, Plan
+from oomless.runtime.loss_slabs import loss_in_slabs
 from oomless.sizes import format_bytes, parse_bytes
 
 # Before anything else imports torchvision (transformers does, for its image models): beside a
 # CPU-only torch its C++ extension does not load, and `import torchvision` fails without this.
 make_torchvision_importable()
 
-__all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "installed_plan", "Plan", "BlockPlan",
+__all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "loss_in_slabs", "installed_plan",
+           "Plan", "BlockPlan",
            "Device", "register_device",
            "OomlessError", "PlanError", "SizeError", "ApplyError", "InputError", "parse_bytes", "format_bytes"]
 __version__ = "0.1.0"

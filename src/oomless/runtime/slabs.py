@@ -496,69 +496,78 @@ class _SlabbedGraph(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        graph, depths, count = ctx.graph, ctx.depths, ctx.count
         saved = ctx.saved_tensors
         xs, parameters = saved[:ctx.inputs], saved[ctx.inputs:]
         wanted = [ctx.needs_input_grad[3 + position] for position in range(ctx.inputs)]
         trained = [i for i in range(len(parameters)) if ctx.needs_input_grad[3 + ctx.inputs + i]]
-        grad_inputs = [torch.zeros_like(x) if want else None for x, want in zip(xs, wanted)]
-        grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
-                           for index, (mean, variance) in ctx.statistics.items()}
-        grad_parameters = [torch.zeros_like(parameter) if i in trained else None
-                           for i, parameter in enumerate(parameters)]
-
-        def backpropagate(target: int, low: int, high: int, surrogate) -> None:
-            """The graph up to node ``target`` for rows [low, high) of its output, with the statistics
-            as leaves; the gradients of ``surrogate(output)`` are added to the sums above."""
-            need = graph.rows_needed(target, low, high, depths)
-            with torch.enable_grad():
-                given, slabs = {}, []
-                for position, node in enumerate(graph.inputs):
-                    if node in need:
-                        first, last = need[node]
-                        slab = xs[position].narrow(AXIS, first, last - first).detach().requires_grad_(wanted[position])
-                        given[node] = (slab, first)
-                        if wanted[position]:
-                            slabs.append((position, first, last, slab))
-                statistics = {index: tuple(s.detach().requires_grad_() for s in pair)
-                              for index, pair in ctx.statistics.items()}
-                scalar = surrogate(graph.run(target, low, high, depths, given, statistics), low, high)
-                leaves = [slab for *_, slab in slabs] + [s for index in graph.norms for s in statistics[index]]
-                leaves += [parameters[i] for i in trained]
-                grads = list(torch.autograd.grad(scalar, leaves, allow_unused=True))
-            for position, first, last, _ in slabs:
-                grad = grads.pop(0)
-                if grad is not None:
-                    grad_inputs[position].narrow(AXIS, first, last - first).add_(grad)
-            for index in graph.norms:
-                for which in (0, 1):
-                    grad = grads.pop(0)
-                    if grad is not None:
-                        grad_statistics[index][which].add_(grad)
-            for i in trained:
-                grad = grads.pop(0)
-                if grad is not None:
-                    grad_parameters[i].add_(grad)
 
         def through_output(out, low, high):
             return (out * grad_output.narrow(AXIS, low, high - low)).sum()
 
-        for low, high in _slab_bounds(depths[graph.output], count):
-            backpropagate(graph.output, low, high, through_output)
-        # Last normalisation first: its statistics' gradients are complete once every later op's are in.
-        for index in reversed(graph.norms):
-            norm, source, values = graph.nodes[index].module, graph.nodes[index].inputs[0], ctx.counts[index]
-            mean = ctx.statistics[index][0]
-            grad_mean, grad_variance = (grad / values for grad in grad_statistics[index])
-
-            def through_statistics(out, low, high, norm=norm, mean=mean, grad_mean=grad_mean,
-                                   grad_variance=grad_variance):
-                grouped, _ = _grouped(norm, out)
-                return (grouped * grad_mean).sum() + ((grouped - mean).square() * grad_variance).sum()
-
-            for low, high in _slab_bounds(depths[source], count):
-                backpropagate(source, low, high, through_statistics)
+        grad_inputs, grad_parameters = backward_in_slabs(ctx, xs, parameters, wanted, trained, through_output)
         return (None, None, None, *grad_inputs, *grad_parameters)
+
+
+def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list[int], through_output):
+    """The gradients of a graph's inputs (those ``wanted``) and parameters (those ``trained``) for the
+    scalar ``through_output(output rows, low, high)`` summed over the slabs: ``forward`` holds what the
+    graph's forward in slabs measured (graph, count, depths, statistics, counts)."""
+    graph, depths, count = forward.graph, forward.depths, forward.count
+    grad_inputs = [torch.zeros_like(x) if want else None for x, want in zip(xs, wanted)]
+    grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
+                       for index, (mean, variance) in forward.statistics.items()}
+    grad_parameters = [torch.zeros_like(parameter) if i in trained else None
+                       for i, parameter in enumerate(parameters)]
+
+    def backpropagate(target: int, low: int, high: int, surrogate) -> None:
+        """The graph up to node ``target`` for rows [low, high) of its output, with the statistics
+        as leaves; the gradients of ``surrogate(output)`` are added to the sums above."""
+        need = graph.rows_needed(target, low, high, depths)
+        with torch.enable_grad():
+            given, slabs = {}, []
+            for position, node in enumerate(graph.inputs):
+                if node in need:
+                    first, last = need[node]
+                    slab = xs[position].narrow(AXIS, first, last - first).detach().requires_grad_(wanted[position])
+                    given[node] = (slab, first)
+                    if wanted[position]:
+                        slabs.append((position, first, last, slab))
+            statistics = {index: tuple(s.detach().requires_grad_() for s in pair)
+                          for index, pair in forward.statistics.items()}
+            scalar = surrogate(graph.run(target, low, high, depths, given, statistics), low, high)
+            leaves = [slab for *_, slab in slabs] + [s for index in graph.norms for s in statistics[index]]
+            leaves += [parameters[i] for i in trained]
+            grads = list(torch.autograd.grad(scalar, leaves, allow_unused=True))
+        for position, first, last, _ in slabs:
+            grad = grads.pop(0)
+            if grad is not None:
+                grad_inputs[position].narrow(AXIS, first, last - first).add_(grad)
+        for index in graph.norms:
+            for which in (0, 1):
+                grad = grads.pop(0)
+                if grad is not None:
+                    grad_statistics[index][which].add_(grad)
+        for i in trained:
+            grad = grads.pop(0)
+            if grad is not None:
+                grad_parameters[i].add_(grad)
+
+    for low, high in _slab_bounds(depths[graph.output], count):
+        backpropagate(graph.output, low, high, through_output)
+    # Last normalisation first: its statistics' gradients are complete once every later op's are in.
+    for index in reversed(graph.norms):
+        norm, source, values = graph.nodes[index].module, graph.nodes[index].inputs[0], forward.counts[index]
+        mean = forward.statistics[index][0]
+        grad_mean, grad_variance = (grad / values for grad in grad_statistics[index])
+
+        def through_statistics(out, low, high, norm=norm, mean=mean, grad_mean=grad_mean,
+                               grad_variance=grad_variance):
+            grouped, _ = _grouped(norm, out)
+            return (grouped * grad_mean).sum() + ((grouped - mean).square() * grad_variance).sum()
+
+        for low, high in _slab_bounds(depths[source], count):
+            backpropagate(source, low, high, through_statistics)
+    return grad_inputs, grad_parameters
 
 
 def run_in_slabs(graph: SlabGraph, inputs, slabs: int) -> torch.Tensor:
@@ -568,4 +577,18 @@ def run_in_slabs(graph: SlabGraph, inputs, slabs: int) -> torch.Tensor:
     if len(inputs) != len(graph.inputs):
         raise InputError(f"a graph computed in slabs takes {len(graph.inputs)} tensor inputs, got {len(inputs)}")
     # Each call: the modules' train/eval modes decide which normalisations use batch statistics.
-    return _SlabbedGraph.apply(graph.in_mode(), slabs, len(inputs), *inputs, *graph.parameters())
+    output = _SlabbedGraph.apply(graph.in_mode(), slabs, len(inputs), *inputs, *graph.parameters())
+    if output.requires_grad:
+        # For a loss computed in slabs (runtime.loss_slabs): it runs this graph's backward itself,
+        # slab by slab into the loss, and the output and its gradient are never needed whole.
+        output._oomless_slabbed = SlabbedOutput(inputs, output._version, output.grad_fn)
+    return output
+
+
+@dataclass
+class SlabbedOutput:
+    """What made a graph's output in slabs: its inputs (the forward's record is its grad_fn)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    version: int            # the output's version then: written into since, it is no longer the graph's
+    forward: object         # the graph's backward node: what its forward in slabs measured
