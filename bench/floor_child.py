@@ -48,7 +48,8 @@ def build(config: dict, device: torch.device, small: bool = False):
         side = 16 if small else config["side"]
         channels = config.get("channels", 1)
         volume = torch.randn(batch, channels, side, side, side, device=device)
-        labels = (volume[:, 0] > 0.5).long()
+        # With the loss in slabs the labels are one byte per voxel (it makes each slab's int64).
+        labels = (volume[:, 0] > 0.5).to(torch.uint8 if config.get("loss_in_slabs") else torch.long)
         if name == "unet3d":
             from oomless.models import UNet3D
             model = UNet3D(in_channels=channels, base_channels=config.get("base_channels", 8),
@@ -64,9 +65,7 @@ def build(config: dict, device: torch.device, small: bool = False):
             from monai.networks.nets import SegResNet
             model = SegResNet(spatial_dims=3, in_channels=channels, out_channels=2, init_filters=8)
         if config.get("loss_in_slabs"):
-            # The loss computed in slabs (oomless.loss_in_slabs): none of its per-voxel tensors whole,
-            # and the labels as one byte per voxel (it makes each slab's int64 for cross-entropy).
-            labels = labels.to(torch.uint8)
+            # The loss computed in slabs (oomless.loss_in_slabs): none of its per-voxel tensors whole.
             return model.to(device), volume, lambda out: oomless.loss_in_slabs(F.cross_entropy, out, labels)
         return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
     if name == "deeplabv3":
