@@ -64,6 +64,24 @@ def slab_count(output: torch.Tensor, axis: int) -> int:
     return max(1, min(output.shape[axis], math.ceil(output.numel() * output.element_size() / SLAB_BYTES)))
 
 
+def _sum_over_slabs(pieces) -> torch.Tensor:
+    """The slabs' partial sums, added in float64 and given back in the loss's own dtype."""
+    sums = dtype = None
+    for piece in pieces:
+        dtype = piece.dtype
+        sums = piece.double() if sums is None else sums + piece.double()
+    return sums.to(dtype)
+
+
+def _gradient_at_sums(total: Callable[[torch.Tensor], torch.Tensor], sums: torch.Tensor,
+                      grad_value: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``total`` at the whole-output sums: what every slab's partial sums are weighted by."""
+    with torch.enable_grad():
+        leaf = sums.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(total(leaf), leaf, grad_value)
+    return grad
+
+
 class _ReducedInSlabs(torch.autograd.Function):
     """Saves the output and targets it is given (no copies) and the whole-output sums."""
 
@@ -71,13 +89,8 @@ class _ReducedInSlabs(torch.autograd.Function):
     def forward(ctx, partial, total, axes, bounds, output, *targets):
         device_type = output.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        sums = dtype = None
-        for low, high in bounds:
-            piece = partial(*_rows(axes, low, high, output, *targets))
-            dtype = piece.dtype
-            sums = piece.double() if sums is None else sums + piece.double()
+        ctx.sums = _sum_over_slabs(partial(*_rows(axes, low, high, output, *targets)) for low, high in bounds)
         ctx.partial, ctx.total, ctx.axes, ctx.bounds = partial, total, axes, bounds
-        ctx.sums = sums.to(dtype)      # accumulated in float64, given back in the loss's own dtype
         ctx.save_for_backward(output, *targets)
         with torch.no_grad():
             return total(ctx.sums)
@@ -89,9 +102,8 @@ class _ReducedInSlabs(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         # The backward runs outside the forward's autocast: the slabs' ops run again under it, as
         # they ran in the forward (the same dtypes, so the same gradients).
+        grad_sums = _gradient_at_sums(ctx.total, ctx.sums, grad_value)
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            sums = ctx.sums.detach().requires_grad_()
-            (grad_sums,) = torch.autograd.grad(ctx.total(sums), sums, grad_value)
             grad_output = torch.empty_like(output)
             for low, high in ctx.bounds:
                 rows, *target_rows = _rows(ctx.axes, low, high, output, *targets)
@@ -112,13 +124,10 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx, made, partial, total, target_axis, output, target, *tensors):
         forward = made.forward
-        sums = dtype = None
-        for low, high in slab_bounds(output.shape[AXIS], slab_count(output, AXIS)):
-            with torch.no_grad():
-                piece = partial(output.narrow(AXIS, low, high - low), target.narrow(target_axis, low, high - low))
-            dtype = piece.dtype
-            sums = piece.double() if sums is None else sums + piece.double()
-        ctx.sums = sums.to(dtype)
+        with torch.no_grad():
+            ctx.sums = _sum_over_slabs(
+                partial(output.narrow(AXIS, low, high - low), target.narrow(target_axis, low, high - low))
+                for low, high in slab_bounds(output.shape[AXIS], slab_count(output, AXIS)))
         ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, target_axis, len(made.inputs)
         ctx.graph, ctx.count, ctx.depths = forward.graph, forward.count, forward.depths
         ctx.statistics, ctx.counts = forward.statistics, forward.counts
@@ -133,9 +142,7 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
         offset = 6          # made, partial, total, target_axis, output, target
         wanted = [ctx.needs_input_grad[offset + position] for position in range(ctx.inputs)]
         trained = [i for i in range(len(parameters)) if ctx.needs_input_grad[offset + ctx.inputs + i]]
-        with torch.enable_grad():
-            sums = ctx.sums.detach().requires_grad_()
-            (grad_sums,) = torch.autograd.grad(ctx.total(sums), sums, grad_value)
+        grad_sums = _gradient_at_sums(ctx.total, ctx.sums, grad_value)
 
         def through_loss(out, low, high):
             piece = ctx.partial(out, target.narrow(ctx.target_axis, low, high - low))
