@@ -88,8 +88,10 @@ def build(config: dict, device: torch.device, small: bool = False):
                               use_cache=False)  # training: no KV cache (recompute would append to it)
         model = GPT2LMHeadModel(settings)
         tokens = torch.randint(0, settings.vocab_size, (batch, length), device=device)
+        loss = (lambda *pair: oomless.loss_in_slabs(F.cross_entropy, *pair)) if config.get("loss_in_slabs") \
+            else F.cross_entropy
         return (model.to(device), tokens,
-                lambda out: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()))
+                lambda out: loss(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()))
     if name == "transformer":
         from oomless.models import TinyTransformer
         length = 32 if small else config.get("length", 512)
