@@ -23,11 +23,13 @@ relative; tests/test_loss_slabs.py), and the gradient of a mean is scaled by ``g
 another order of operations than PyTorch's (within float rounding: ~1e-9 on unit logits).
 """
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from oomless.errors import InputError
 from oomless.runtime.slabs import AXIS, SlabbedOutput, backward_in_slabs
@@ -39,6 +41,10 @@ SLAB_BYTES = 4 * 2**20
 # Losses whose mean divides by the weight of the targets counted (class weights, ignore_index) rather
 # than by the number of elements (torch.nn.functional's nll_loss, and cross_entropy on class indices).
 _WEIGHTED_MEANS = (F.cross_entropy, F.nll_loss)
+# Losses whose mean is over every element of the output (a loss not named here, e.g. multi_margin_loss,
+# averages over other counts: it is taken with reduction="sum" only).
+_ELEMENT_MEANS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+                  F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss)
 
 
 def _axes(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
@@ -64,21 +70,23 @@ def slab_count(output: torch.Tensor, axis: int) -> int:
     return max(1, min(output.shape[axis], math.ceil(output.numel() * output.element_size() / SLAB_BYTES)))
 
 
-def _sum_over_slabs(pieces) -> torch.Tensor:
-    """The slabs' partial sums, added in float64 and given back in the loss's own dtype."""
+def _sum_over_slabs(pieces) -> tuple[torch.Tensor, torch.dtype]:
+    """The slabs' partial sums added in float64 (a whole volume's sum overflows float16), and the
+    pieces' own dtype."""
     sums = dtype = None
     for piece in pieces:
         dtype = piece.dtype
         sums = piece.double() if sums is None else sums + piece.double()
-    return sums.to(dtype)
+    return sums, dtype
 
 
 def _gradient_at_sums(total: Callable[[torch.Tensor], torch.Tensor], sums: torch.Tensor,
                       grad_value: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``total`` at the whole-output sums: what every slab's partial sums are weighted by."""
+    """The gradient of ``total`` at the whole-output sums (float64): what every slab's partial sums
+    are weighted by."""
     with torch.enable_grad():
         leaf = sums.detach().requires_grad_()
-        (grad,) = torch.autograd.grad(total(leaf), leaf, grad_value)
+        (grad,) = torch.autograd.grad(total(leaf), leaf, grad_value.to(leaf.dtype))
     return grad
 
 
@@ -86,16 +94,17 @@ class _ReducedInSlabs(torch.autograd.Function):
     """Saves the output and targets it is given (no copies) and the whole-output sums."""
 
     @staticmethod
-    def forward(ctx, partial, total, axes, bounds, output, *targets):
+    def forward(ctx, partial, total, dtype, axes, bounds, output, *targets):
         device_type = output.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.sums = _sum_over_slabs(partial(*_rows(axes, low, high, output, *targets)) for low, high in bounds)
+        ctx.sums, pieces_dtype = _sum_over_slabs(partial(*_rows(axes, low, high, output, *targets))
+                                                 for low, high in bounds)
         ctx.partial, ctx.total, ctx.axes, ctx.bounds = partial, total, axes, bounds
         ctx.save_for_backward(output, *targets)
-        with torch.no_grad():
-            return total(ctx.sums)
+        return total(ctx.sums).to(dtype or pieces_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_value):
         output, *targets = ctx.saved_tensors
         device_type = output.device.type
@@ -111,7 +120,7 @@ class _ReducedInSlabs(torch.autograd.Function):
                 piece = ctx.partial(rows, *target_rows)
                 (grad,) = torch.autograd.grad(piece, rows, grad_sums.to(piece.dtype))
                 grad_output.narrow(ctx.axes[0], low, high - low).copy_(grad)
-        return (None, None, None, None, grad_output, *(None for _ in targets))
+        return (None, None, None, None, None, grad_output, *(None for _ in targets))
 
 
 class _LossThroughSlabbedGraph(torch.autograd.Function):
@@ -122,24 +131,23 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
     with the caller's reference, and the gradient never exists."""
 
     @staticmethod
-    def forward(ctx, made, partial, total, target_axis, output, target, *tensors):
+    def forward(ctx, made, partial, total, dtype, target_axis, output, target, *tensors):
         forward = made.forward
-        with torch.no_grad():
-            ctx.sums = _sum_over_slabs(
-                partial(output.narrow(AXIS, low, high - low), target.narrow(target_axis, low, high - low))
-                for low, high in slab_bounds(output.shape[AXIS], slab_count(output, AXIS)))
-        ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, target_axis, len(made.inputs)
+        ctx.sums, pieces_dtype = _sum_over_slabs(
+            partial(output.narrow(AXIS, low, high - low), target.narrow(target_axis, low, high - low))
+            for low, high in slab_bounds(output.shape[AXIS], slab_count(output, AXIS)))
+        ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, target_axis, made.inputs
         ctx.graph, ctx.count, ctx.depths = forward.graph, forward.count, forward.depths
         ctx.statistics, ctx.counts = forward.statistics, forward.counts
         ctx.save_for_backward(target, *tensors)
-        with torch.no_grad():
-            return total(ctx.sums)
+        return total(ctx.sums).to(dtype or pieces_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_value):
         target, *tensors = ctx.saved_tensors
         xs, parameters = tensors[:ctx.inputs], tensors[ctx.inputs:]
-        offset = 6          # made, partial, total, target_axis, output, target
+        offset = 7          # made, partial, total, dtype, target_axis, output, target
         wanted = [ctx.needs_input_grad[offset + position] for position in range(ctx.inputs)]
         trained = [i for i in range(len(parameters)) if ctx.needs_input_grad[offset + ctx.inputs + i]]
         grad_sums = _gradient_at_sums(ctx.total, ctx.sums, grad_value)
@@ -165,9 +173,14 @@ def _rows(axes: tuple[int, int], low: int, high: int, output: torch.Tensor, *tar
 
 
 def reduce_in_slabs(partial: Callable[..., torch.Tensor], total: Callable[[torch.Tensor], torch.Tensor],
-                    output: torch.Tensor, *targets: torch.Tensor, slabs: int | None = None) -> torch.Tensor:
-    """``total(sums)``, where ``sums`` is the sum over slabs of ``partial(output rows, *target rows)``
-    (a 1-D tensor, differentiable in the output rows); the gradient reaches ``output`` slab by slab."""
+                    output: torch.Tensor, *targets: torch.Tensor, slabs: int | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``total(sums)``, where ``sums`` (float64) is the sum over slabs of ``partial(output rows,
+    *target rows)`` (a 1-D tensor, differentiable in the output rows), in ``dtype`` (default: the
+    partial sums' own); the gradient reaches ``output`` slab by slab. Targets get no gradient."""
+    if any(target.requires_grad for target in targets):
+        raise InputError("loss_in_slabs computes no gradient for the target, and this one requires one: detach "
+                         "it, or call the loss itself")
     axes = _axes(output, targets[0]) if targets else ((2 if output.dim() > 2 else 0),) * 2
     for target in targets:
         if target.shape[axes[1]] != output.shape[axes[0]]:
@@ -179,10 +192,13 @@ def reduce_in_slabs(partial: Callable[..., torch.Tensor], total: Callable[[torch
     if made is not None:
         # The output goes in detached: its graph's own backward must not run (it would be given a
         # gradient of zeros, whole); this one reaches the graph's inputs and parameters directly.
-        return _LossThroughSlabbedGraph.apply(made, partial, total, axes[1], output.detach(), targets[0],
-                                              *made.inputs, *made.forward.graph.parameters())
+        # Its inputs as the graph saved them (the record on the output holds none: it would keep
+        # every level's inputs alive as long as the output, past its backward).
+        inputs = made.forward.saved_tensors[:made.inputs]
+        return _LossThroughSlabbedGraph.apply(made, partial, total, dtype, axes[1], output.detach(), targets[0],
+                                              *inputs, *made.forward.graph.parameters())
     bounds = slab_bounds(output.shape[axes[0]], slabs or slab_count(output, axes[0]))
-    return _ReducedInSlabs.apply(partial, total, axes, bounds, output, *targets)
+    return _ReducedInSlabs.apply(partial, total, dtype, axes, bounds, output, *targets)
 
 
 def _counted(target_rows: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
@@ -209,27 +225,40 @@ def loss_in_slabs(loss: Callable[..., torch.Tensor], output: torch.Tensor, targe
                          "per-element loss is whole anyway; call the loss itself")
     if not callable(loss):
         raise InputError(f"loss_in_slabs: {loss!r} is not a loss function; give e.g. torch.nn.functional.cross_entropy")
+    loss, keywords = _unwrapped(loss, keywords)
+    name = getattr(loss, "__name__", repr(loss))
     axis, target_axis = _axes(output, target)
     class_indices = not target.is_floating_point() and target.dim() == output.dim() - 1
     try:
         with torch.no_grad():
             probe = target.narrow(target_axis, 0, 1)
-            loss(output.narrow(axis, 0, 1), probe.long() if class_indices else probe, reduction="sum", **keywords)
+            dtype = loss(output.narrow(axis, 0, 1), probe.long() if class_indices else probe, reduction="sum",
+                         **keywords).dtype
     except TypeError as error:
-        raise InputError(f"loss_in_slabs: {getattr(loss, '__name__', loss)!r} does not take reduction='sum' "
-                         f"({error}); give a torch.nn.functional loss, or use oomless.runtime.loss_slabs.reduce_in_slabs "
-                         "with partial sums of your own") from error
+        raise InputError(f"loss_in_slabs: {name!r} does not take reduction='sum' ({error}); give a "
+                         "torch.nn.functional loss, or use oomless.runtime.loss_slabs.reduce_in_slabs with partial "
+                         "sums of your own") from error
     weighted_mean = reduction == "mean" and loss in _WEIGHTED_MEANS and class_indices
+    if reduction == "mean" and not weighted_mean and loss not in _ELEMENT_MEANS + (F.cross_entropy,):
+        raise InputError(f"loss_in_slabs does not know what {name}'s mean divides by; give reduction='sum' and "
+                         "divide the result yourself, or use oomless.runtime.loss_slabs.reduce_in_slabs")
     weight, ignore_index = keywords.get("weight"), keywords.get("ignore_index", -100)
+    half_precision = dtype in (torch.float16, torch.bfloat16)
 
     def partial(rows: torch.Tensor, target_rows: torch.Tensor) -> torch.Tensor:
         if class_indices:
             target_rows = target_rows.long()     # a no-op on int64; uint8 labels take an eighth of it whole
-        value = loss(rows, target_rows, reduction="sum", **keywords).reshape(1)
+        if half_precision:
+            # A 16-bit sum overflows (float16 past 65504) or rounds away (bfloat16): each element's
+            # loss in the loss's dtype, their sum in float64, as PyTorch accumulates a reduction in float32.
+            value = loss(rows, target_rows, reduction="none", **keywords).double().sum().reshape(1)
+        else:
+            value = loss(rows, target_rows, reduction="sum", **keywords).reshape(1)
         if not weighted_mean:
             return value
-        # The mean's divisor counted in the same pass (no gradient: a function of the target alone).
-        return torch.cat([value, _counted(target_rows, weight, ignore_index).reshape(1).to(value.dtype)])
+        # The mean's divisor counted in the same pass (no gradient: a function of the target alone),
+        # in float64: float16 and bfloat16 count integers exactly only to 2048 and 256.
+        return torch.cat([value.double(), _counted(target_rows, weight, ignore_index).reshape(1).double()])
 
     if reduction == "sum":
         divisor = None
@@ -245,4 +274,15 @@ def loss_in_slabs(loss: Callable[..., torch.Tensor], output: torch.Tensor, targe
             return sums[0]
         return sums[0] / (sums[1].detach() if divisor == "counted" else divisor)
 
-    return reduce_in_slabs(partial, total, output, target, slabs=slabs)
+    return reduce_in_slabs(partial, total, output, target, slabs=slabs, dtype=dtype)
+
+
+def _unwrapped(loss, keywords: dict) -> tuple[Callable, dict]:
+    """The loss function under ``functools.partial`` wrappers, with their keywords (the call's win)."""
+    while isinstance(loss, functools.partial):
+        if loss.args:
+            raise InputError("loss_in_slabs: a functools.partial with positional arguments is not a loss of "
+                             "(output, target); bind keywords only")
+        keywords = {**loss.keywords, **keywords}
+        loss = loss.func
+    return loss, keywords

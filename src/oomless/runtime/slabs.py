@@ -581,14 +581,15 @@ def run_in_slabs(graph: SlabGraph, inputs, slabs: int) -> torch.Tensor:
     if output.requires_grad:
         # For a loss computed in slabs (runtime.loss_slabs): it runs this graph's backward itself,
         # slab by slab into the loss, and the output and its gradient are never needed whole.
-        output._oomless_slabbed = SlabbedOutput(inputs, output._version, output.grad_fn)
+        output._oomless_slabbed = SlabbedOutput(len(inputs), output._version, output.grad_fn)
     return output
 
 
 @dataclass
 class SlabbedOutput:
-    """What made a graph's output in slabs: its inputs (the forward's record is its grad_fn)."""
+    """What made a graph's output in slabs: its backward node (what the forward measured, and its
+    inputs as saved); no tensor of its own, so the output keeps nothing alive its node does not."""
 
-    inputs: tuple[torch.Tensor, ...]
+    inputs: int             # how many of the node's saved tensors are the graph's inputs
     version: int            # the output's version then: written into since, it is no longer the graph's
-    forward: object         # the graph's backward node: what its forward in slabs measured
+    forward: object         # the graph's backward node
