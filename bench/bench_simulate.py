@@ -192,9 +192,23 @@ def _memory_bandwidth(threads: int, megabytes: int = 64, repeats: int = 5) -> fl
 def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     """This rank's real profiles of the U-Net step at one rank's batch (no communication) and the
     memory bandwidth, while every rank does the same; then the all-reduce times."""
+    import gc
+
     import oomless
+    from oomless.profile.rss import current_rss_bytes
     from oomless.train.losses import segmentation_loss
 
+    # From the baseline the measured runs take (after the same warm-up), what this process keeps
+    # once it has run one plain step at the rank's batch and let its tensors go: kernel caches for
+    # the rank's shapes (taken before profiling, which runs more than the trainer's step does).
+    _warm_up(settings)
+    baseline = current_rss_bytes()
+    model, optimizer, volumes, labels = _build(settings, settings["batch"], rank)
+    segmentation_loss(model(volumes), labels).backward()
+    optimizer.step()
+    del model, optimizer, volumes, labels
+    gc.collect()
+    held = max(0, current_rss_bytes() - baseline)
     model, optimizer, volumes, labels = _build(settings, settings["batch"], rank)
     loss_fn = lambda logits: segmentation_loss(logits, labels)      # noqa: E731
     # The first profile of a process pays start-up (kernels' first calls, thread pools): discarded.
@@ -202,7 +216,7 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     profiles = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer).to_json()
                 for _ in range(settings["profiles"])]
     bandwidth = _memory_bandwidth(settings["threads"])
-    measured = {"profiles": profiles, "memory_bytes_per_second": bandwidth}
+    measured = {"profiles": profiles, "memory_bytes_per_second": bandwidth, "process_held_bytes": held}
     if world_size > 1:
         # The zero-bubble schedules' split backward against the backward in one pass, at the
         # micro-batch their pipelines run (simulate's largest micro-batch count for this many ranks).
@@ -347,6 +361,8 @@ def calibrate(world_size: int, settings: dict) -> dict:
     measured = run_processes(world_size, "calibrate", {**settings, "threads": threads, "batch": batch,
                                                        "repeats": settings["link_repeats"]})
     profile = median_profile(measured[0]["profiles"])
+    # Each rank runs the same shapes: the most any rank kept.
+    profile = replace(profile, process_held_bytes=max(rank["process_held_bytes"] for rank in measured))
     if "split_backward_ratio" in measured[0]:
         profile = replace(profile, split_backward_ratio=statistics.median(rank["split_backward_ratio"]
                                                                           for rank in measured))

@@ -140,6 +140,30 @@ def test_the_recommended_layout_is_the_fastest_that_fits(small_gpu):
     assert all(estimate.memory_per_rank_bytes <= small_gpu.memory_bytes for estimate in fitting)
 
 
+def test_what_each_process_keeps_is_added_to_every_layouts_peak_per_rank(small_gpu):
+    """Profile.process_held_bytes (kernel caches a rank keeps for its shapes, measured on CPU by
+    bench_simulate's calibration): every rank holds its own, so every layout's peak per rank grows by
+    it, and nothing else in the estimate changes."""
+    from dataclasses import replace
+
+    model = _deep_mlp()
+    profile = profile_for_target(model, torch.randn(2, 1024), small_gpu, loss_fn=oomless.sum_of_outputs,
+                                 optimizer=torch.optim.Adam(model.parameters()))
+    cluster = make_cluster(small_gpu, 8, 2)
+    without = {estimate.name: estimate for estimate in estimate_layouts(profile, 2, cluster, 32)}
+    held = 7 * MiB
+    with_held = {estimate.name: estimate
+                 for estimate in estimate_layouts(replace(profile, process_held_bytes=held), 2, cluster, 32)}
+    assert with_held.keys() == without.keys()
+    fitting = [name for name, estimate in without.items() if estimate.fits]
+    # Both kinds of estimate: data parallel (here fsdp: dp does not fit) and pipelines.
+    assert any(name.startswith(("dp", "fsdp")) for name in fitting)
+    assert any(name.startswith(("pipeline", "hybrid")) for name in fitting)
+    for name in fitting:
+        assert with_held[name].memory_per_rank_bytes == without[name].memory_per_rank_bytes + held, name
+        assert with_held[name].step_seconds == without[name].step_seconds, name
+
+
 def test_of_layouts_predicted_as_fast_the_one_holding_least_memory_is_recommended():
     """GPipe and 1F1B predict the same step; 1F1B holds fewer micro-batches: it is recommended. A
     layout more than 1 % faster wins whatever its memory."""

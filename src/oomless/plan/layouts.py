@@ -189,15 +189,15 @@ def _block_shares(profile: Profile, total_bytes: float) -> list[float]:
 
 def _finish_step(name: str, ranks: int, samples_per_rank: int, plan, minimum: int, static: int,
                  compute: "_Stream", link: "_Stream", step_compute: float, update_seconds: float,
-                 spans: list[Span]) -> LayoutEstimate:
+                 spans: list[Span], held: int = 0) -> LayoutEstimate:
     """The optimizer step once compute and communication are both done, and the estimate of a
-    data-parallel layout (dp, fsdp) from its streams."""
+    data-parallel layout (dp, fsdp) from its streams (``held``: `Profile.process_held_bytes`)."""
     end = max(compute.free, link.free)
     compute.free = end
     compute.run(end, update_seconds, "optimizer step")
     return LayoutEstimate(
         name, ranks, 1, None, 1, samples_per_rank, plan is not None, compute.free,
-        plan.predicted_peak_bytes if plan else minimum, static,
+        (plan.predicted_peak_bytes if plan else minimum) + held, static,
         _describe_plan(plan) if plan else "no plan fits", link.busy, end - step_compute,
         step_compute + update_seconds, timeline=spans, decisions=plan.decisions if plan else {},
         notes=[] if plan else [f"the most frugal activation plan needs {format_bytes(minimum)}"])
@@ -226,7 +226,7 @@ def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank:
             bucket, first = 0.0, None
     update = optimizer_seconds(cluster, profile.parameter_bytes, profile.gradient_bytes, profile.optimizer_state_bytes)
     return _finish_step("dp", n, samples_per_rank, plan, minimum, sum(static_breakdown(profile).values()),
-                        compute, link, compute.busy, update, spans)
+                        compute, link, compute.busy, update, spans, profile.process_held_bytes)
 
 
 def fsdp_static_profile(profile: Profile, ranks: int) -> Profile:
@@ -279,7 +279,8 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
     update = optimizer_seconds(cluster, profile.parameter_bytes / n, profile.gradient_bytes / n,
                                profile.optimizer_state_bytes / n)
     return _finish_step("fsdp", n, samples_per_rank, plan, minimum, sum(static_breakdown(sharded).values()),
-                        compute, link, sum(forward) + sum(backward) + profile.loss_seconds, update, spans)
+                        compute, link, sum(forward) + sum(backward) + profile.loss_seconds, update, spans,
+                        profile.process_held_bytes)
 
 
 def recompute_profile(profile: Profile) -> Profile:
@@ -401,7 +402,7 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     sends = sum(2 * crossing / bytes_per_second for crossing in partition.crossing_bytes[1:]) * partition.microbatches
     return LayoutEstimate(
         layout, replicas, pipeline_ranks, schedule, partition.microbatches, samples, True,
-        pipeline_seconds + reduce + update, max(partition.rank_bytes),
+        pipeline_seconds + reduce + update, max(partition.rank_bytes) + profile.process_held_bytes,
         max(2 * p + g * state_share for p, g in zip(rank_parameters, rank_gradients)), plan_name,
         sends / pipeline_ranks + reduce, reduce, pipeline_seconds * (1 - partition.bubble_fraction) + update,
         notes=[f"bubble {partition.bubble_fraction:.0%}"] + ([f"{'; '.join(tried)}"] if tried else []),

@@ -110,6 +110,11 @@ class Profile:
     # ``stage_backward_weight``), over the backward in one pass (`profile.split_backward`); 1.0 where
     # not measured (Qi et al.'s working assumption: splitting costs nothing).
     split_backward_ratio: float = 1.0
+    # What a process keeps once it has run this step, beyond the model's state and the step's own
+    # tensors: kernel caches for its shapes (oneDNN's primitives and workspaces on CPU: ~8-25 MiB for
+    # a small 3D U-Net), measured from a warm baseline as a rank starts (bench/bench_simulate.py).
+    # Every rank holds its own; simulate adds it to each layout's peak per rank. 0: not measured.
+    process_held_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
