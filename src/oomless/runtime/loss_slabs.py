@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from oomless.errors import InputError
-from oomless.runtime.slabs import AXIS, SlabbedOutput, backward_in_slabs
+from oomless.runtime.slabs import AXIS, SlabbedOutput, backward_in_slabs, slab_bounds
 
 # About this many bytes of the output per slab: its per-element temporaries stay near this size,
 # and the per-slab call overhead stays small next to the arithmetic.
@@ -57,13 +57,6 @@ def _axes(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
         return axis, (1 if axis == 2 else 0)
     raise InputError(f"loss_in_slabs: a target of shape {tuple(target.shape)} does not match an output of shape "
                      f"{tuple(output.shape)}; give one of the output's shape, or of its shape without the class axis")
-
-
-def slab_bounds(rows: int, slabs: int) -> list[tuple[int, int]]:
-    """``slabs`` (at most ``rows``) row ranges of near-equal size."""
-    slabs = max(1, min(slabs, rows))
-    edges = [rows * index // slabs for index in range(slabs + 1)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def slab_count(output: torch.Tensor, axis: int) -> int:

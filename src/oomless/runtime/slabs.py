@@ -425,7 +425,7 @@ def _most_slabs(graph: SlabGraph, batch: int, shapes: list[tuple[int, int]], dev
     return most
 
 
-def _slab_bounds(depth: int, count: int) -> list[tuple[int, int]]:
+def slab_bounds(depth: int, count: int) -> list[tuple[int, int]]:
     """``count`` (at most ``depth``) row ranges of near-equal size."""
     count = max(1, min(count, depth))
     edges = [depth * index // count for index in range(count + 1)]
@@ -444,7 +444,7 @@ def _statistics(graph: SlabGraph, xs, depths: list[int], count: int) -> tuple[di
         norm, source = graph.nodes[index].module, graph.nodes[index].inputs[0]
         total = total_squares = None
         values = 0
-        for low, high in _slab_bounds(depths[source], count):
+        for low, high in slab_bounds(depths[source], count):
             slab = graph.run(source, low, high, depths, _given(graph, xs), statistics)
             grouped, dims = _grouped(norm, slab.double())
             sums, squares = grouped.sum(dims, keepdim=True), grouped.square().sum(dims, keepdim=True)
@@ -483,7 +483,7 @@ class _SlabbedGraph(torch.autograd.Function):
         count = min(slabs, _most_slabs(graph, xs[0].shape[0], shapes, xs[0].device))
         statistics, counts = _statistics(graph, xs, depths, count)
         output = None
-        for low, high in _slab_bounds(depths[graph.output], count):
+        for low, high in slab_bounds(depths[graph.output], count):
             slab = graph.run(graph.output, low, high, depths, _given(graph, xs), statistics)
             if output is None:
                 output = slab.new_empty(slab.shape[:AXIS] + (depths[graph.output],) + slab.shape[AXIS + 1:])
@@ -552,7 +552,7 @@ def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list
             if grad is not None:
                 grad_parameters[i].add_(grad)
 
-    for low, high in _slab_bounds(depths[graph.output], count):
+    for low, high in slab_bounds(depths[graph.output], count):
         backpropagate(graph.output, low, high, through_output)
     # Last normalisation first: its statistics' gradients are complete once every later op's are in.
     for index in reversed(graph.norms):
@@ -565,7 +565,7 @@ def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list
             grouped, _ = _grouped(norm, out)
             return (grouped * grad_mean).sum() + ((grouped - mean).square() * grad_variance).sum()
 
-        for low, high in _slab_bounds(depths[source], count):
+        for low, high in slab_bounds(depths[source], count):
             backpropagate(source, low, high, through_statistics)
     return grad_inputs, grad_parameters
 
