@@ -95,6 +95,22 @@ def test_block_forcing_the_minimum_is_named_when_static_bytes_fit():
     assert error.value.limiting_block in str(error.value)
 
 
+def test_a_profile_given_without_its_loss_is_refused_as_measured():
+    """Splitting the chain that sets the floor measures the step again; planned from the caller's
+    profile without loss_fn, the step's loss is not known, and the PlanError stands (it was an
+    InputError about the model's output wherever the floor fell in a chain: a U-Net's stages are)."""
+    from oomless.models import UNet3D
+
+    torch.manual_seed(0)
+    model, volume = UNet3D(base_channels=4, depth=2), torch.randn(1, 1, 16, 16, 16)
+    profile = oomless.profile(model, volume, loss_fn=oomless.sum_of_outputs)
+    roomy = oomless.plan(model, volume, "1GiB", profile=profile)
+    between = roomy.static_bytes + (smallest_memory(profile) - roomy.static_bytes) // 2
+    with pytest.raises(oomless.PlanError) as error:
+        oomless.plan(model, volume, between, profile=profile)
+    assert error.value.limiting_block is not None
+
+
 @pytest.mark.parametrize("size", ["20 gigs", "GiB", "-5GiB", "1.5XB", "", 0])
 def test_size_that_does_not_parse(size):
     model, inputs = _model_and_inputs()

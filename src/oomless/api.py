@@ -133,6 +133,9 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         raise InputError(f"the profile given was measured {'with' if profile.compiled else 'without'} compiled "
                          f"blocks, but compile={compile!r}; profile again with the same compile setting")
     chosen_split = profile.split if profile is not None else _split_request(model, split)
+    # Splitting measures the step again, split: with the caller's own profile and no loss_fn, the
+    # step it measured (its loss) is not known here, and the refusal stands.
+    can_measure_again = profile is None or loss_fn is not None
     step_key = None
     if profile is None:
         step_key = _step_key(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, precision, options,
@@ -160,7 +163,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype, memory_bytes,
                                   precision, None, chains)
 
-    may_split = split is None and decisions is None and target is None and precision == "fp32" and not options
+    may_split = (split is None and decisions is None and target is None and precision == "fp32" and not options
+                 and can_measure_again)
     try:
         try:
             made = plan_profile(profile)
