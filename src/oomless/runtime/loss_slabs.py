@@ -47,11 +47,11 @@ _ELEMENT_MEANS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binar
                   F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss)
 
 
-def _axes(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+def _axes(output: torch.Tensor, target: torch.Tensor | None) -> tuple[int, int]:
     """The axis slabs are taken along in the output (the first spatial one, or the rows of (N, C))
     and the matching one in the target (which may lack the class axis)."""
     axis = 2 if output.dim() > 2 else 0
-    if target.dim() == output.dim():
+    if target is None or target.dim() == output.dim():
         return axis, axis
     if target.dim() == output.dim() - 1:
         return axis, (1 if axis == 2 else 0)
@@ -124,12 +124,11 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
     with the caller's reference, and the gradient never exists."""
 
     @staticmethod
-    def forward(ctx, made, partial, total, dtype, target_axis, output, target, *tensors):
+    def forward(ctx, made, partial, total, dtype, axes, bounds, output, target, *tensors):
         forward = made.forward
-        ctx.sums, pieces_dtype = _sum_over_slabs(
-            partial(output.narrow(AXIS, low, high - low), target.narrow(target_axis, low, high - low))
-            for low, high in slab_bounds(output.shape[AXIS], slab_count(output, AXIS)))
-        ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, target_axis, made.inputs
+        ctx.sums, pieces_dtype = _sum_over_slabs(partial(*_rows(axes, low, high, output, target))
+                                                 for low, high in bounds)
+        ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, axes[1], made.inputs
         ctx.graph, ctx.count, ctx.depths = forward.graph, forward.count, forward.depths
         ctx.statistics, ctx.counts = forward.statistics, forward.counts
         ctx.save_for_backward(target, *tensors)
@@ -140,7 +139,7 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
     def backward(ctx, grad_value):
         target, *tensors = ctx.saved_tensors
         xs, parameters = tensors[:ctx.inputs], tensors[ctx.inputs:]
-        offset = 7          # made, partial, total, dtype, target_axis, output, target
+        offset = 8          # made, partial, total, dtype, axes, bounds, output, target
         wanted = [ctx.needs_input_grad[offset + position] for position in range(ctx.inputs)]
         trained = [i for i in range(len(parameters)) if ctx.needs_input_grad[offset + ctx.inputs + i]]
         grad_sums = _gradient_at_sums(ctx.total, ctx.sums, grad_value)
@@ -174,13 +173,14 @@ def reduce_in_slabs(partial: Callable[..., torch.Tensor], total: Callable[[torch
     if any(target.requires_grad for target in targets):
         raise InputError("loss_in_slabs computes no gradient for the target, and this one requires one: detach "
                          "it, or call the loss itself")
-    axes = _axes(output, targets[0]) if targets else ((2 if output.dim() > 2 else 0),) * 2
+    axes = _axes(output, targets[0] if targets else None)
     for target in targets:
         if target.shape[axes[1]] != output.shape[axes[0]]:
             raise InputError(f"loss_in_slabs: the target's {target.shape[axes[1]]} rows along axis {axes[1]} do not "
                              f"match the output's {output.shape[axes[0]]} along axis {axes[0]}")
     if slabs is not None and slabs < 1:
         raise InputError(f"loss_in_slabs: slabs={slabs}; give a positive number of slabs, or None to choose")
+    bounds = slab_bounds(output.shape[axes[0]], slabs or slab_count(output, axes[0]))
     made = _made_in_slabs(output, axes) if len(targets) == 1 and slabs is None else None
     if made is not None:
         # The output goes in detached: its graph's own backward must not run (it would be given a
@@ -188,9 +188,8 @@ def reduce_in_slabs(partial: Callable[..., torch.Tensor], total: Callable[[torch
         # Its inputs as the graph saved them (the record on the output holds none: it would keep
         # every level's inputs alive as long as the output, past its backward).
         inputs = made.forward.saved_tensors[:made.inputs]
-        return _LossThroughSlabbedGraph.apply(made, partial, total, dtype, axes[1], output.detach(), targets[0],
+        return _LossThroughSlabbedGraph.apply(made, partial, total, dtype, axes, bounds, output.detach(), targets[0],
                                               *inputs, *made.forward.graph.parameters())
-    bounds = slab_bounds(output.shape[axes[0]], slabs or slab_count(output, axes[0]))
     return _ReducedInSlabs.apply(partial, total, dtype, axes, bounds, output, *targets)
 
 
