@@ -214,7 +214,7 @@ def test_through_a_streamed_unet_it_trains_like_plain_pytorch_and_never_makes_th
     graph_backwards = []
     original = slabs_module._SlabbedGraph.backward
     monkeypatch.setattr(slabs_module._SlabbedGraph, "backward",
-                        staticmethod(lambda ctx, grad: graph_backwards.append(ctx.graph) or original(ctx, grad)))
+                        staticmethod(lambda ctx, grad: graph_backwards.append(ctx.made.graph) or original(ctx, grad)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):

@@ -54,9 +54,12 @@ def _stage(norm: str, dilation: int = 1) -> nn.Sequential:
     return stage
 
 
+@pytest.mark.parametrize("store", [True, False])
 @pytest.mark.parametrize("norm", ["batch", "group", "instance"])
 @pytest.mark.parametrize("slabs", [1, 3, 5])
-def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, norm, slabs):
+def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, monkeypatch, norm, slabs, store):
+    """With each normalisation's input kept off the device (``store``) or computed again."""
+    monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store)
     torch.manual_seed(0)
     stage = _stage(norm, dilation=2 if slabs == 3 else 1)
     reference = copy.deepcopy(stage)
@@ -119,11 +122,13 @@ def _assert_same_step(module, reference, inputs, slabs):
         assert torch.equal(buffer, other) if not buffer.is_floating_point() else _close(buffer, other), name
 
 
+@pytest.mark.parametrize("store", [True, False])
 @pytest.mark.parametrize("norm", ["batch", "group"])
 @pytest.mark.parametrize("slabs", [1, 3, 7])
-def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, norm, slabs):
+def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, monkeypatch, norm, slabs, store):
     """Upsample (transposed convolution, kernel = stride), concatenate the skip, a stage: a graph
     torch.fx traces; slab bounds at odd rows of the output fall inside an upsampled input row."""
+    monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store)
     torch.manual_seed(0)
     stage = DecoderStage(6, 3, 3)
     if norm == "group":
@@ -171,6 +176,35 @@ class _CountClones(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.clones += func is torch.ops.aten.clone.default
         return func(*args, **(kwargs or {}))
+
+
+class _CountConvolutions(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func is torch.ops.aten.convolution.default
+        self.backward += func is torch.ops.aten.convolution_backward.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("norm", ["batch", "group"])
+def test_each_convolution_runs_once_per_slab_in_forward_and_once_more_in_backward(thin_slabs, norm):
+    """Each normalisation's input is kept off the device once computed, and the gradient reaching it
+    beside it: a stage of two convolutions, each followed by a normalisation, runs each convolution
+    once per slab in forward and once forward and once backward per slab in backward, as
+    checkpointing would whole. (Computed again from the stage's input for each normalisation's
+    statistics, the first convolution ran 3 times per slab in forward and 5 in backward.)"""
+    stage = _stage(norm)
+    x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)
+    slabs = 4
+    with _CountConvolutions() as forward:
+        output = run_in_slabs(SlabGraph.chain(leaves(stage)), x, slabs)
+    with _CountConvolutions() as backward:
+        output.sum().backward()
+    assert (forward.forward, forward.backward) == (2 * slabs, 0)
+    assert (backward.forward, backward.backward) == (2 * slabs, 2 * slabs)
 
 
 def test_an_in_place_op_in_slabs_copies_only_what_it_must_not_write(thin_slabs):

@@ -5,11 +5,13 @@ statistics and weight gradients are sums in another order): within 1e-5 relative
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import oomless
 from oomless.errors import ApplyError, InputError
@@ -190,6 +192,71 @@ def test_eval_mode_and_a_skip_from_its_own_branch_stream_like_plain_pytorch(thin
     model(x), reference(x)
     assert model.branch[1].num_batches_tracked == reference.branch[1].num_batches_tracked == 1
     assert torch.allclose(model.branch[1].running_mean, reference.branch[1].running_mean, atol=1e-6)
+
+
+class _NormedU(_SmallU):
+    """Two convolutions with BatchNorm at the outer level, the skip from the second; with
+    ``detached`` the inner level's output is detached, so the outer encoder gets its gradient through
+    the skip alone (the encoder's graph in slabs then never runs backward)."""
+
+    def __init__(self, detached: bool = False):
+        super().__init__()
+        self.norm1, self.conv2, self.norm2 = nn.BatchNorm3d(2), nn.Conv3d(2, 2, 3, padding=1), nn.BatchNorm3d(2)
+        self.detached = detached
+
+    def forward(self, x):
+        y = F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv(x))))))
+        hidden = self.mid(self.pool(y))
+        if self.detached:
+            hidden = hidden.detach()
+        return self.head(torch.cat([self.up(hidden), y], 1))
+
+
+class _CountConvolutions(TorchDispatchMode):
+    """Convolution calls by weight: forward ones, and backward ones."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        self.names = {weight.data_ptr(): name for name, weight in weights.items()}
+        self.forward, self.backward = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.forward[self.names.get(args[1].data_ptr())] += 1
+        elif func is torch.ops.aten.convolution_backward.default:
+            self.backward[self.names.get(args[2].data_ptr())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_the_decoder_reads_the_encoder_ops_the_encoder_kept_and_each_runs_once_backward(thin_slabs, detached):
+    """The outer encoder's convolutions run once per slab in forward (the decoder reads the
+    normalisation inputs the encoder kept) and once forward and once backward per slab in backward:
+    the gradients the decoder gives them through the skip are taken back with the encoder's own, by
+    the encoder's graph. Where that graph's backward does not run (the inner level detached), the
+    decoder takes them back itself. The gradients equal plain PyTorch's either way."""
+    torch.manual_seed(0)
+    model = _NormedU(detached)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 1, 16, 6, 6)
+    apply_split(model, {STREAM: 4})
+    counted = _CountConvolutions({"conv": model.conv.weight, "conv2": model.conv2.weight})
+    weights = torch.randn(2, 2, 16, 6, 6)
+    with counted:
+        output = model(x)
+    forward = dict(counted.forward)
+    with counted:
+        (output * weights).sum().backward()
+    (reference(x) * weights).sum().backward()
+    assert forward["conv"] == forward["conv2"] == 4
+    recomputed = {name: counted.forward[name] - forward[name] for name in ("conv", "conv2")}
+    assert recomputed == {name: counted.backward[name] for name in ("conv", "conv2")} == {"conv": 4, "conv2": 4}
+    for (name, parameter), other in zip(model.named_parameters(), reference.parameters()):
+        if other.grad is None:          # below the detached output
+            assert parameter.grad is None and detached, name
+            continue
+        # 1e-4: a bias before a BatchNorm has a gradient of exactly zero, both sides rounding noise.
+        assert (parameter.grad - other.grad).abs().max() <= 1e-5 * other.grad.abs().max() + 1e-4, name
 
 
 class _StoresFeatures(_SmallU):

@@ -1,7 +1,8 @@
 """Where to compute chains in slabs: the planner's choice for `oomless.plan(..., split=None)`.
 
-Slabs cost time (one more pass per normalisation, halos computed twice), so nothing is split while a
-plan without splitting fits with room. When none does, the block that sets the smallest plan's floor
+Slabs cost time (each op once more forward in backward, as checkpointing; halos twice; the kept
+normalisation inputs read and written), so nothing is split while a plan without splitting fits with
+room. When none does, the block that sets the smallest plan's floor
 (`PlanError.floor_block`) is what splitting can lower: the chains in it (or around it) are split,
 the step is measured again, and so on while each round names a block with a chain not yet split.
 When a plan fits but the budget is within `NEAR_FLOOR` of the smallest budget without splitting,

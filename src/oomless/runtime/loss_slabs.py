@@ -129,8 +129,7 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
         ctx.sums, pieces_dtype = _sum_over_slabs(partial(*_rows(axes, low, high, output, target))
                                                  for low, high in bounds)
         ctx.partial, ctx.total, ctx.target_axis, ctx.inputs = partial, total, axes[1], made.inputs
-        ctx.graph, ctx.count, ctx.depths = forward.graph, forward.count, forward.depths
-        ctx.statistics, ctx.counts = forward.statistics, forward.counts
+        ctx.made = forward.made
         ctx.save_for_backward(target, *tensors)
         return total(ctx.sums).to(dtype or pieces_dtype)
 
@@ -148,7 +147,7 @@ class _LossThroughSlabbedGraph(torch.autograd.Function):
             piece = ctx.partial(out, target.narrow(ctx.target_axis, low, high - low))
             return (piece * grad_sums.to(piece.dtype)).sum()
 
-        grad_inputs, grad_parameters = backward_in_slabs(ctx, xs, parameters, wanted, trained, through_loss)
+        grad_inputs, grad_parameters = backward_in_slabs(ctx.made, xs, parameters, wanted, trained, through_loss)
         return (None,) * offset + (*grad_inputs, *grad_parameters)
 
 
@@ -189,7 +188,7 @@ def reduce_in_slabs(partial: Callable[..., torch.Tensor], total: Callable[[torch
         # every level's inputs alive as long as the output, past its backward).
         inputs = made.forward.saved_tensors[:made.inputs]
         return _LossThroughSlabbedGraph.apply(made, partial, total, dtype, axes, bounds, output.detach(), targets[0],
-                                              *inputs, *made.forward.graph.parameters())
+                                              *inputs, *made.forward.made.graph.parameters())
     return _ReducedInSlabs.apply(partial, total, dtype, axes, bounds, output, *targets)
 
 

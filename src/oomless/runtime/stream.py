@@ -6,16 +6,19 @@ last decoder stage's input, output and gradients, the head's. Streamed, the mode
 
     downsampled = encode(x)                 # the outer encoder ops and the first downsampling, in slabs
     inner = inner_level(downsampled)        # everything below the outer level, as the model runs it
-    output = decode(x, inner)               # the outer encoder ops again, the first upsampling and
-                                            # everything after it at full resolution, in slabs
+    output = decode(x, inner)               # the skip, the first upsampling and everything after
+                                            # it at full resolution, in slabs
 
 `encode` and `decode` are `SlabGraph`s run by `run_in_slabs`: each saves only its inputs (the
 model's input and the inner level's output, a fraction of the volume) and computes its ops slab by
-slab in forward and backward. The skip tensor is computed again per slab inside `decode` instead of
-being kept (one more pass of the outer encoder ops), so neither it nor its gradient ever exists
-whole: the gradient reaching the outer encoder's parameters through the skip is taken in `decode`'s
-backward, the one through the downsampling in `encode`'s, and autograd adds them. BatchNorm's
-running statistics move once, in `encode`.
+slab in forward and backward. `encode` keeps its normalisations' inputs and statistics off the
+device (`runtime.rows`, `SharedNodes`); `decode` reads the skip's from them, computing per slab only
+the ops after the last kept one, so neither the skip nor its gradient ever exists whole. In
+backward, `decode` runs first: the gradients it gives the outer encoder's kept nodes (through the
+skip) are kept beside them, and `encode`'s backward takes them back with its own (through the
+downsampling), so each outer encoder op runs once forward and once backward per slab in backward,
+as under checkpointing. (Where `encode`'s backward will not run, e.g. the inner level's output
+detached, `decode` takes them back itself.) BatchNorm's running statistics move once, in `encode`.
 
 The model's forward is traced with torch.fx down to its blocks (the units oomless plans; they run
 as the model runs them, hooks and all, inside `inner_level`) and to torch's own modules outside
@@ -34,7 +37,7 @@ import torch.fx
 import torch.nn as nn
 
 from oomless.errors import InputError
-from oomless.runtime.slabs import SlabGraph, _Node, fx_node, run_in_slabs, writes_into_a_shared_value
+from oomless.runtime.slabs import SharedNodes, SlabGraph, _Node, fx_node, run_in_slabs, writes_into_a_shared_value
 
 STREAM = ""                         # split={"": slabs} streams the model's outer level
 STATE_ATTRIBUTE = "_oomless_stream"
@@ -275,9 +278,11 @@ def _graph(inputs: list[torch.fx.Node], members: list[_Op], wanted: set[torch.fx
         if op.node not in wanted and op.node is not output:
             continue
         first = len(nodes)
-        for slab_op in op.nodes:
+        for position, slab_op in enumerate(op.nodes):
             mapped = tuple(at[op.arguments[-1 - source]] if source < 0 else first + source for source in slab_op.inputs)
-            nodes.append(replace(slab_op, inputs=mapped, recomputed=op.node in recomputed and slab_op.kind == "norm"))
+            # The key names the op in either graph: the decoder reads what the encoder kept of it.
+            nodes.append(replace(slab_op, inputs=mapped, recomputed=op.node in recomputed and slab_op.kind == "norm",
+                                 key=(op.node.name, position)))
         at[op.node] = len(nodes) - 1
     if writes_into_a_shared_value(nodes):
         return None
@@ -304,8 +309,9 @@ class StreamedModel:
             state = found
         for check in state.checks:
             check.target(*torch.fx.node.map_arg(check.args, lambda _: x), **torch.fx.node.map_arg(check.kwargs, lambda _: x))
-        downsampled = run_in_slabs(state.encode, x, state.slabs)
-        return run_in_slabs(state.decode, (x, state.inner(downsampled)), state.slabs)
+        encoder_ops = SharedNodes()
+        downsampled = run_in_slabs(state.encode, x, state.slabs, keeping=encoder_ops)
+        return run_in_slabs(state.decode, (x, state.inner(downsampled)), state.slabs, reading=encoder_ops)
 
 
 _streamed_classes: dict[type, type] = {}

@@ -1,0 +1,47 @@
+"""Whole-volume tensors kept off the device, read and written by rows (runtime/rows.py)."""
+
+import pytest
+import torch
+
+from oomless.runtime.rows import FileRows, HostRows, row_store
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kind", ["file", "host"])
+def test_rows_written_in_slabs_read_back_and_added_to(kind, dtype):
+    """Slabs of unequal thickness, several planes (samples x channels): what is read is what was
+    written, at any rows; a store starts as zeros; add sums into the rows it is given only."""
+    torch.manual_seed(0)
+    value = torch.randn(2, 3, 11, 5, 4).to(dtype)
+    store = FileRows(value.shape, dtype) if kind == "file" else HostRows(value.shape, dtype, torch.device("cpu"))
+    assert torch.equal(store.read(0, 11), torch.zeros_like(value))
+    for low, high in [(0, 4), (4, 5), (5, 11)]:
+        store.write(low, value[:, :, low:high])
+    assert torch.equal(store.read(0, 11), value)
+    assert torch.equal(store.read(3, 8), value[:, :, 3:8]) and store.read(3, 8).is_contiguous()
+    extra = torch.randn(2, 3, 3, 5, 4).to(dtype)
+    store.add(6, extra)
+    expected = value.clone()
+    expected[:, :, 6:9] += extra
+    assert torch.equal(store.read(0, 11), expected)
+    store.close()
+
+
+def test_a_contiguous_slab_with_any_stride_along_a_dim_of_size_one_is_written():
+    """As a 1x1 convolution's output can be: contiguous, with stride 192 along its last dim of size 1."""
+    value = torch.as_strided(torch.randn(192 * 6), (1, 192, 6, 1, 1), (1152, 6, 1, 1, 192))
+    assert value.is_contiguous() and value.stride(-1) == 192
+    store = FileRows(value.shape, value.dtype)
+    store.write(0, value)
+    assert torch.equal(store.read(0, 6), value)
+
+
+def test_on_cpu_the_rows_are_in_a_file_not_in_the_process():
+    """A CPU store is an unlinked temporary file (the page cache, not the process's memory)."""
+    store = row_store((1, 2, 64, 32, 32), torch.float32, torch.device("cpu"))
+    assert isinstance(store, FileRows)
+    store.write(0, torch.ones(1, 2, 64, 32, 32))
+    assert store.read(10, 12).sum().item() == 2 * 2 * 32 * 32
+    store.close()
+    with pytest.raises(ValueError):        # closed: its file is gone
+        store.read(0, 1)
