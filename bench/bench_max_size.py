@@ -5,6 +5,8 @@ a fixed memory.
     python bench/bench_max_size.py --device cuda --memory 8GiB
     python bench/bench_max_size.py --quick --out /tmp/ms    # 48 MiB, sides 16 and 24 (dry runs)
     python bench/bench_max_size.py --model deeplabv3        # torchvision's DeepLabv3-ResNet-50, square images
+    python bench/bench_max_size.py --sides plain:112,plain:120,oomless-split:248,oomless-split:256
+                                                            # these trials only, no search
 
 For the project's 3D U-Net (base 8 channels, depth 3, one volume per step, two classes; cubic volumes,
 sides a multiple of 8), or with ``--model deeplabv3`` torchvision's DeepLabv3 (``--backbone resnet50``,
@@ -221,6 +223,18 @@ def markdown_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def _chosen_sides(parser, text: str, model: SearchedModel) -> dict[str, list[int]]:
+    """{method: sides} of ``--sides METHOD:SIDE,...``, in the order given."""
+    chosen: dict[str, list[int]] = {}
+    for item in text.split(","):
+        method, _, side = item.partition(":")
+        if method not in METHODS or not side.isdigit() or int(side) % model.multiple:
+            parser.error(f"--sides takes METHOD:SIDE items, METHOD one of {', '.join(METHODS)} and SIDE a multiple "
+                         f"of {model.multiple}; got {item!r}")
+        chosen.setdefault(method, []).append(int(side))
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     from common import provenance, write_result   # bench/common.py
     from oomless.sizes import parse_bytes
@@ -241,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every method trains under this autocast (oomless: precision=; plain and checkpoint: "
                              "torch.autocast around the step); bf16 on CPU is slow (no bf16 conv kernels worth it)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per trial (the last one is timed)")
+    parser.add_argument("--sides", default=None, metavar="METHOD:SIDE,...",
+                        help="run these trials instead of searching (e.g. plain:112,plain:120); a method's largest "
+                             "side is the largest that fits, 'bracketed' where the next multiple ran and did not")
     parser.add_argument("--quick", action="store_true",
                         help="48 MiB, sides 16 and 24 (DeepLabv3: 256 MiB, 32 and 48), plain and oomless only, "
                              "one step per trial (dry runs)")
@@ -258,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     memory = args.memory or (model.quick_memory if args.quick else "8GiB" if args.device == "cuda" else "1GiB")
     memory_bytes = parse_bytes(memory)
     steps = 1 if args.quick else args.steps
-    methods = args.methods.split(",") if args.methods else ["plain", "oomless"] if args.quick else \
-        [m for m in METHODS if m != "save_on_cpu" or args.device == "cuda"]
+    chosen = _chosen_sides(parser, args.sides, model) if args.sides else None
+    methods = list(chosen) if chosen else args.methods.split(",") if args.methods else \
+        ["plain", "oomless"] if args.quick else [m for m in METHODS if m != "save_on_cpu" or args.device == "cuda"]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
@@ -273,6 +291,16 @@ def main(argv: list[str] | None = None) -> int:
               "methods": {}}
     started = time.perf_counter()
     for method in methods:
+        if chosen:
+            print(f"{method}: sides {chosen[method]} within {memory}", flush=True)
+            trials = [run_trial(method, side, memory_bytes, args.device, args.threads, steps, args.precision, model)
+                      for side in chosen[method]]
+            fitting = [trial["side"] for trial in trials if trial["fits"]]
+            side = max(fitting) if fitting else None
+            result["methods"][method] = summarise(method, side, trials, model)
+            result["methods"][method]["bracketed"] = side is not None and any(
+                trial["side"] == side + model.multiple and not trial["fits"] for trial in trials)
+            continue
         print(f"{method}: searching the largest side within {memory}", flush=True)
         side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, start, stop,
                                     lambda line: print(line, flush=True), args.precision, model)

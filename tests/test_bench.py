@@ -177,3 +177,21 @@ def test_max_size_searches_deeplabv3_square_images(tmp_path):
     finally:
         sys.path.pop(0)
     assert "| plain | 48^2 | 1.00x |" in markdown_table(report)
+
+
+def test_max_size_runs_the_sides_given_instead_of_searching(tmp_path):
+    """bench_max_size --sides: exactly those trials, each method's largest side the largest that fits,
+    'bracketed' where the next multiple of 8 ran and did not fit; a malformed item is refused."""
+    root = Path(__file__).resolve().parents[1]
+    program = [sys.executable, str(root / "bench" / "bench_max_size.py")]
+    out = tmp_path / "sides.json"
+    subprocess.run([*program, "--sides", "plain:16,plain:24,plain:32", "--memory", "24MiB", "--steps", "1",
+                    "--threads", "1", "--out", str(out)], check=True, timeout=600, capture_output=True)
+    record = json.loads(out.read_text())["methods"]["plain"]
+    trials = {trial["side"]: trial["fits"] for trial in record["trials"]}
+    assert list(trials) == [16, 24, 32]
+    fitting = [side for side, fits in trials.items() if fits]
+    assert record["largest_side"] == (max(fitting) if fitting else None)
+    assert record["bracketed"] == (bool(fitting) and trials.get(max(fitting) + 8) is False)
+    refused = subprocess.run([*program, "--sides", "plain:20"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "multiple of 8" in refused.stderr
