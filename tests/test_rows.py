@@ -45,3 +45,15 @@ def test_on_cpu_the_rows_are_in_a_file_not_in_the_process():
     store.close()
     with pytest.raises(ValueError):        # closed: its file is gone
         store.read(0, 1)
+
+
+def test_a_store_that_cannot_be_written_says_where_and_what_would_work(monkeypatch):
+    store = FileRows((1, 1, 4, 2, 2), torch.float32)
+
+    def full(*arguments):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.pwrite", full)
+    with pytest.raises(OSError, match="TMPDIR") as raised:
+        store.write(0, torch.ones(1, 1, 4, 2, 2))
+    assert raised.value.errno == 28 and "No space left" in str(raised.value)

@@ -38,11 +38,16 @@ class FileRows:
 
     def write(self, low: int, slab: torch.Tensor) -> None:
         slab = slab.detach().contiguous()
-        for plane, data in enumerate(self._planes(slab)):
-            view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
-            while view.nbytes:
-                written = os.pwrite(self.file.fileno(), view, offset)
-                view, offset = view[written:], offset + written
+        try:
+            for plane, data in enumerate(self._planes(slab)):
+                view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
+                while view.nbytes:
+                    written = os.pwrite(self.file.fileno(), view, offset)
+                    view, offset = view[written:], offset + written
+        except OSError as error:
+            raise OSError(error.errno, f"oomless keeps the whole-volume tensors of slabs in {tempfile.gettempdir()} "
+                          f"({self.planes * self.plane_bytes / 2**20:.0f} MiB for this one) and could not write "
+                          f"there: {error.strerror}. Set TMPDIR to a folder on a disk with room") from error
 
     def read(self, low: int, high: int) -> torch.Tensor:
         slab = torch.empty(self.shape[:AXIS] + (high - low,) + self.shape[AXIS + 1:], dtype=self.dtype)
