@@ -18,6 +18,7 @@ from oomless.errors import ApplyError, InputError, PlanError
 from oomless.models.unet3d import ConvStage, DecoderStage, UNet3D
 from oomless.plan.splitting import NEAR_FLOOR, plan_splitting_near_the_floor, plan_splitting_the_floor
 from oomless.runtime import slabs as slabs_module
+from oomless.runtime.rows import HostRows
 from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
 from oomless.runtime.split import DEFAULT_SLABS, apply_split, remove_split, split_candidates
 
@@ -54,12 +55,20 @@ def _stage(norm: str, dilation: int = 1) -> nn.Sequential:
     return stage
 
 
-@pytest.mark.parametrize("store", [True, False])
+def _store(monkeypatch, store: str) -> None:
+    """Normalisation inputs kept in a file (as on CPU), in host memory (as beside a GPU, here with
+    CPU tensors), or computed again ("none")."""
+    monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store != "none")
+    if store == "host":
+        monkeypatch.setattr(slabs_module, "row_store", lambda shape, dtype, device: HostRows(shape, dtype, device))
+
+
+@pytest.mark.parametrize("store", ["file", "host", "none"])
 @pytest.mark.parametrize("norm", ["batch", "group", "instance"])
 @pytest.mark.parametrize("slabs", [1, 3, 5])
 def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, monkeypatch, norm, slabs, store):
     """With each normalisation's input kept off the device (``store``) or computed again."""
-    monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store)
+    _store(monkeypatch, store)
     torch.manual_seed(0)
     stage = _stage(norm, dilation=2 if slabs == 3 else 1)
     reference = copy.deepcopy(stage)
@@ -122,13 +131,13 @@ def _assert_same_step(module, reference, inputs, slabs):
         assert torch.equal(buffer, other) if not buffer.is_floating_point() else _close(buffer, other), name
 
 
-@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("store", ["file", "host", "none"])
 @pytest.mark.parametrize("norm", ["batch", "group"])
 @pytest.mark.parametrize("slabs", [1, 3, 7])
 def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, monkeypatch, norm, slabs, store):
     """Upsample (transposed convolution, kernel = stride), concatenate the skip, a stage: a graph
     torch.fx traces; slab bounds at odd rows of the output fall inside an upsampled input row."""
-    monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store)
+    _store(monkeypatch, store)
     torch.manual_seed(0)
     stage = DecoderStage(6, 3, 3)
     if norm == "group":

@@ -17,6 +17,7 @@ import oomless
 from oomless.errors import ApplyError, InputError
 from oomless.models.unet3d import UNet3D
 from oomless.runtime import slabs as slabs_module
+from oomless.runtime.rows import HostRows
 from oomless.runtime.split import apply_split, remove_split, split_names, stream_candidate
 from oomless.runtime.stream import STREAM, is_streamed, outer_level
 
@@ -228,13 +229,18 @@ class _CountConvolutions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("detached", [False, True])
-def test_the_decoder_reads_the_encoder_ops_the_encoder_kept_and_each_runs_once_backward(thin_slabs, detached):
+def test_the_decoder_reads_the_encoder_ops_the_encoder_kept_and_each_runs_once_backward(thin_slabs, monkeypatch,
+                                                                                       detached, host):
     """The outer encoder's convolutions run once per slab in forward (the decoder reads the
     normalisation inputs the encoder kept) and once forward and once backward per slab in backward:
     the gradients the decoder gives them through the skip are taken back with the encoder's own, by
     the encoder's graph. Where that graph's backward does not run (the inner level detached), the
-    decoder takes them back itself. The gradients equal plain PyTorch's either way."""
+    decoder takes them back itself. The gradients equal plain PyTorch's either way, with the kept
+    nodes in files (as on CPU) or in host memory (``host``, as beside a GPU, here CPU tensors)."""
+    if host:
+        monkeypatch.setattr(slabs_module, "row_store", lambda shape, dtype, device: HostRows(shape, dtype, device))
     torch.manual_seed(0)
     model = _NormedU(detached)
     reference = copy.deepcopy(model)
