@@ -216,6 +216,26 @@ def test_each_convolution_runs_once_per_slab_in_forward_and_once_more_in_backwar
     assert (backward.forward, backward.backward) == (2 * slabs, 2 * slabs)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_frozen_first_convolution_or_a_normalised_input_without_gradient(thin_slabs, norm_first):
+    """Nothing before a kept node needs a gradient (the first convolution frozen, or a normalisation
+    of the graph's input, which needs none): that node is not taken back further, and the rest equals
+    plain PyTorch."""
+    torch.manual_seed(0)
+    ops = [nn.Conv3d(4, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(), nn.Conv3d(4, 4, 3, padding=1),
+           nn.BatchNorm3d(4), nn.ReLU()]
+    chain = nn.Sequential(*([nn.BatchNorm3d(4)] + ops[3:] if norm_first else ops))
+    chain[0].requires_grad_(norm_first)
+    reference = copy.deepcopy(chain)
+    x, weights = torch.randn(2, 4, 8, 6, 6), torch.randn(2, 4, 8, 6, 6)
+    (run_in_slabs(SlabGraph.chain(leaves(chain)), x, 4) * weights).sum().backward()
+    (reference(x) * weights).sum().backward()
+    for (name, parameter), other in zip(chain.named_parameters(), reference.parameters()):
+        assert (parameter.grad is None) == (other.grad is None), name
+        if other.grad is not None:
+            assert _close(parameter.grad, other.grad), name
+
+
 def test_an_in_place_op_in_slabs_copies_only_what_it_must_not_write(thin_slabs):
     """An in-place activation writes into its slab: into the chain's input it must not (a copy of
     the slab first), into a slab the chain made itself it may (no copy: a copy per slab of every

@@ -5,6 +5,7 @@ statistics and weight gradients are sums in another order): within 1e-5 relative
 """
 
 import copy
+import os
 from collections import Counter
 
 import pytest
@@ -263,6 +264,46 @@ def test_the_decoder_reads_the_encoder_ops_the_encoder_kept_and_each_runs_once_b
             continue
         # 1e-4: a bias before a BatchNorm has a gradient of exactly zero, both sides rounding noise.
         assert (parameter.grad - other.grad).abs().max() <= 1e-5 * other.grad.abs().max() + 1e-4, name
+
+
+class _TwoNormsOnOneConv(_SmallU):
+    """The outer convolution's output normalised twice: for the pooling, and on its own for the skip
+    (a normalisation of the decoder's own of a node the encoder keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.skip_norm = nn.BatchNorm3d(2), nn.BatchNorm3d(2)
+
+    def forward(self, x):
+        h = self.conv(x)
+        hidden = self.mid(self.pool(F.relu(self.norm(h))))
+        return self.head(torch.cat([self.up(hidden), F.relu(self.skip_norm(h))], 1))
+
+
+def test_a_node_the_decoder_normalises_itself_and_a_second_backward_equal_plain_pytorch(thin_slabs):
+    """The decoder takes back the node it normalises itself with that normalisation's terms (the
+    encoder takes back the rest); each graph's stores are closed after its backward (none left open
+    while the output lives on), and a second backward (retain_graph) computes those nodes again."""
+    torch.manual_seed(0)
+    model = _TwoNormsOnOneConv()
+    reference = copy.deepcopy(model)
+    apply_split(model, {STREAM: 4})
+    x = torch.randn(2, 1, 16, 6, 6, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    weights = torch.randn(2, 2, 16, 6, 6)
+    descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    output, expected = model(x), reference(x_reference)
+    for _ in range(2):
+        (output * weights).sum().backward(retain_graph=True)
+        (expected * weights).sum().backward(retain_graph=True)
+        for (name, parameter), other in zip(model.named_parameters(), reference.parameters()):
+            assert (parameter.grad - other.grad).abs().max() <= 1e-5 * other.grad.abs().max() + 1e-4, name
+        assert (x.grad - x_reference.grad).abs().max() <= 1e-5 * x_reference.grad.abs().max()
+        if descriptors is not None:
+            assert len(os.listdir("/proc/self/fd")) == descriptors
+    with pytest.raises(RuntimeError, match="differentiate twice"):     # no silent wrong double backward
+        gradient, = torch.autograd.grad((model(x) * weights).sum(), x, create_graph=True)
+        gradient.square().sum().backward()
 
 
 class _StoresFeatures(_SmallU):

@@ -66,6 +66,10 @@ class FileRows:
     def close(self) -> None:
         self.file.close()
 
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
 
 class HostRows:
     """A tensor of ``shape`` in pinned host memory (compute on a GPU), read and written by copies."""
@@ -85,6 +89,10 @@ class HostRows:
 
     def close(self) -> None:
         self.host = None
+
+    @property
+    def closed(self) -> bool:
+        return self.host is None
 
 
 def row_store(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> FileRows | HostRows:

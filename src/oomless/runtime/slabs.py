@@ -641,6 +641,7 @@ class _SlabbedGraph(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
         xs, parameters = saved[:ctx.inputs], saved[ctx.inputs:]
@@ -672,6 +673,11 @@ def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list
     for source in sorted({graph.nodes[index].inputs[0] for index in graph.norms} | stored.keys(), reverse=True):
         if source not in backward.left_to_earlier:
             backward.node(source)
+    # The graph's own stores go now, not with the autograd graph (which a caller may keep, with the
+    # output, into the next step); a second backward (retain_graph) computes those nodes again.
+    for index, store in forward.stored.items():
+        if index not in forward.shared:
+            store.close()
     return backward.grad_inputs, backward.grad_parameters
 
 
@@ -680,7 +686,9 @@ class _Backward:
 
     def __init__(self, forward: _Forward, xs, parameters, wanted: list[bool], trained: list[int]):
         self.forward, self.xs, self.parameters, self.wanted, self.trained = forward, xs, parameters, wanted, trained
-        graph, self.depths, self.count, self.stored = forward.graph, forward.depths, forward.count, forward.stored
+        graph, self.depths, self.count = forward.graph, forward.depths, forward.count
+        # Closed by an earlier backward of the same graph (retain_graph): computed again instead.
+        self.stored = {index: store for index, store in forward.stored.items() if not store.closed}
         self.graph = graph
         self.read = set(graph.inputs) | self.stored.keys()
         self.grad_inputs = [torch.zeros_like(x) if want else None for x, want in zip(xs, wanted)]
@@ -691,19 +699,23 @@ class _Backward:
         self.grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
                                 for index, (mean, variance) in forward.statistics.items()}
         # The gradients an earlier graph's nodes got here: summed where that graph's backward takes
-        # them (if it will run in this backward), each node taken back once, by that graph.
-        self.left_to_earlier = set()
+        # them (if it will run in this backward), each node taken back once, by that graph. A node
+        # this graph also normalises itself is taken back here as well, with its own gradient and its
+        # own normalisations' terms (the earlier graph takes back the rest).
+        self.left_to_earlier, self.handed = set(), set()
         reading, keeping = forward.reading, forward.keeping
         earlier = reading.node() if reading is not None and reading.node is not None else None
         if earlier is not None and torch._C._will_engine_execute_node(earlier):
-            for index in forward.shared:
+            for index in forward.shared & set(graph.norms):
                 key = graph.nodes[index].key
-                if index in self.stored:
-                    self.grad_stored[index] = reading.grad_stored.setdefault(key, self.grad_stored[index])
-                if index in graph.norms:
-                    self.grad_statistics[index] = reading.grad_statistics.setdefault(key, self.grad_statistics[index])
-                    self.left_to_earlier.add(graph.nodes[index].inputs[0])
-            self.left_to_earlier |= forward.shared & self.stored.keys()
+                self.grad_statistics[index] = reading.grad_statistics.setdefault(key, self.grad_statistics[index])
+                self.handed.add(index)
+            own = {graph.nodes[index].inputs[0] for index in graph.norms if index not in self.handed}
+            for index in forward.shared & self.stored.keys() - own:
+                key = graph.nodes[index].key
+                self.grad_stored[index] = reading.grad_stored.setdefault(key, self.grad_stored[index])
+                self.left_to_earlier.add(index)
+            self.left_to_earlier |= {graph.nodes[index].inputs[0] for index in self.handed} - own - self.stored.keys()
         if keeping is not None:
             for index, node in enumerate(graph.nodes):
                 if node.key in keeping.grad_stored and index in self.grad_stored:
@@ -737,6 +749,8 @@ class _Backward:
                           for index, pair in self.forward.statistics.items()}
             reached = surrogate(graph.run(target, low, high, self.depths, given, statistics), low, high)
             out, gradient = reached if isinstance(reached, tuple) else (reached, None)
+            if not out.requires_grad:
+                return      # nothing before this node needs a gradient (a frozen first layer, an input without one)
             leaves = [slab for *_, slab in slabs] + [s for index in graph.norms for s in statistics[index]]
             leaves += [self.parameters[i] for i in self.trained]
             grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
@@ -769,7 +783,7 @@ class _Backward:
         graph, statistics = self.graph, self.forward.statistics
         terms = [(graph.nodes[index].module, statistics[index][0],
                   *(grad / self.forward.counts[index] for grad in self.grad_statistics[index]))
-                 for index in graph.norms if graph.nodes[index].inputs[0] == source]
+                 for index in graph.norms if graph.nodes[index].inputs[0] == source and index not in self.handed]
         kept = self.grad_stored.get(source)
 
         def through_source(out, low, high):
