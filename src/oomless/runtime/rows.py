@@ -36,14 +36,21 @@ class FileRows:
         # view(-1) first: a contiguous tensor may have any stride along a dim of size 1, view(uint8) not.
         return slab.view(-1).view(torch.uint8).numpy().reshape(self.planes, -1)
 
+    def _each_plane(self, low: int, slab: torch.Tensor, move) -> None:
+        """``move(buffer, file offset)`` (a pwrite or a preadv: the bytes moved, maybe fewer than asked,
+        0 at the file's end) over rows [low, ...) of each plane of ``slab``, until all are moved."""
+        for plane, data in enumerate(self._planes(slab)):
+            view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
+            while view.nbytes:
+                moved = move(view, offset)
+                if moved == 0:
+                    raise OSError(f"oomless: a row store's file ended at byte {offset}")
+                view, offset = view[moved:], offset + moved
+
     def write(self, low: int, slab: torch.Tensor) -> None:
         slab = slab.detach().contiguous()
         try:
-            for plane, data in enumerate(self._planes(slab)):
-                view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
-                while view.nbytes:
-                    written = os.pwrite(self.file.fileno(), view, offset)
-                    view, offset = view[written:], offset + written
+            self._each_plane(low, slab, lambda view, offset: os.pwrite(self.file.fileno(), view, offset))
         except OSError as error:
             raise OSError(error.errno, f"oomless keeps the whole-volume tensors of slabs in {tempfile.gettempdir()} "
                           f"({self.planes * self.plane_bytes / 2**20:.0f} MiB for this one) and could not write "
@@ -51,13 +58,7 @@ class FileRows:
 
     def read(self, low: int, high: int) -> torch.Tensor:
         slab = torch.empty(self.shape[:AXIS] + (high - low,) + self.shape[AXIS + 1:], dtype=self.dtype)
-        for plane, data in enumerate(self._planes(slab)):
-            view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
-            while view.nbytes:
-                read = os.preadv(self.file.fileno(), [view], offset)
-                if read == 0:
-                    raise OSError(f"oomless: a row store's file ended at byte {offset}")
-                view, offset = view[read:], offset + read
+        self._each_plane(low, slab, lambda view, offset: os.preadv(self.file.fileno(), [view], offset))
         return slab
 
     def add(self, low: int, slab: torch.Tensor) -> None:

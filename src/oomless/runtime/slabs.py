@@ -694,8 +694,6 @@ class _Backward:
         self.grad_inputs = [torch.zeros_like(x) if want else None for x, want in zip(xs, wanted)]
         self.grad_parameters = [torch.zeros_like(parameter) if i in trained else None
                                 for i, parameter in enumerate(parameters)]
-        self.grad_stored = {node: row_store(store.shape, store.dtype, xs[0].device)
-                            for node, store in self.stored.items()}
         self.grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
                                 for index, (mean, variance) in forward.statistics.items()}
         # The gradients an earlier graph's nodes got here: summed where that graph's backward takes
@@ -711,17 +709,25 @@ class _Backward:
                 self.grad_statistics[index] = reading.grad_statistics.setdefault(key, self.grad_statistics[index])
                 self.handed.add(index)
             own = {graph.nodes[index].inputs[0] for index in graph.norms if index not in self.handed}
-            for index in forward.shared & self.stored.keys() - own:
-                key = graph.nodes[index].key
-                self.grad_stored[index] = reading.grad_stored.setdefault(key, self.grad_stored[index])
-                self.left_to_earlier.add(index)
+            self.left_to_earlier = forward.shared & self.stored.keys() - own
             self.left_to_earlier |= {graph.nodes[index].inputs[0] for index in self.handed} - own - self.stored.keys()
         if keeping is not None:
             for index, node in enumerate(graph.nodes):
-                if node.key in keeping.grad_stored and index in self.grad_stored:
-                    self.grad_stored[index] = keeping.grad_stored.pop(node.key)
                 if node.key in keeping.grad_statistics and index in self.grad_statistics:
                     self.grad_statistics[index] = keeping.grad_statistics.pop(node.key)
+        # Each stored node's gradient store, made once (a whole volume of pinned memory beside a GPU):
+        # the one a later graph left it, the earlier graph's it is handed to, or a new one.
+        self.grad_stored = {}
+        for index, store in self.stored.items():
+            key = graph.nodes[index].key
+            if keeping is not None and key in keeping.grad_stored:
+                self.grad_stored[index] = keeping.grad_stored.pop(key)
+            elif index in self.left_to_earlier:
+                if key not in reading.grad_stored:
+                    reading.grad_stored[key] = row_store(store.shape, store.dtype, xs[0].device)
+                self.grad_stored[index] = reading.grad_stored[key]
+            else:
+                self.grad_stored[index] = row_store(store.shape, store.dtype, xs[0].device)
 
     def slab(self, target: int, low: int, high: int, surrogate) -> None:
         """Node ``target`` for rows [low, high) of its output, from the inputs and stored nodes it
