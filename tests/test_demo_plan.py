@@ -1,11 +1,11 @@
-"""`make demo` is a user's first run: planning its configuration in fresh processes gives one answer
-(issue 16). Three fresh processes each profile and plan the demo (3D U-Net 64^3, batch 2, 256 MiB):
-every one accepts the budget within it, and every one names the same smallest budget (to within the
-margin that floor carries), with the demo's
-budget at least 1.3x above it (the stated headroom: the demo runs nowhere near its floor; 1.67x on the
-machine of 2026-11-23, 1.33x on the Xeon of 2026-11-24, where the same step's 3D convolutions take
-more working memory in backward: plain PyTorch measured 316 MiB there against 283 MiB). Which
-equal-sized blocks are swapped may differ with measured times; the budget, the floor and the outcome do not."""
+"""`make demo` is a user's first run: planning its configuration in fresh processes gives one answer (issue
+16). Three fresh processes each profile and plan the demo (3D U-Net 64^3, batch 2, 256 MiB): every one
+accepts the budget within it, and every one names the same smallest budget (to within the margin that
+floor carries), with the demo's budget at least 1.3x above it (the stated headroom: the demo runs
+nowhere near its floor; 1.67x on the machine of 2026-11-23, 1.33x on the Xeon of 2026-11-24, where the
+same step's 3D convolutions take more working memory in backward: plain PyTorch measured 316 MiB there
+against 283 MiB). Which equal-sized blocks are swapped may differ with measured times; the budget, the
+floor and the outcome do not."""
 
 import json
 import subprocess
