@@ -198,22 +198,34 @@ class _CountConvolutions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("norm", ["batch", "group"])
-def test_each_convolution_runs_once_per_slab_in_forward_and_once_more_in_backward(thin_slabs, norm):
+def test_each_convolution_runs_once_per_slab_in_forward_and_once_more_in_backward(thin_slabs, monkeypatch, norm,
+                                                                                  direct):
     """Each normalisation's input is kept off the device once computed, and the gradient reaching it
     beside it: a stage of two convolutions, each followed by a normalisation, runs each convolution
-    once per slab in forward and once forward and once backward per slab in backward, as
-    checkpointing would whole. (Computed again from the stage's input for each normalisation's
-    statistics, the first convolution ran 3 times per slab in forward and 5 in backward.)"""
+    once per slab in forward and once backward per slab in backward, not forward again (``direct``:
+    `aten.convolution_backward` from its input's rows), or, computing each again first as
+    checkpointing would, once forward and once backward per slab. (Computed again from the stage's
+    input for each normalisation's statistics, the first convolution ran 3 times per slab in forward
+    and 5 in backward.) The gradients equal plain PyTorch's either way."""
+    monkeypatch.setattr(slabs_module, "DIRECT_CONVOLUTION_BACKWARD", direct)
     stage = _stage(norm)
+    reference = copy.deepcopy(stage)
     x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    weights = torch.randn(2, 6, 13, 7, 6)
     slabs = 4
     with _CountConvolutions() as forward:
         output = run_in_slabs(SlabGraph.chain(leaves(stage)), x, slabs)
     with _CountConvolutions() as backward:
-        output.sum().backward()
+        (output * weights).sum().backward()
     assert (forward.forward, forward.backward) == (2 * slabs, 0)
-    assert (backward.forward, backward.backward) == (2 * slabs, 2 * slabs)
+    assert (backward.forward, backward.backward) == (0 if direct else 2 * slabs, 2 * slabs)
+    (reference(x_reference) * weights).sum().backward()
+    assert _close(x.grad, x_reference.grad)
+    for (name, parameter), other in zip(stage.named_parameters(), reference.parameters()):
+        assert _close(parameter.grad, other.grad), name
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

@@ -7,10 +7,11 @@ memory), on a GPU in pinned host memory.
 
     store = row_store(shape, dtype, device)     # zeros
     store.write(low, slab)                      # rows [low, low + slab.shape[axis]) along ``axis``
-    slab = store.read(low, high)                # a new tensor on ``device``
+    slab = store.read(low, high)                # a new tensor on ``device`` (or into ``out=``, a buffer)
     store.add(low, gradient)                    # read, add, write
 """
 
+import contextlib
 import math
 import os
 import tempfile
@@ -37,32 +38,53 @@ class FileRows:
         return slab.view(-1).view(torch.uint8).numpy().reshape(self.planes, -1)
 
     def _each_plane(self, low: int, slab: torch.Tensor, move) -> None:
-        """``move(buffer, file offset)`` (a pwrite or a preadv: the bytes moved, maybe fewer than asked,
-        0 at the file's end) over rows [low, ...) of each plane of ``slab``, until all are moved."""
+        """`_move` over rows [low, ...) of each plane of ``slab``."""
         for plane, data in enumerate(self._planes(slab)):
-            view, offset = memoryview(data), plane * self.plane_bytes + low * self.row_bytes
-            while view.nbytes:
-                moved = move(view, offset)
-                if moved == 0:
-                    raise OSError(f"oomless: a row store's file ended at byte {offset}")
-                view, offset = view[moved:], offset + moved
+            self._move(data, plane * self.plane_bytes + low * self.row_bytes, move)
 
-    def write(self, low: int, slab: torch.Tensor) -> None:
-        slab = slab.detach().contiguous()
+    @staticmethod
+    def _move(data, offset: int, move) -> None:
+        """``move(buffer, file offset)`` (a pwrite or a preadv: the bytes moved, maybe fewer than asked,
+        0 at the file's end) over all of ``data`` (bytes), from ``offset`` on."""
+        view = memoryview(data)
+        while view.nbytes:
+            moved = move(view, offset)
+            if moved == 0:
+                raise OSError(f"oomless: a row store's file ended at byte {offset}")
+            view, offset = view[moved:], offset + moved
+
+    @contextlib.contextmanager
+    def _writing(self):
         try:
-            self._each_plane(low, slab, lambda view, offset: os.pwrite(self.file.fileno(), view, offset))
+            yield
         except OSError as error:
             raise OSError(error.errno, f"oomless keeps the whole-volume tensors of slabs in {tempfile.gettempdir()} "
                           f"({self.planes * self.plane_bytes / 2**20:.0f} MiB for this one) and could not write "
                           f"there: {error.strerror}. Set TMPDIR to a folder on a disk with room") from error
 
-    def read(self, low: int, high: int) -> torch.Tensor:
-        slab = torch.empty(self.shape[:AXIS] + (high - low,) + self.shape[AXIS + 1:], dtype=self.dtype)
+    def write(self, low: int, slab: torch.Tensor) -> None:
+        slab = slab.detach().contiguous()
+        with self._writing():
+            self._each_plane(low, slab, lambda view, offset: os.pwrite(self.file.fileno(), view, offset))
+
+    def read(self, low: int, high: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        shape = self.shape[:AXIS] + (high - low,) + self.shape[AXIS + 1:]
+        slab = torch.empty(shape, dtype=self.dtype) if out is None else _fitted(out, shape, self.dtype)
         self._each_plane(low, slab, lambda view, offset: os.preadv(self.file.fileno(), [view], offset))
         return slab
 
     def add(self, low: int, slab: torch.Tensor) -> None:
-        self.write(low, self.read(low, low + slab.shape[AXIS]).add_(slab))
+        """Rows [low, ...) += ``slab``, one plane at a time through one plane's buffer (not a whole slab
+        read into new memory: under a low mmap threshold every new tensor is page-faulted in)."""
+        planes = slab.detach().to(self.dtype).contiguous().view(-1).reshape(self.planes, -1)
+        buffer = torch.empty(planes.shape[1], dtype=self.dtype)
+        raw = buffer.view(torch.uint8).numpy()
+        with self._writing():
+            for plane, values in enumerate(planes):
+                offset = plane * self.plane_bytes + low * self.row_bytes
+                self._move(raw, offset, lambda view, at: os.preadv(self.file.fileno(), [view], at))
+                buffer.add_(values)
+                self._move(raw, offset, lambda view, at: os.pwrite(self.file.fileno(), view, at))
 
     def close(self) -> None:
         self.file.close()
@@ -82,8 +104,11 @@ class HostRows:
     def write(self, low: int, slab: torch.Tensor) -> None:
         self.host.narrow(AXIS, low, slab.shape[AXIS]).copy_(slab.detach())
 
-    def read(self, low: int, high: int) -> torch.Tensor:
-        return self.host.narrow(AXIS, low, high - low).to(self.device, copy=True).contiguous()
+    def read(self, low: int, high: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self.host.narrow(AXIS, low, high - low)
+        if out is None:
+            return rows.to(self.device, copy=True).contiguous()
+        return _fitted(out, rows.shape, self.dtype).copy_(rows)
 
     def add(self, low: int, slab: torch.Tensor) -> None:
         self.host.narrow(AXIS, low, slab.shape[AXIS]).add_(slab.detach().to("cpu"))
@@ -94,6 +119,14 @@ class HostRows:
     @property
     def closed(self) -> bool:
         return self.host is None
+
+
+def _fitted(buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` over the start of ``buffer`` (reused for slabs of a few sizes)."""
+    count = math.prod(shape)
+    if buffer.dtype != dtype or buffer.numel() < count or not buffer.is_contiguous():
+        raise ValueError(f"a buffer of {buffer.numel()} {buffer.dtype} cannot hold rows {tuple(shape)} of {dtype}")
+    return buffer.view(-1)[:count].view(shape)
 
 
 def row_store(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> FileRows | HostRows:

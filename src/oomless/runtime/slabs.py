@@ -42,6 +42,7 @@ Not bit-equal to the unsplit ops: the statistics and the weight gradients are su
 volume taken in another order (the tests bound the difference, about 1e-6 relative in float32).
 """
 
+import math
 import operator
 import weakref
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,10 @@ from oomless.runtime.rows import AXIS, row_store
 # reaching it beside it: each op runs once in forward and once (forward and backward) in backward,
 # where computed again from the inputs each normalisation would be a pass of every op before it.
 STORE_NORMALISATION_INPUTS = True
+# A stored convolution output is taken back in backward with aten.convolution_backward from its
+# input's rows, not computed again first (`_Backward._convolution`); False: computed again, as
+# checkpointing does (the forward of every such convolution once more in backward).
+DIRECT_CONVOLUTION_BACKWARD = True
 
 _CONVOLUTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _TRANSPOSED = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -694,6 +699,7 @@ class _Backward:
         self.grad_inputs = [torch.zeros_like(x) if want else None for x, want in zip(xs, wanted)]
         self.grad_parameters = [torch.zeros_like(parameter) if i in trained else None
                                 for i, parameter in enumerate(parameters)]
+        self.parameter_index = {id(parameter): i for i, parameter in enumerate(graph.parameters())}
         self.grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
                                 for index, (mean, variance) in forward.statistics.items()}
         # The gradients an earlier graph's nodes got here: summed where that graph's backward takes
@@ -729,39 +735,93 @@ class _Backward:
             else:
                 self.grad_stored[index] = row_store(store.shape, store.dtype, xs[0].device)
 
+    def _run(self, target: int, low: int, high: int, read_target: bool = False):
+        """(rows [low, high) of node ``target``'s output computed with autograd recording, the slabs
+        read as leaves [(node, first, last, slab)], the statistics as leaves {norm: (mean, variance)})
+        from the inputs and stored nodes it needs; a stored target is computed from what it is computed
+        from, or with ``read_target`` read (itself a leaf). Call under torch.enable_grad()."""
+        graph, stored = self.graph, self.stored
+        need = graph.rows_needed(target, low, high, self.depths, self.read)
+        given, slabs = {}, []
+        for node in sorted(need.keys() & self.read):
+            if node == target and node in stored and not read_target:
+                continue            # computed here from what it is computed from
+            first, last = need[node]
+            if node in stored:
+                slab = stored[node].read(first, last).requires_grad_()
+                slabs.append((node, first, last, slab))
+            else:
+                position = graph.inputs.index(node)
+                wanted = self.wanted[position]
+                slab = self.xs[position].narrow(AXIS, first, last - first).detach().requires_grad_(wanted)
+                if wanted:
+                    slabs.append((node, first, last, slab))
+            given[node] = (slab, first)
+        statistics = {index: tuple(s.detach().requires_grad_() for s in pair)
+                      for index, pair in self.forward.statistics.items()}
+        return graph.run(target, low, high, self.depths, given, statistics), slabs, statistics
+
+    def _take_back(self, out: torch.Tensor, gradient, slabs: list, statistics: dict) -> None:
+        """Backpropagate ``gradient`` (None: ``out`` is a scalar) from ``out`` to the leaves of `_run` and
+        the trained parameters, and add what reaches them to the sums."""
+        if not out.requires_grad:
+            return      # nothing before this node needs a gradient (a frozen first layer, an input without one)
+        leaves = [slab for *_, slab in slabs] + [s for index in self.graph.norms for s in statistics[index]]
+        leaves += [self.parameters[i] for i in self.trained]
+        grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
+        del out, gradient
+        self._add(grads, slabs)
+
     def slab(self, target: int, low: int, high: int, surrogate) -> None:
         """Node ``target`` for rows [low, high) of its output, from the inputs and stored nodes it
         needs, with the statistics as leaves; the gradients of ``surrogate(output)`` are added to the
         sums."""
-        graph, stored = self.graph, self.stored
-        need = graph.rows_needed(target, low, high, self.depths, self.read)
         with torch.enable_grad():
-            given, slabs = {}, []
-            for node in sorted(need.keys() & self.read):
-                if node == target and node in stored:
-                    continue            # computed here from what it is computed from
-                first, last = need[node]
-                if node in stored:
-                    slab = stored[node].read(first, last).requires_grad_()
-                    slabs.append((node, first, last, slab))
-                else:
-                    position = graph.inputs.index(node)
-                    wanted = self.wanted[position]
-                    slab = self.xs[position].narrow(AXIS, first, last - first).detach().requires_grad_(wanted)
-                    if wanted:
-                        slabs.append((node, first, last, slab))
-                given[node] = (slab, first)
-            statistics = {index: tuple(s.detach().requires_grad_() for s in pair)
-                          for index, pair in self.forward.statistics.items()}
-            reached = surrogate(graph.run(target, low, high, self.depths, given, statistics), low, high)
+            out, slabs, statistics = self._run(target, low, high)
+            reached = surrogate(out, low, high)
+            del out
             out, gradient = reached if isinstance(reached, tuple) else (reached, None)
-            if not out.requires_grad:
-                return      # nothing before this node needs a gradient (a frozen first layer, an input without one)
-            leaves = [slab for *_, slab in slabs] + [s for index in graph.norms for s in statistics[index]]
-            leaves += [self.parameters[i] for i in self.trained]
-            grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
-            del out, gradient, reached
-            self._add(grads, slabs)
+            del reached
+            self._take_back(out, gradient, slabs, statistics)
+
+    def _convolved(self, source: int) -> bool:
+        """Whether stored node ``source`` is a convolution's output that `_convolution` can take back
+        without computing it again (its input and weight of one dtype, as without autocast)."""
+        node = self.graph.nodes[source]
+        return (node.kind == "conv" and source in self.stored and node.module.weight.dtype == self.stored[source].dtype
+                and id(node.module.weight) in self.parameter_index)
+
+    def _convolution(self, source: int, low: int, high: int, gradient: torch.Tensor) -> None:
+        """Rows [low, high) of convolution node ``source``'s output taken back with ``gradient``, without
+        computing them again: its input's rows (with the halo) are computed, or read, with autograd
+        recording, and `aten.convolution_backward` is called as autograd's own ConvolutionBackward calls
+        it for `_convolve`'s convolution (the same arguments, so the same sums): the input's gradient
+        goes on back, the weight's and bias's are added to the sums."""
+        node = self.graph.nodes[source]
+        conv, before = node.module, node.inputs[0]
+        first, last = max(0, low - node.halo), min(self.depths[before], high + node.halo)
+        zero_rows = (first - (low - node.halo), high + node.halo - last)
+        with torch.enable_grad():
+            x, slabs, statistics = self._run(before, first, last, read_target=True)
+        padded = x.detach()
+        if any(zero_rows):
+            padded = F.pad(padded, (0, 0) * (padded.dim() - AXIS - 1) + zero_rows)
+        weight, bias = self.parameter_index[id(conv.weight)], self.parameter_index.get(id(conv.bias))
+        mask = [x.requires_grad, weight in self.trained, bias is not None and bias in self.trained]
+        if not any(mask):
+            return
+        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            gradient, padded, conv.weight.detach(), None if conv.bias is None else [conv.bias.shape[0]],
+            conv.stride, (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2),
+            conv.groups, mask)
+        del padded, gradient
+        for index, grad in ((weight, grad_weight), (bias, grad_bias)):
+            if grad is not None:
+                self.grad_parameters[index].add_(grad)
+        if grad_x is not None:
+            grad_x = _rows_of(grad_x, zero_rows[0], last - first)
+            with torch.enable_grad():
+                self._take_back(x, grad_x, slabs, statistics)
 
     def _add(self, grads: list, slabs: list) -> None:
         for node, first, last, _ in slabs:
@@ -785,24 +845,41 @@ class _Backward:
     def node(self, source: int) -> None:
         """Node ``source`` (a normalisation's input, or stored) taken back to what it is computed from,
         with the gradient reaching it: through the ops reading it (kept beside it, where stored) and
-        through each normalisation's statistics, d mean/dx = 1/n and d var/dx = 2 (x - mean)/n."""
+        through each normalisation's statistics, d mean/dx = 1/n and d var/dx = 2 (x - mean)/n. A
+        stored convolution's output is not computed again (`_convolution`): the terms take its values
+        as stored."""
         graph, statistics = self.graph, self.forward.statistics
         terms = [(graph.nodes[index].module, statistics[index][0],
                   *(grad / self.forward.counts[index] for grad in self.grad_statistics[index]))
                  for index in graph.norms if graph.nodes[index].inputs[0] == source and index not in self.handed]
         kept = self.grad_stored.get(source)
 
-        def through_source(out, low, high):
+        def gradient_at(values: torch.Tensor, low: int, high: int, out: torch.Tensor | None = None) -> torch.Tensor:
             with torch.no_grad():
-                gradient = kept.read(low, high) if kept is not None else torch.zeros_like(out)
+                gradient = kept.read(low, high, out=out) if kept is not None else torch.zeros_like(values)
                 for norm, mean, grad_mean, grad_variance in terms:
                     grouped, _ = _grouped(norm, gradient)
-                    values, _ = _grouped(norm, out.detach())
-                    grouped.addcmul_(values, 2 * grad_variance).add_(grad_mean - 2 * grad_variance * mean)
-            return out, gradient
+                    values_grouped, _ = _grouped(norm, values)
+                    grouped.addcmul_(values_grouped, 2 * grad_variance).add_(grad_mean - 2 * grad_variance * mean)
+            return gradient
 
-        for low, high in slab_bounds(self.depths[source], self.count):
-            self.slab(source, low, high, through_source)
+        if DIRECT_CONVOLUTION_BACKWARD and self._convolved(source):
+            store, bounds = self.stored[source], slab_bounds(self.depths[source], self.count)
+            # The node's values and gradient read into the same two buffers slab after slab (new
+            # tensors would each be page-faulted in under a low mmap threshold).
+            size = math.prod(store.shape) // store.shape[AXIS] * max(high - low for low, high in bounds)
+            values_buffer = torch.empty(size, dtype=store.dtype, device=self.xs[0].device) if terms or kept is None else None
+            gradient_buffer = torch.empty_like(values_buffer) if kept is not None else None
+            for low, high in bounds:
+                values = store.read(low, high, out=values_buffer) if terms or kept is None else None
+                gradient = gradient_at(values, low, high, gradient_buffer)
+                del values
+                self._convolution(source, low, high, gradient)
+                del gradient
+            del values_buffer, gradient_buffer
+        else:
+            for low, high in slab_bounds(self.depths[source], self.count):
+                self.slab(source, low, high, lambda out, low, high: (out, gradient_at(out.detach(), low, high)))
         if kept is not None:
             self.grad_stored.pop(source).close()
 
