@@ -192,15 +192,18 @@ def test_only_the_gradient_is_whole():
     assert slabbed < 1.5 * logits_bytes, (slabbed, whole)
 
 
-def test_through_a_streamed_unet_it_trains_like_plain_pytorch_and_never_makes_the_output_whole(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_through_a_streamed_unet_it_trains_like_plain_pytorch_and_never_makes_the_output_whole(monkeypatch, fused):
     """On the output of a graph in slabs (a streamed U-Net's decoder), the loss runs that graph's
     backward itself, slab by slab into the loss: the graph's own backward never runs (it would need
-    the output's gradient whole), and three SGD steps stay within 1e-5 of plain PyTorch's."""
+    the output's gradient whole), and three SGD steps stay within 1e-5 of plain PyTorch's; also with
+    the ReLUs of normalisations taken back through autograd (``fused`` off)."""
     import copy
 
     from oomless.models.unet3d import UNet3D
     from oomless.runtime import slabs as slabs_module
 
+    monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", fused)
     monkeypatch.setattr(slabs_module, "ONEDNN_MIN_INPUT_ELEMENTS", 0)       # thin slabs at this size
     torch.manual_seed(0)
     model = UNet3D(base_channels=4, depth=2)

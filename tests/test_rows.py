@@ -24,6 +24,18 @@ def test_rows_written_in_slabs_read_back_and_added_to(kind, dtype):
     expected = value.clone()
     expected[:, :, 6:9] += extra
     assert torch.equal(store.read(0, 11), expected)
+    # A slab narrowed from a larger one (not contiguous) adds as its values do.
+    wider = torch.randn(2, 3, 6, 5, 4).to(dtype)
+    store.add(1, wider[:, :, 2:4])
+    expected[:, :, 1:3] += wider[:, :, 2:4]
+    assert torch.equal(store.read(0, 11), expected)
+    # Read into a buffer larger than the rows: its start, as a contiguous tensor of their shape.
+    buffer = torch.full((2 * 3 * 6 * 5 * 4,), 7.0).to(dtype)
+    read = store.read(2, 7, out=buffer)
+    assert torch.equal(read, expected[:, :, 2:7]) and read.is_contiguous()
+    assert read.data_ptr() == buffer.data_ptr() and torch.equal(buffer[read.numel():], torch.full_like(buffer[read.numel():], 7.0))
+    with pytest.raises(ValueError, match="cannot hold"):
+        store.read(0, 11, out=buffer)
     store.close()
 
 
@@ -57,3 +69,5 @@ def test_a_store_that_cannot_be_written_says_where_and_what_would_work(monkeypat
     with pytest.raises(OSError, match="TMPDIR") as raised:
         store.write(0, torch.ones(1, 1, 4, 2, 2))
     assert raised.value.errno == 28 and "No space left" in str(raised.value)
+    with pytest.raises(OSError, match="TMPDIR"):        # adding writes too
+        store.add(0, torch.ones(1, 1, 2, 2, 2))

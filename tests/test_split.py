@@ -6,6 +6,7 @@ largest value (float32 rounding of sums over ~1e5 terms; measured ~1e-6).
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -57,13 +58,18 @@ def _stage(norm: str, dilation: int = 1) -> nn.Sequential:
 
 def _store(monkeypatch, store: str) -> None:
     """Normalisation inputs kept in a file (as on CPU), in host memory (as beside a GPU, here with
-    CPU tensors), or computed again ("none")."""
+    CPU tensors), or computed again ("none"); "autograd": in a file, each kept node computed again
+    in backward and taken back through autograd (no direct convolution backward, no fused ReLU of a
+    normalisation)."""
     monkeypatch.setattr(slabs_module, "STORE_NORMALISATION_INPUTS", store != "none")
+    if store == "autograd":
+        monkeypatch.setattr(slabs_module, "DIRECT_CONVOLUTION_BACKWARD", False)
+        monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", False)
     if store == "host":
         monkeypatch.setattr(slabs_module, "row_store", lambda shape, dtype, device: HostRows(shape, dtype, device))
 
 
-@pytest.mark.parametrize("store", ["file", "host", "none"])
+@pytest.mark.parametrize("store", ["file", "host", "none", "autograd"])
 @pytest.mark.parametrize("norm", ["batch", "group", "instance"])
 @pytest.mark.parametrize("slabs", [1, 3, 5])
 def test_a_chain_in_slabs_equals_the_unsplit_chain(thin_slabs, monkeypatch, norm, slabs, store):
@@ -131,7 +137,7 @@ def _assert_same_step(module, reference, inputs, slabs):
         assert torch.equal(buffer, other) if not buffer.is_floating_point() else _close(buffer, other), name
 
 
-@pytest.mark.parametrize("store", ["file", "host", "none"])
+@pytest.mark.parametrize("store", ["file", "host", "none", "autograd"])
 @pytest.mark.parametrize("norm", ["batch", "group"])
 @pytest.mark.parametrize("slabs", [1, 3, 7])
 def test_a_decoder_stage_in_slabs_equals_the_unsplit_stage(thin_slabs, monkeypatch, norm, slabs, store):
@@ -222,6 +228,48 @@ def test_each_convolution_runs_once_per_slab_in_forward_and_once_more_in_backwar
         (output * weights).sum().backward()
     assert (forward.forward, forward.backward) == (2 * slabs, 0)
     assert (backward.forward, backward.backward) == (0 if direct else 2 * slabs, 2 * slabs)
+    (reference(x_reference) * weights).sum().backward()
+    assert _close(x.grad, x_reference.grad)
+    for (name, parameter), other in zip(stage.named_parameters(), reference.parameters()):
+        assert _close(parameter.grad, other.grad), name
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_relu_of_a_normalisation_is_taken_back_in_place_into_reused_buffers(thin_slabs, monkeypatch, fused):
+    """conv-norm-ReLU-conv-norm-ReLU in slabs: in backward the second convolution's input,
+    ReLU(norm(first convolution's kept output)), is written into a reused buffer (addcmul.out) and
+    its gradient taken back in place (threshold_backward into the convolution's input gradient);
+    the output's ReLU needs one new tensor per slab (the gradient handed in is not its to write).
+    Through autograd (``fused`` off) each is a new slab-sized tensor. The gradients equal plain
+    PyTorch's either way."""
+    monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", fused)
+    torch.manual_seed(0)
+    stage = _stage("batch")
+    reference = copy.deepcopy(stage)
+    x = torch.randn(2, 3, 13, 7, 6, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    weights = torch.randn(2, 6, 13, 7, 6)
+    slabs = 4
+    output = run_in_slabs(SlabGraph.chain(leaves(stage)), x, slabs)
+    with _CountOps() as counted:
+        (output * weights).sum().backward()
+    calls = counted.calls
+    if fused:
+        assert (calls["aten.addcmul.out"], calls["aten.addcmul.default"]) == (2 * slabs, 0)
+        assert (calls["aten.threshold_backward.grad_input"], calls["aten.threshold_backward.default"]) == (slabs, slabs)
+    else:
+        assert (calls["aten.addcmul.out"], calls["aten.addcmul.default"]) == (0, 2 * slabs)
+        assert (calls["aten.threshold_backward.grad_input"], calls["aten.threshold_backward.default"]) == (0, 2 * slabs)
     (reference(x_reference) * weights).sum().backward()
     assert _close(x.grad, x_reference.grad)
     for (name, parameter), other in zip(stage.named_parameters(), reference.parameters()):

@@ -35,7 +35,10 @@ def _loss(volume):
     return lambda output: F.cross_entropy(output, target)
 
 
-def test_a_streamed_unet_trains_like_plain_pytorch(thin_slabs):
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_streamed_unet_trains_like_plain_pytorch(thin_slabs, monkeypatch, fused):
+    """Also with the ReLUs of normalisations taken back through autograd (``fused`` off)."""
+    monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", fused)
     torch.manual_seed(0)
     model = UNet3D(base_channels=4, depth=2)
     reference = copy.deepcopy(model)

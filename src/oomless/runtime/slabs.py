@@ -35,9 +35,16 @@ normalisation statistics aggregated over the whole volume:
   and backpropagated with the gradient reaching the node: the ops after it gave theirs (kept beside
   the node, in the same kind of store), and each normalisation reading it gives d mean/dx = 1/n and
   d var/dx = 2 (x - mean)/n times its statistics' gradients, complete once every op after it is done.
-  So each op runs once more forward and once backward, as under checkpointing, and what is alive
-  is one op's slab. (`STORE_NORMALISATION_INPUTS = False` computes every node again from the graph's
-  inputs instead: a pass of every op before it per normalisation, forward and backward.)
+  A kept convolution output is not computed again: `aten.convolution_backward` runs on its input's
+  rows (an input concatenated along channels part by part, with the weight's slice), the call
+  autograd would make. A ReLU of a normalisation of a kept node, the usual input of a U-Net's
+  convolutions, is computed into buffers reused slab after slab and taken back in place (the ops
+  autograd would run, without their slab-sized temporaries). So the convolutions run once forward
+  and once backward, each other op once more forward and once backward, and what is alive is one
+  op's slab. (`DIRECT_CONVOLUTION_BACKWARD = False` computes each kept node again first, as under
+  checkpointing; `FUSED_NORMALISED_RELU = False` takes the ReLU and normalisation back through
+  autograd; `STORE_NORMALISATION_INPUTS = False` computes every node again from the graph's inputs:
+  a pass of every op before it per normalisation, forward and backward.)
 Not bit-equal to the unsplit ops: the statistics and the weight gradients are sums over the whole
 volume taken in another order (the tests bound the difference, about 1e-6 relative in float32).
 """
@@ -63,6 +70,9 @@ STORE_NORMALISATION_INPUTS = True
 # input's rows, not computed again first (`_Backward._convolution`); False: computed again, as
 # checkpointing does (the forward of every such convolution once more in backward).
 DIRECT_CONVOLUTION_BACKWARD = True
+# There, a convolution reading ReLU(normalisation(a stored node)) takes those two ops back itself, in
+# place and into buffers reused slab after slab (`_Backward._normalised_relu_back`); False: through autograd.
+FUSED_NORMALISED_RELU = True
 
 _CONVOLUTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _TRANSPOSED = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -322,24 +332,48 @@ class SlabGraph:
         return need
 
     def run(self, target: int, low: int, high: int, depths: list[int], given: dict[int, tuple[torch.Tensor, int]],
-            statistics: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+            statistics: dict[int, tuple[torch.Tensor, torch.Tensor]], scratch: "_Scratch | None" = None) -> torch.Tensor:
         """Rows [low, high) of node ``target``'s output. ``given`` maps each input node, and any other
         node read rather than computed, to a tensor holding its rows from an offset on (the rows
         needed are taken by narrowing); ``statistics`` holds (mean, variance) of each normalisation
-        node the target depends on."""
+        node the target depends on. With ``scratch`` (and no gradient recorded), a convolution of
+        ReLU(normalisation(x)) read by nothing else computes its input into a reused buffer, zero
+        padding included (`_normalised_relu_into`)."""
         need = self.rows_needed(target, low, high, depths, given)
         computed = [index for index in need if index not in given or index == target]
         left = {index: sum(1 for user in computed if index in self.nodes[user].inputs) for index in need}
         values: dict[int, torch.Tensor] = {}
+        fused = {}          # convolution: (its ReLU, that ReLU's normalisation), not computed on their own
+        if scratch is not None and not torch.is_grad_enabled():
+            for index in computed:
+                pair = self.normalised_relu(index)
+                if pair is not None and all(n in computed and n != target and left[n] == 1 for n in pair):
+                    fused[index] = pair
+        skipped = {n for pair in fused.values() for n in pair}
 
         def rows(source: int, low: int, high: int) -> torch.Tensor:
             return _rows_of(values[source], low - need[source][0], high - low)
 
         for index in sorted(need):
             node, (low, high) = self.nodes[index], need[index]
+            inputs = set(node.inputs) if index not in given else set()
+            if index in skipped:
+                continue
             if index in given:
                 tensor, offset = given[index]
                 value = _rows_of(tensor, low - offset, high - low)
+            elif index in fused:
+                relu, norm = fused[index]
+                source = self.nodes[norm].inputs[0]
+                inputs = {source}
+                first, last = max(0, low - node.halo), min(depths[source], high + node.halo)
+                y = rows(source, first, last)
+                scale, shift = _scale_and_shift(self.nodes[norm].module, y, *statistics[norm])
+                padded, _ = _normalised_relu_into(scratch, f"fused {index}", y, scale, shift,
+                                                  (first - (low - node.halo), high + node.halo - last))
+                del y
+                value = _convolve(node, padded, (0, 0))
+                del padded
             elif node.kind == "conv":
                 source = node.inputs[0]
                 first, last = max(0, low - node.halo), min(depths[source], high + node.halo)
@@ -365,11 +399,27 @@ class SlabGraph:
             else:
                 value = rows(node.inputs[0], low, high) + rows(node.inputs[1], low, high)
             values[index] = value
-            for source in set(node.inputs) if index not in given else ():
+            for source in inputs:
                 left[source] -= 1
                 if left[source] == 0:
                     del values[source]
         return values[target]
+
+    def normalised_relu(self, convolution: int) -> tuple[int, int] | None:
+        """(its ReLU, that ReLU's normalisation) where node ``convolution`` is a convolution of
+        ReLU(normalisation(a node)); else None."""
+        node = self.nodes[convolution]
+        if node.kind != "conv":
+            return None
+        relu = node.inputs[0]
+        if self.nodes[relu].kind != "pointwise" or not _is_relu(self.nodes[relu].module):
+            return None
+        norm = self.nodes[relu].inputs[0]
+        return (relu, norm) if self.nodes[norm].kind == "norm" else None
+
+
+def _is_relu(function) -> bool:
+    return type(function) is nn.ReLU or function in (torch.relu, F.relu)
 
 
 def _rows_of(tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -416,19 +466,43 @@ def _per_channel(norm: nn.Module, statistic: torch.Tensor, x: torch.Tensor) -> t
     return statistic
 
 
-def _normalise(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
-    """``x`` normalised as ``x * scale + shift`` (scale = weight / sqrt(variance + eps), shift = bias -
-    mean * scale, per channel and sample), the form PyTorch's own CPU batch norm computes: one op over
-    the slab, which saves only ``x`` for backward."""
+def _scale_and_shift(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor,
+                     variance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) with ``norm(x) = x * scale + shift``: scale = weight / sqrt(variance + eps),
+    shift = bias - mean * scale, each (N or 1, C, 1, ...)."""
     scale = _per_channel(norm, torch.rsqrt(variance + norm.eps), x)
     shift = -_per_channel(norm, mean, x) * scale
     if getattr(norm, "weight", None) is not None:
         shape = (1, -1) + (1,) * (x.dim() - 2)
         weight = norm.weight.reshape(shape)
         scale, shift = scale * weight, shift * weight + norm.bias.reshape(shape)
+    return scale, shift
+
+
+def _normalise(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+    """``x`` normalised as ``x * scale + shift`` (`_scale_and_shift`), the form PyTorch's own CPU batch
+    norm computes: one op over the slab, which saves only ``x`` for backward."""
+    scale, shift = _scale_and_shift(norm, x, mean, variance)
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
         return _ScaleShift.apply(x, scale, shift)
     return torch.addcmul(shift, x, scale)
+
+
+def _normalised_relu_into(scratch: "_Scratch", name: str, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                          zero_rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ReLU(y * scale + shift) with ``zero_rows`` rows of zeros before and after it along AXIS, its
+    rows of ``y`` as a view of it), written into the buffer ``name`` of ``scratch``: a convolution's
+    input with its padding, without the normalised, activated and padded copies of the slab."""
+    rows = y.shape[AXIS] + sum(zero_rows)
+    shape = y.shape[:AXIS] + (rows,) + y.shape[AXIS + 1:]
+    padded = scratch.get(name, shape, rows, y.dtype).view(shape)
+    x = padded.narrow(AXIS, zero_rows[0], y.shape[AXIS])
+    for start, count in ((0, zero_rows[0]), (rows - zero_rows[1], zero_rows[1])):
+        if count:
+            padded.narrow(AXIS, start, count).zero_()
+    torch.addcmul(shift, y, scale, out=x)
+    x.relu_()
+    return padded, x
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -456,14 +530,24 @@ class _ScaleShift(torch.autograd.Function):
 
 def _products_summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(a * b) summed over the spatial dims, per sample and channel (N, C, 1, ...), as one dot
-    product per (sample, channel) where both are contiguous (no product tensor is made)."""
+    product per (sample, channel) where each one's values are contiguous (no product tensor is made;
+    a slab narrowed along AXIS is such a view)."""
     kept = a.shape[:2] + (1,) * (a.dim() - 2)
-    if not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype:
+    planes_a, planes_b = _as_planes(a), _as_planes(b)
+    if planes_a is None or planes_b is None or a.dtype != b.dtype:
         return (a * b).sum(tuple(range(2, a.dim())), keepdim=True)
-    planes = a.shape[0] * a.shape[1]
     # One BLAS dot per plane: on this project's CPU 8x faster than (a * b).sum() and 17-34x faster
     # than torch.einsum or torch.bmm, which take the batched matrix product's path.
-    return torch.stack([torch.dot(x, y) for x, y in zip(a.reshape(planes, -1), b.reshape(planes, -1))]).reshape(kept)
+    return torch.stack([torch.dot(x, y) for x, y in zip(planes_a, planes_b)]).reshape(kept)
+
+
+def _as_planes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` (N, C, ...) as a (N * C, values) view with contiguous rows; None where it is not one."""
+    try:
+        planes = tensor.view(tensor.shape[0] * tensor.shape[1], -1)
+    except RuntimeError:
+        return None
+    return planes if planes.stride(1) == 1 else None
 
 
 def _sum_to(value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -508,17 +592,21 @@ def _given(graph: SlabGraph, xs) -> dict[int, tuple[torch.Tensor, int]]:
 
 
 def _slab_of(graph: SlabGraph, target: int, low: int, high: int, depths: list[int], xs, stored: dict,
-             statistics: dict) -> torch.Tensor:
+             statistics: dict, scratch: "_Scratch | None" = None) -> torch.Tensor:
     """Rows [low, high) of node ``target``'s output: read where it is stored, else computed from the
-    graph's inputs and the stored nodes (each read as far as the rows need)."""
+    graph's inputs and the stored nodes (each read as far as the rows need). With ``scratch`` the
+    stored nodes are read into its buffers (`SlabGraph.run`): the slab returned may be a view of one,
+    to be used before the next call with the same scratch."""
     if target in stored:
         return stored[target].read(low, high)
     given = _given(graph, xs)
     need = graph.rows_needed(target, low, high, depths, given.keys() | stored.keys())
     for node in need.keys() & stored.keys():
         first, last = need[node]
-        given[node] = (stored[node].read(first, last), first)
-    return graph.run(target, low, high, depths, given, statistics)
+        store = stored[node]
+        out = None if scratch is None else scratch.get(f"read {node}", store.shape, last - first, store.dtype)
+        given[node] = (store.read(first, last, out=out), first)
+    return graph.run(target, low, high, depths, given, statistics, scratch)
 
 
 def _statistics(graph: SlabGraph, xs, depths: list[int], count: int, stored: dict | None,
@@ -536,8 +624,9 @@ def _statistics(graph: SlabGraph, xs, depths: list[int], count: int, stored: dic
         norm, source = graph.nodes[index].module, graph.nodes[index].inputs[0]
         keep = stored is not None and source not in stored and source not in graph.inputs and source != graph.output
         store, moments = None, []      # (values, mean, biased variance) of each slab
+        scratch = _Scratch(xs[0].device)
         for low, high in slab_bounds(depths[source], count):
-            slab = _slab_of(graph, source, low, high, depths, xs, stored or {}, statistics)
+            slab = _slab_of(graph, source, low, high, depths, xs, stored or {}, statistics, scratch)
             if keep:
                 if store is None:
                     shape = slab.shape[:AXIS] + (depths[source],) + slab.shape[AXIS + 1:]
@@ -622,9 +711,9 @@ class _SlabbedGraph(torch.autograd.Function):
                      if graph.nodes[index].key is not None and graph.nodes[index].key in reading.statistics}
         shared = set(stored) | set(known)
         statistics, counts = _statistics(graph, xs, depths, count, stored if STORE_NORMALISATION_INPUTS else None, known)
-        output = None
+        output, scratch = None, _Scratch(xs[0].device)
         for low, high in slab_bounds(depths[graph.output], count):
-            slab = _slab_of(graph, graph.output, low, high, depths, xs, stored, statistics)
+            slab = _slab_of(graph, graph.output, low, high, depths, xs, stored, statistics, scratch)
             if output is None:
                 output = slab.new_empty(slab.shape[:AXIS] + (depths[graph.output],) + slab.shape[AXIS + 1:])
             output.narrow(AXIS, low, high - low).copy_(slab)
@@ -686,6 +775,22 @@ def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list
     return backward.grad_inputs, backward.grad_parameters
 
 
+class _Scratch:
+    """Flat buffers by name, reused for slabs of a few sizes (each grows to the largest asked for)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buffers = device, {}
+
+    def get(self, name: str, shape: tuple[int, ...], rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor of ``rows`` rows along AXIS of a tensor of ``shape``, over the named buffer."""
+        count = math.prod(shape) // shape[AXIS] * rows
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < count or buffer.dtype != dtype:
+            self.buffers[name] = buffer = None      # the old one goes first
+            self.buffers[name] = buffer = torch.empty(count, dtype=dtype, device=self.device)
+        return buffer[:count]
+
+
 class _Backward:
     """The sums one backward in slabs adds into (see `backward_in_slabs`)."""
 
@@ -700,6 +805,9 @@ class _Backward:
         self.grad_parameters = [torch.zeros_like(parameter) if i in trained else None
                                 for i, parameter in enumerate(parameters)]
         self.parameter_index = {id(parameter): i for i, parameter in enumerate(graph.parameters())}
+        # Buffers reused slab after slab and node after node (new tensors would each be page-faulted
+        # in under a low mmap threshold), each as large as the largest slab asked of it.
+        self.scratch = _Scratch(xs[0].device)
         self.grad_statistics = {index: [torch.zeros_like(mean), torch.zeros_like(variance)]
                                 for index, (mean, variance) in forward.statistics.items()}
         # The gradients an earlier graph's nodes got here: summed where that graph's backward takes
@@ -775,7 +883,30 @@ class _Backward:
     def slab(self, target: int, low: int, high: int, surrogate) -> None:
         """Node ``target`` for rows [low, high) of its output, from the inputs and stored nodes it
         needs, with the statistics as leaves; the gradients of ``surrogate(output)`` are added to the
-        sums."""
+        sums. A target ReLU(normalisation(a node read)) is computed into reused buffers and taken
+        back in place (`_normalised_relu_back`), the surrogate's gradient at it taken as a leaf's."""
+        fused = self._relu_of_normalised(target) if FUSED_NORMALISED_RELU else None
+        if fused is not None:
+            norm, read = fused
+            y = self._read(read, low, high, self.scratch, "y")
+            _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0), self.scratch)
+            with torch.enable_grad():
+                leaf = x.detach().requires_grad_()
+                reached = surrogate(leaf, low, high)
+                out, gradient = reached if isinstance(reached, tuple) else (reached, None)
+                del reached
+                if out is not leaf:         # a loss of the slab, or anything computed from it
+                    gradient, = torch.autograd.grad(out, leaf, gradient)
+                del out, leaf
+            with torch.enable_grad():
+                self._normalised_relu_back(norm, read, low, gradient, x, y, scale, shift, mean, variance, owned=False)
+            return
+        node = self.graph.nodes[target]
+        if FUSED_NORMALISED_RELU and len(node.inputs) == 1 and node.kind in ("conv", "up", "down", "pointwise"):
+            fused = self._relu_of_normalised(node.inputs[0])
+            if fused is not None:
+                self._after_normalised_relu(target, low, high, surrogate, *fused)
+                return
         with torch.enable_grad():
             out, slabs, statistics = self._run(target, low, high)
             reached = surrogate(out, low, high)
@@ -791,37 +922,145 @@ class _Backward:
         return (node.kind == "conv" and source in self.stored and node.module.weight.dtype == self.stored[source].dtype
                 and id(node.module.weight) in self.parameter_index)
 
-    def _convolution(self, source: int, low: int, high: int, gradient: torch.Tensor) -> None:
+    def _after_normalised_relu(self, target: int, low: int, high: int, surrogate, norm: int, read: int) -> None:
+        """`slab` for a target of one op reading ReLU(normalisation ``norm`` of node ``read``): that
+        input is computed into reused buffers and is a leaf for the target's op (autograd), whose
+        gradient is then taken back in place (`_normalised_relu_back`)."""
+        relu = self.graph.nodes[target].inputs[0]
+        first, last = self.graph.rows_needed(target, low, high, self.depths, {relu})[relu]
+        y = self._read(read, first, last, self.scratch, "y")
+        _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0), self.scratch)
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            out = self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {})
+            reached = surrogate(out, low, high)
+            del out
+            out, gradient = reached if isinstance(reached, tuple) else (reached, None)
+            del reached
+            leaves = [leaf] + [self.parameters[i] for i in self.trained]
+            grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
+            del out, leaf
+        for i, grad in zip(self.trained, grads[1:]):
+            if grad is not None:
+                self.grad_parameters[i].add_(grad)
+        grad_x = grads[0]
+        if grad_x is not None:
+            # In place unless autograd handed back the surrogate's own gradient (an op that passes it on).
+            owned = gradient is None or grad_x.untyped_storage().data_ptr() != gradient.untyped_storage().data_ptr()
+            with torch.enable_grad():
+                self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance, owned=owned)
+
+    def _relu_of_normalised(self, target: int) -> tuple[int, int] | None:
+        """(normalisation node, its input) where node ``target`` is ReLU(that normalisation of a node
+        read: stored, or an input); else None."""
+        node = self.graph.nodes[target]
+        if node.kind != "pointwise" or not _is_relu(node.module):
+            return None
+        norm = node.inputs[0]
+        if self.graph.nodes[norm].kind != "norm" or self.graph.nodes[norm].inputs[0] not in self.read:
+            return None
+        return norm, self.graph.nodes[norm].inputs[0]
+
+    def _convolution(self, source: int, low: int, high: int, gradient: torch.Tensor, scratch: "_Scratch") -> None:
         """Rows [low, high) of convolution node ``source``'s output taken back with ``gradient``, without
-        computing them again: its input's rows (with the halo) are computed, or read, with autograd
-        recording, and `aten.convolution_backward` is called as autograd's own ConvolutionBackward calls
-        it for `_convolve`'s convolution (the same arguments, so the same sums): the input's gradient
-        goes on back, the weight's and bias's are added to the sums."""
+        computing them again: its input's rows (with the halo) are computed, or read, and
+        `aten.convolution_backward` is called as autograd's own ConvolutionBackward calls it for
+        `_convolve`'s convolution: the weight's and bias's gradients are added to the sums, the
+        input's goes on back (`_normalised_relu_back` where the input is ReLU(normalisation(a node
+        read)), else through autograd). An input concatenated along channels (a decoder's upsampled
+        input and skip) is taken part by part, each with its slice of the weight (each input
+        channel's gradients are sums over the output channels alone): the concatenation is never made."""
         node = self.graph.nodes[source]
         conv, before = node.module, node.inputs[0]
         first, last = max(0, low - node.halo), min(self.depths[before], high + node.halo)
         zero_rows = (first - (low - node.halo), high + node.halo - last)
-        with torch.enable_grad():
-            x, slabs, statistics = self._run(before, first, last, read_target=True)
-        padded = x.detach()
-        if any(zero_rows):
-            padded = F.pad(padded, (0, 0) * (padded.dim() - AXIS - 1) + zero_rows)
+        parts = [before]
+        if self.graph.nodes[before].kind == "cat" and before not in self.read and conv.groups == 1:
+            parts = list(self.graph.nodes[before].inputs)
         weight, bias = self.parameter_index[id(conv.weight)], self.parameter_index.get(id(conv.bias))
-        mask = [x.requires_grad, weight in self.trained, bias is not None and bias in self.trained]
-        if not any(mask):
-            return
-        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            gradient, padded, conv.weight.detach(), None if conv.bias is None else [conv.bias.shape[0]],
-            conv.stride, (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2),
-            conv.groups, mask)
-        del padded, gradient
-        for index, grad in ((weight, grad_weight), (bias, grad_bias)):
+        channel = 0
+        for part in parts:
+            fused = self._relu_of_normalised(part) if FUSED_NORMALISED_RELU else None
+            if fused is not None:
+                norm, read = fused
+                y = self._read(read, first, last, scratch, "y")
+                padded, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, zero_rows, scratch)
+            else:
+                with torch.enable_grad():
+                    x, slabs, statistics = self._run(part, first, last, read_target=True)
+                padded = x.detach()
+                if any(zero_rows):
+                    padded = F.pad(padded, (0, 0) * (padded.dim() - AXIS - 1) + zero_rows)
+            channels = padded.shape[1]
+            weights = conv.weight.detach() if len(parts) == 1 else conv.weight.detach()[:, channel:channel + channels]
+            with_bias = conv.bias is not None and part == parts[0]
+            mask = [fused is not None or x.requires_grad, weight in self.trained, with_bias and bias in self.trained]
+            if any(mask):
+                grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+                    gradient, padded, weights, [conv.bias.shape[0]] if with_bias else None, conv.stride,
+                    (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2), conv.groups, mask)
+                padded = None
+                if grad_weight is not None:
+                    self.grad_parameters[weight].narrow(1, channel, channels).add_(grad_weight)
+                if grad_bias is not None:
+                    self.grad_parameters[bias].add_(grad_bias)
+                if grad_x is not None:
+                    grad_x = _rows_of(grad_x, zero_rows[0], last - first)
+                    if fused is not None:
+                        self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance)
+                    else:
+                        with torch.enable_grad():
+                            self._take_back(x, grad_x, slabs, statistics)
+                del grad_x
+            channel += channels
+            x = padded = None
+
+    def _read(self, node: int, first: int, last: int, scratch: "_Scratch", name: str) -> torch.Tensor:
+        """Rows [first, last) of a node read (stored: into a reused buffer; an input: a view of it)."""
+        if node in self.stored:
+            store = self.stored[node]
+            return store.read(first, last, out=scratch.get(name, store.shape, last - first, store.dtype))
+        return self.xs[self.graph.inputs.index(node)].narrow(AXIS, first, last - first).detach()
+
+    def _normalised_relu_rows(self, norm: int, y: torch.Tensor, zero_rows: tuple[int, int], scratch: "_Scratch"):
+        """(ReLU(norm(y)) padded with ``zero_rows`` (`_normalised_relu_into`), its rows of ``y``, scale
+        and shift recording their gradients, the statistics as leaves)."""
+        mean, variance = (s.detach().requires_grad_() for s in self.forward.statistics[norm])
+        with torch.enable_grad():
+            scale, shift = _scale_and_shift(self.graph.nodes[norm].module, y, mean, variance)
+        padded, x = _normalised_relu_into(scratch, "x", y, scale.detach(), shift.detach(), zero_rows)
+        return padded, x, scale, shift, mean, variance
+
+    def _normalised_relu_back(self, norm: int, read: int, first: int, grad_x: torch.Tensor, x: torch.Tensor,
+                              y: torch.Tensor, scale, shift, mean, variance, owned: bool = True) -> None:
+        """``grad_x`` (the gradient at x = ReLU(y * scale + shift)) taken back to ``y`` (node ``read``'s
+        rows from ``first``), to scale and shift, and through them to the statistics and the
+        normalisation's weight and bias: the same ops autograd would run (threshold_backward,
+        `_ScaleShift.backward`), in place where ``grad_x`` is ``owned`` (else in one new tensor)."""
+        if owned:
+            torch.ops.aten.threshold_backward.grad_input(grad_x, x, 0, grad_input=grad_x)
+        else:
+            grad_x = torch.ops.aten.threshold_backward(grad_x, x, 0)
+        grad_scale = _sum_to(_products_summed(grad_x, y), scale.shape)
+        grad_shift = _sum_to(grad_x.sum(tuple(range(2, grad_x.dim())), keepdim=True), shift.shape)
+        module = self.graph.nodes[norm].module
+        parameters = [index for index in (self.parameter_index.get(id(getattr(module, name, None)))
+                                          for name in ("weight", "bias")) if index in self.trained]
+        leaves = [mean, variance] + [self.parameters[index] for index in parameters]
+        grads = torch.autograd.grad([scale, shift], leaves, [grad_scale, grad_shift], allow_unused=True)
+        for which, grad in enumerate(grads[:2]):
+            if grad is not None:
+                self.grad_statistics[norm][which].add_(grad)
+        for index, grad in zip(parameters, grads[2:]):
             if grad is not None:
                 self.grad_parameters[index].add_(grad)
-        if grad_x is not None:
-            grad_x = _rows_of(grad_x, zero_rows[0], last - first)
-            with torch.enable_grad():
-                self._take_back(x, grad_x, slabs, statistics)
+        grad_y = grad_x.mul_(scale.detach())
+        if read in self.stored:
+            self.grad_stored[read].add(first, grad_y)
+        else:
+            position = self.graph.inputs.index(read)
+            if self.wanted[position]:
+                self.grad_inputs[position].narrow(AXIS, first, grad_y.shape[AXIS]).add_(grad_y)
 
     def _add(self, grads: list, slabs: list) -> None:
         for node, first, last, _ in slabs:
@@ -864,19 +1103,17 @@ class _Backward:
             return gradient
 
         if DIRECT_CONVOLUTION_BACKWARD and self._convolved(source):
-            store, bounds = self.stored[source], slab_bounds(self.depths[source], self.count)
-            # The node's values and gradient read into the same two buffers slab after slab (new
-            # tensors would each be page-faulted in under a low mmap threshold).
-            size = math.prod(store.shape) // store.shape[AXIS] * max(high - low for low, high in bounds)
-            values_buffer = torch.empty(size, dtype=store.dtype, device=self.xs[0].device) if terms or kept is None else None
-            gradient_buffer = torch.empty_like(values_buffer) if kept is not None else None
-            for low, high in bounds:
-                values = store.read(low, high, out=values_buffer) if terms or kept is None else None
-                gradient = gradient_at(values, low, high, gradient_buffer)
+            store, scratch = self.stored[source], self.scratch
+            for low, high in slab_bounds(self.depths[source], self.count):
+                values = None
+                if terms or kept is None:
+                    # Into the buffer the convolution's input is read into next: these values are done with by then.
+                    values = store.read(low, high, out=scratch.get("y", store.shape, high - low, store.dtype))
+                out = None if kept is None else scratch.get("gradient", store.shape, high - low, store.dtype)
+                gradient = gradient_at(values, low, high, out)
                 del values
-                self._convolution(source, low, high, gradient)
+                self._convolution(source, low, high, gradient, scratch)
                 del gradient
-            del values_buffer, gradient_buffer
         else:
             for low, high in slab_bounds(self.depths[source], self.count):
                 self.slab(source, low, high, lambda out, low, high: (out, gradient_at(out.detach(), low, high)))
