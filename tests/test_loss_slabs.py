@@ -296,3 +296,27 @@ def test_a_streamed_output_keeps_nothing_alive_its_graph_does_not():
     F.cross_entropy(output, (volume[:, 0] > 0).long()).backward()
     with pytest.raises(RuntimeError, match="freed"):
         made.forward.saved_tensors
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_loss_whose_gradient_is_expanded_through_an_identity_after_a_relu(monkeypatch, fused):
+    """A graph in slabs ending in Identity(ReLU(BatchNorm(conv))) and a loss of its sum: the gradient
+    autograd hands back at the ReLU is the sum's, one value expanded over the slab; taking it back
+    must not write into it (it raised "more than one element of the written-to tensor")."""
+    import copy
+
+    from oomless.runtime import slabs as slabs_module
+    from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
+
+    monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", fused)
+    monkeypatch.setattr(slabs_module, "ONEDNN_MIN_INPUT_ELEMENTS", 0)
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(torch.nn.Conv3d(2, 3, 3, padding=1), torch.nn.BatchNorm3d(3), torch.nn.ReLU(),
+                                torch.nn.Identity())
+    reference = copy.deepcopy(chain)
+    x, target = torch.randn(1, 2, 6, 4, 4), torch.randn(1, 3, 6, 4, 4)
+    output = run_in_slabs(SlabGraph.chain(leaves(chain)), x, 3)
+    reduce_in_slabs(lambda rows, _: rows.sum().reshape(1), lambda sums: sums[0], output, target).backward()
+    reference(x).sum().backward()
+    for (name, parameter), other in zip(chain.named_parameters(), reference.parameters()):
+        assert (parameter.grad - other.grad).abs().max() <= 1e-5 * other.grad.abs().max() + 1e-5, name

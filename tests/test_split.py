@@ -276,6 +276,70 @@ def test_a_relu_of_a_normalisation_is_taken_back_in_place_into_reused_buffers(th
         assert _close(parameter.grad, other.grad), name
 
 
+class _SkipTwice(nn.Module):
+    """A convolution with a bias reading one node twice, concatenated; its output kept and also added."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.n1, self.c2, self.n2 = (nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3),
+                                              nn.Conv3d(6, 3, 3, padding=1), nn.BatchNorm3d(3))
+
+    def forward(self, x):
+        h = F.relu(self.n1(self.c1(x)))
+        c = self.c2(torch.cat([h, h], 1))
+        return F.relu(self.n2(c)) + c
+
+
+class _Positive(nn.Module):
+    def forward(self, weight):
+        return F.softplus(weight)
+
+
+def _unusual(case: str) -> nn.Module:
+    if case == "one node concatenated twice":
+        return _SkipTwice()
+    if case == "grouped convolution":
+        return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(),
+                             nn.Conv3d(4, 4, 3, padding=1, groups=2), nn.BatchNorm3d(4), nn.ReLU())
+    if case == "frozen weight, trained bias":
+        chain = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(),
+                              nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU())
+        chain[3].weight.requires_grad_(False)
+        return chain
+    chain = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(), nn.Conv3d(4, 3, 3, padding=1))
+    torch.nn.utils.parametrize.register_parametrization(chain[1], "weight", _Positive())
+    return chain
+
+
+@pytest.mark.parametrize("paths", ["direct and fused", "direct", "autograd"])
+@pytest.mark.parametrize("case", ["one node concatenated twice", "grouped convolution", "frozen weight, trained bias",
+                                  "parametrized normalisation weight"])
+def test_unusual_graphs_in_slabs_equal_plain_pytorch_on_every_backward_path(thin_slabs, monkeypatch, case, paths):
+    """Found by reading the direct convolution backward and the fused ReLU of a normalisation
+    (each failed there, not through autograd): a bias counted once when a concatenation reads one
+    node twice; a grouped convolution's weight gradient; a frozen weight with a trained bias (on
+    CPU convolution_backward returns the weight's gradient with the bias's, asked for or not); a
+    parametrized normalisation weight's original."""
+    monkeypatch.setattr(slabs_module, "DIRECT_CONVOLUTION_BACKWARD", paths != "autograd")
+    monkeypatch.setattr(slabs_module, "FUSED_NORMALISED_RELU", paths == "direct and fused")
+    torch.manual_seed(0)
+    model = _unusual(case)
+    reference = copy.deepcopy(model)
+    graph = SlabGraph.of(model)
+    assert graph is not None
+    x = torch.randn(2, 2, 6, 4, 4, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    output = run_in_slabs(graph, x, 3)
+    weights = torch.randn(output.shape)
+    (output * weights).sum().backward()
+    (reference(x_reference) * weights).sum().backward()
+    assert _close(x.grad, x_reference.grad)
+    for (name, parameter), other in zip(model.named_parameters(), reference.parameters()):
+        assert (parameter.grad is None) == (other.grad is None), name
+        if other.grad is not None:
+            assert _close(parameter.grad, other.grad), name
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_a_frozen_first_convolution_or_a_normalised_input_without_gradient(thin_slabs, norm_first):
     """Nothing before a kept node needs a gradient (the first convolution frozen, or a normalisation

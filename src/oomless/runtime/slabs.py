@@ -945,8 +945,10 @@ class _Backward:
                 self.grad_parameters[i].add_(grad)
         grad_x = grads[0]
         if grad_x is not None:
-            # In place unless autograd handed back the surrogate's own gradient (an op that passes it on).
-            owned = gradient is None or grad_x.untyped_storage().data_ptr() != gradient.untyped_storage().data_ptr()
+            # In place only into a tensor of its own: not the surrogate's gradient passed on by an op
+            # (an Identity), nor a loss's expanded gradient (a sum's, one value for every element).
+            owned = grad_x.is_contiguous() and (gradient is None or
+                                               grad_x.untyped_storage().data_ptr() != gradient.untyped_storage().data_ptr())
             with torch.enable_grad():
                 self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance, owned=owned)
 
@@ -979,7 +981,7 @@ class _Backward:
             parts = list(self.graph.nodes[before].inputs)
         weight, bias = self.parameter_index[id(conv.weight)], self.parameter_index.get(id(conv.bias))
         channel = 0
-        for part in parts:
+        for position, part in enumerate(parts):
             fused = self._relu_of_normalised(part) if FUSED_NORMALISED_RELU else None
             if fused is not None:
                 norm, read = fused
@@ -992,16 +994,22 @@ class _Backward:
                 if any(zero_rows):
                     padded = F.pad(padded, (0, 0) * (padded.dim() - AXIS - 1) + zero_rows)
             channels = padded.shape[1]
-            weights = conv.weight.detach() if len(parts) == 1 else conv.weight.detach()[:, channel:channel + channels]
-            with_bias = conv.bias is not None and part == parts[0]
+            weights = conv.weight.detach()
+            if len(parts) > 1:
+                weights = weights[:, channel:channel + channels]
+            with_bias = conv.bias is not None and position == 0      # once, not once per part
             mask = [fused is not None or x.requires_grad, weight in self.trained, with_bias and bias in self.trained]
             if any(mask):
-                grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-                    gradient, padded, weights, [conv.bias.shape[0]] if with_bias else None, conv.stride,
-                    (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2), conv.groups, mask)
+                # On CPU it may return gradients its mask did not ask for (the weight's with the bias's).
+                grad_x, grad_weight, grad_bias = (grad if wanted else None for grad, wanted in zip(
+                    torch.ops.aten.convolution_backward(
+                        gradient, padded, weights, [conv.bias.shape[0]] if with_bias else None, conv.stride,
+                        (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2),
+                        conv.groups, mask), mask))
                 padded = None
                 if grad_weight is not None:
-                    self.grad_parameters[weight].narrow(1, channel, channels).add_(grad_weight)
+                    into = self.grad_parameters[weight]
+                    (into.narrow(1, channel, channels) if len(parts) > 1 else into).add_(grad_weight)
                 if grad_bias is not None:
                     self.grad_parameters[bias].add_(grad_bias)
                 if grad_x is not None:
@@ -1044,8 +1052,9 @@ class _Backward:
         grad_scale = _sum_to(_products_summed(grad_x, y), scale.shape)
         grad_shift = _sum_to(grad_x.sum(tuple(range(2, grad_x.dim())), keepdim=True), shift.shape)
         module = self.graph.nodes[norm].module
-        parameters = [index for index in (self.parameter_index.get(id(getattr(module, name, None)))
-                                          for name in ("weight", "bias")) if index in self.trained]
+        # Its parameters as trained (a parametrized weight's original, not the weight it makes).
+        parameters = [self.parameter_index[id(p)] for p in module.parameters()
+                      if id(p) in self.parameter_index and self.parameter_index[id(p)] in self.trained]
         leaves = [mean, variance] + [self.parameters[index] for index in parameters]
         grads = torch.autograd.grad([scale, shift], leaves, [grad_scale, grad_shift], allow_unused=True)
         for which, grad in enumerate(grads[:2]):
