@@ -883,30 +883,16 @@ class _Backward:
     def slab(self, target: int, low: int, high: int, surrogate) -> None:
         """Node ``target`` for rows [low, high) of its output, from the inputs and stored nodes it
         needs, with the statistics as leaves; the gradients of ``surrogate(output)`` are added to the
-        sums. A target ReLU(normalisation(a node read)) is computed into reused buffers and taken
-        back in place (`_normalised_relu_back`), the surrogate's gradient at it taken as a leaf's."""
+        sums. A target ReLU(normalisation(a node read)), or one op reading one, is computed from
+        that ReLU written into reused buffers and taken back in place (`_after_normalised_relu`)."""
+        node, relu = self.graph.nodes[target], target
         fused = self._relu_of_normalised(target) if FUSED_NORMALISED_RELU else None
+        if fused is None and FUSED_NORMALISED_RELU and len(node.inputs) == 1 and node.kind in ("conv", "up", "down",
+                                                                                              "pointwise"):
+            fused, relu = self._relu_of_normalised(node.inputs[0]), node.inputs[0]
         if fused is not None:
-            norm, read = fused
-            y = self._read(read, low, high, self.scratch, "y")
-            _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0), self.scratch)
-            with torch.enable_grad():
-                leaf = x.detach().requires_grad_()
-                reached = surrogate(leaf, low, high)
-                out, gradient = reached if isinstance(reached, tuple) else (reached, None)
-                del reached
-                if out is not leaf:         # a loss of the slab, or anything computed from it
-                    gradient, = torch.autograd.grad(out, leaf, gradient)
-                del out, leaf
-            with torch.enable_grad():
-                self._normalised_relu_back(norm, read, low, gradient, x, y, scale, shift, mean, variance, owned=False)
+            self._after_normalised_relu(target, relu, low, high, surrogate, *fused)
             return
-        node = self.graph.nodes[target]
-        if FUSED_NORMALISED_RELU and len(node.inputs) == 1 and node.kind in ("conv", "up", "down", "pointwise"):
-            fused = self._relu_of_normalised(node.inputs[0])
-            if fused is not None:
-                self._after_normalised_relu(target, low, high, surrogate, *fused)
-                return
         with torch.enable_grad():
             out, slabs, statistics = self._run(target, low, high)
             reached = surrogate(out, low, high)
@@ -922,23 +908,27 @@ class _Backward:
         return (node.kind == "conv" and source in self.stored and node.module.weight.dtype == self.stored[source].dtype
                 and id(node.module.weight) in self.parameter_index)
 
-    def _after_normalised_relu(self, target: int, low: int, high: int, surrogate, norm: int, read: int) -> None:
-        """`slab` for a target of one op reading ReLU(normalisation ``norm`` of node ``read``): that
-        input is computed into reused buffers and is a leaf for the target's op (autograd), whose
-        gradient is then taken back in place (`_normalised_relu_back`)."""
-        relu = self.graph.nodes[target].inputs[0]
-        first, last = self.graph.rows_needed(target, low, high, self.depths, {relu})[relu]
+    def _after_normalised_relu(self, target: int, relu: int, low: int, high: int, surrogate, norm: int,
+                               read: int) -> None:
+        """`slab` for a target that is ``relu``, ReLU(normalisation ``norm`` of node ``read``), or one op
+        reading it: that ReLU is written into reused buffers and is a leaf (autograd runs the target's
+        op, if any, and the surrogate), whose gradient is then taken back (`_normalised_relu_back`)."""
+        first, last = (low, high) if relu == target else self.graph.rows_needed(target, low, high, self.depths,
+                                                                                {relu})[relu]
         y = self._read(read, first, last, self.scratch, "y")
         _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0), self.scratch)
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
-            out = self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {})
+            out = leaf if relu == target else self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {})
             reached = surrogate(out, low, high)
             del out
             out, gradient = reached if isinstance(reached, tuple) else (reached, None)
             del reached
-            leaves = [leaf] + [self.parameters[i] for i in self.trained]
-            grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
+            if out is leaf and gradient is not None:
+                grads = [gradient] + [None] * len(self.trained)
+            else:
+                leaves = [leaf] + [self.parameters[i] for i in self.trained]
+                grads = list(torch.autograd.grad(out, leaves, gradient, allow_unused=True))
             del out, leaf
         for i, grad in zip(self.trained, grads[1:]):
             if grad is not None:
