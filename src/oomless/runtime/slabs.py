@@ -405,18 +405,21 @@ class SlabGraph:
                     del values[source]
         return values[target]
 
+    def relu_of_normalisation(self, index: int) -> int | None:
+        """The normalisation node where node ``index`` is ReLU(that normalisation); else None."""
+        node = self.nodes[index]
+        if node.kind != "pointwise" or not _is_relu(node.module):
+            return None
+        return node.inputs[0] if self.nodes[node.inputs[0]].kind == "norm" else None
+
     def normalised_relu(self, convolution: int) -> tuple[int, int] | None:
         """(its ReLU, that ReLU's normalisation) where node ``convolution`` is a convolution of
         ReLU(normalisation(a node)); else None."""
-        node = self.nodes[convolution]
-        if node.kind != "conv":
+        if self.nodes[convolution].kind != "conv":
             return None
-        relu = node.inputs[0]
-        if self.nodes[relu].kind != "pointwise" or not _is_relu(self.nodes[relu].module):
-            return None
-        norm = self.nodes[relu].inputs[0]
-        return (relu, norm) if self.nodes[norm].kind == "norm" else None
-
+        relu = self.nodes[convolution].inputs[0]
+        norm = self.relu_of_normalisation(relu)
+        return None if norm is None else (relu, norm)
 
 def _is_relu(function) -> bool:
     return type(function) is nn.ReLU or function in (torch.relu, F.relu)
@@ -915,8 +918,8 @@ class _Backward:
         op, if any, and the surrogate), whose gradient is then taken back (`_normalised_relu_back`)."""
         first, last = (low, high) if relu == target else self.graph.rows_needed(target, low, high, self.depths,
                                                                                 {relu})[relu]
-        y = self._read(read, first, last, self.scratch, "y")
-        _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0), self.scratch)
+        y = self._read(read, first, last, "y")
+        _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0))
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
             out = leaf if relu == target else self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {})
@@ -939,21 +942,17 @@ class _Backward:
             # (an Identity), nor a loss's expanded gradient (a sum's, one value for every element).
             owned = grad_x.is_contiguous() and (gradient is None or
                                                grad_x.untyped_storage().data_ptr() != gradient.untyped_storage().data_ptr())
-            with torch.enable_grad():
-                self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance, owned=owned)
+            self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance, owned=owned)
 
     def _relu_of_normalised(self, target: int) -> tuple[int, int] | None:
         """(normalisation node, its input) where node ``target`` is ReLU(that normalisation of a node
         read: stored, or an input); else None."""
-        node = self.graph.nodes[target]
-        if node.kind != "pointwise" or not _is_relu(node.module):
-            return None
-        norm = node.inputs[0]
-        if self.graph.nodes[norm].kind != "norm" or self.graph.nodes[norm].inputs[0] not in self.read:
+        norm = self.graph.relu_of_normalisation(target)
+        if norm is None or self.graph.nodes[norm].inputs[0] not in self.read:
             return None
         return norm, self.graph.nodes[norm].inputs[0]
 
-    def _convolution(self, source: int, low: int, high: int, gradient: torch.Tensor, scratch: "_Scratch") -> None:
+    def _convolution(self, source: int, low: int, high: int, gradient: torch.Tensor) -> None:
         """Rows [low, high) of convolution node ``source``'s output taken back with ``gradient``, without
         computing them again: its input's rows (with the halo) are computed, or read, and
         `aten.convolution_backward` is called as autograd's own ConvolutionBackward calls it for
@@ -975,8 +974,8 @@ class _Backward:
             fused = self._relu_of_normalised(part) if FUSED_NORMALISED_RELU else None
             if fused is not None:
                 norm, read = fused
-                y = self._read(read, first, last, scratch, "y")
-                padded, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, zero_rows, scratch)
+                y = self._read(read, first, last, "y")
+                padded, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, zero_rows)
             else:
                 with torch.enable_grad():
                     x, slabs, statistics = self._run(part, first, last, read_target=True)
@@ -1013,20 +1012,20 @@ class _Backward:
             channel += channels
             x = padded = None
 
-    def _read(self, node: int, first: int, last: int, scratch: "_Scratch", name: str) -> torch.Tensor:
+    def _read(self, node: int, first: int, last: int, name: str) -> torch.Tensor:
         """Rows [first, last) of a node read (stored: into a reused buffer; an input: a view of it)."""
         if node in self.stored:
             store = self.stored[node]
-            return store.read(first, last, out=scratch.get(name, store.shape, last - first, store.dtype))
+            return store.read(first, last, out=self.scratch.get(name, store.shape, last - first, store.dtype))
         return self.xs[self.graph.inputs.index(node)].narrow(AXIS, first, last - first).detach()
 
-    def _normalised_relu_rows(self, norm: int, y: torch.Tensor, zero_rows: tuple[int, int], scratch: "_Scratch"):
+    def _normalised_relu_rows(self, norm: int, y: torch.Tensor, zero_rows: tuple[int, int]):
         """(ReLU(norm(y)) padded with ``zero_rows`` (`_normalised_relu_into`), its rows of ``y``, scale
         and shift recording their gradients, the statistics as leaves)."""
         mean, variance = (s.detach().requires_grad_() for s in self.forward.statistics[norm])
         with torch.enable_grad():
             scale, shift = _scale_and_shift(self.graph.nodes[norm].module, y, mean, variance)
-        padded, x = _normalised_relu_into(scratch, "x", y, scale.detach(), shift.detach(), zero_rows)
+        padded, x = _normalised_relu_into(self.scratch, "x", y, scale.detach(), shift.detach(), zero_rows)
         return padded, x, scale, shift, mean, variance
 
     def _normalised_relu_back(self, norm: int, read: int, first: int, grad_x: torch.Tensor, x: torch.Tensor,
@@ -1102,16 +1101,16 @@ class _Backward:
             return gradient
 
         if DIRECT_CONVOLUTION_BACKWARD and self._convolved(source):
-            store, scratch = self.stored[source], self.scratch
+            store = self.stored[source]
             for low, high in slab_bounds(self.depths[source], self.count):
                 values = None
                 if terms or kept is None:
                     # Into the buffer the convolution's input is read into next: these values are done with by then.
-                    values = store.read(low, high, out=scratch.get("y", store.shape, high - low, store.dtype))
-                out = None if kept is None else scratch.get("gradient", store.shape, high - low, store.dtype)
+                    values = store.read(low, high, out=self.scratch.get("y", store.shape, high - low, store.dtype))
+                out = None if kept is None else self.scratch.get("gradient", store.shape, high - low, store.dtype)
                 gradient = gradient_at(values, low, high, out)
                 del values
-                self._convolution(source, low, high, gradient, scratch)
+                self._convolution(source, low, high, gradient)
                 del gradient
         else:
             for low, high in slab_bounds(self.depths[source], self.count):
