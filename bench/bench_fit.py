@@ -127,6 +127,7 @@ def run_step(variant: Variant, inputs, loss_fn, device: torch.device, window: Pe
         with torch.autocast(device.type, dtype=variant.autocast):
             output = variant.model(inputs)
         loss = loss_fn(output.float())      # as oomless's precision hooks hand outputs to the loss
+        del output                          # the step as the others: no reference but the loss's
     else:
         loss = loss_fn(variant.model(inputs))
     if variant.scaler is not None:

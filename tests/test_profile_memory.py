@@ -3,8 +3,12 @@
 Three ways a step holds memory that a per-block reading of one all-swap step misses: what runs
 before the first block (a streamed outer level's encoder), what a step leaves held for later steps
 (oneDNN keeps a kernel's workspace for its shapes), and what the plan's own step holds over what the
-sizing step measured. Each case below allocates a 16 MiB tensor that only that path sees.
+sizing step measured. Each case below allocates a 16 MiB tensor that only that path sees. And one
+it must not count: a 16 MiB output the loss does not save is freed before backward in the step as
+the API defines it (``loss_fn(model(x)).backward()``); a loop that keeps it is warned.
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -101,3 +105,59 @@ def test_the_rehearsed_plan_holding_more_than_predicted_raises_the_margin():
                         loss_fn=lambda out: out.square().mean(), blocks=BLOCKS)
     # Planned with the excess on top: the prediction covers what the rehearsal held.
     assert plan.predicted_peak_bytes - plan.static_bytes >= measured.rehearsal_excess_bytes
+
+
+class WideOutput(nn.Module):
+    """Its output is 16 MiB (a batch of 64 x 65536 logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDE_BYTES // (64 * 4)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def classes(out: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy saves its log-probabilities, not the logits: the loss leaves the output unsaved."""
+    return nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
+
+
+def squares(out: torch.Tensor) -> torch.Tensor:
+    """A square saves its input: the output stays alive into backward whoever holds it."""
+    return out.square().mean()
+
+
+def test_the_output_the_loss_does_not_save_is_counted_freed_before_backward():
+    x = torch.randn(64, WIDTH)
+    freed = oomless.profile(WideOutput(), x, loss_fn=classes, blocks=BLOCKS).output_freed_bytes
+    assert WIDE_BYTES <= freed <= WIDE_BYTES + 2**20
+    assert oomless.profile(WideOutput(), x, loss_fn=squares, blocks=BLOCKS).output_freed_bytes == 0
+    plan = oomless.plan(WideOutput(), x, "1GiB", loss_fn=classes, blocks=BLOCKS)
+    assert plan.output_freed_bytes == freed
+
+
+def _warnings_of(step) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    return [str(warning.message) for warning in caught if "keeps the model's output" in str(warning.message)]
+
+
+def test_a_loop_keeping_the_output_into_backward_is_warned_once():
+    x = torch.randn(64, WIDTH)
+    for loss_fn, warned in [(classes, True), (squares, False)]:
+        model = WideOutput()
+        oomless.fit(model, x, "1GiB", loss_fn=loss_fn, blocks=BLOCKS, decisions={name: "swap" for name in BLOCKS})
+        assert not _warnings_of(lambda: loss_fn(model(x)).backward()), "the output dropped: nothing to say"
+
+        def keeping():
+            output = model(x)
+            loss_fn(output).backward()
+            return output
+
+        messages = _warnings_of(keeping)
+        assert bool(messages) == warned, (loss_fn.__name__, messages)
+        if warned:
+            assert "16.00 MiB" in messages[0] and "del output" in messages[0]
+            assert not _warnings_of(keeping), "once"

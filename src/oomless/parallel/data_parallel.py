@@ -57,8 +57,12 @@ class SingleProcess:
 
         logits = train_model(volumes)
         loss = segmentation_loss(logits, labels, sum_across=self.sum_across_ranks())
+        # Taken before backward, and the logits dropped: the plan counts what the loss does not save
+        # of them freed by then (`Plan.output_freed_bytes`).
+        dice = hard_dice(logits.detach(), labels)
+        del logits
         self.backward(loss)
-        return loss, hard_dice(logits.detach(), labels)
+        return loss, dice
 
     def sum_across_ranks(self):
         """A differentiable cross-rank sum for loss terms that are not per-sample means, or None."""

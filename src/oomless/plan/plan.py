@@ -89,6 +89,10 @@ class Plan:
     # The plan counts gradients from backward on (`Profile.gradients_from_backward`): each step must
     # start without them (the loop's ``optimizer.zero_grad()``); the runtime warns where one does not.
     gradients_from_backward: bool = False
+    # Bytes of the model's output the loss does not save (`Profile.output_freed_bytes`): the plan
+    # counts them freed before backward, as in ``loss_fn(model(x)).backward()``; a loop that keeps
+    # the output into backward holds them too (the runtime warns).
+    output_freed_bytes: int = 0
 
     @property
     def decisions(self) -> dict[str, str]:

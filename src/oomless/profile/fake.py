@@ -254,9 +254,10 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                     output = tree_map(lambda value: value.float() if isinstance(value, torch.Tensor)
                                       and value.dtype == precision_dtype else value, output)
                 loss = loss_of(output, loss_fn)
+                del output      # as the real profiler's step (profiler._measure_step)
                 recorder.in_backward = True
                 loss.backward()
-                del output, loss
+                del loss
         finally:
             for handle in handles:
                 handle.remove()

@@ -95,6 +95,10 @@ class Profile:
     # What the profiler's timing step, run under a plan, held beyond static bytes over the simulator's
     # prediction for that plan (0: within it, or not rehearsed): the planner's margin covers it.
     rehearsal_excess_bytes: int = 0
+    # Of the model output's bytes, those the loss does not save: freed before backward in the step as
+    # profiled (``loss_fn(model(x)).backward()``), held through it by a loop that keeps a reference to
+    # the output (the runtime warns where one does: `runtime.install`).
+    output_freed_bytes: int = 0
     # What the process holds for the static tensors beyond their bytes (`tensors.static_overhead_bytes`:
     # on CPU page rounding and each tensor's objects, measured ~16 KiB per trainable parameter with Adam;
     # on CUDA the caching allocator's rounding); 0 in profiles made on meta tensors for a target.

@@ -95,7 +95,11 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         loss_started = recorder.now()
         loss = loss_of(output, loss_fn)
         loss_seconds = recorder.now() - loss_started
+        # The step as the API defines it, ``loss_fn(model(x)).backward()``: no reference to the output
+        # but the loss's own, so what the loss does not save is freed before backward, as in that loop.
+        del output
         recorder.in_backward = True  # recompute re-runs block forwards: not forward calls
+        recorder.loss_done()
         loss.backward()
         recorder.backward_finished()
         recorder.assign_backward_seconds(recorder.now() - recorder.tier_stall())
@@ -107,7 +111,7 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                 block.backward_seconds = max(block.backward_seconds - block.forward_seconds, 0.0)
         if recorder.selective_meter is not None:
             recorder.selective_meter.fill(recorder.blocks)
-        del output, loss
+        del loss
     finally:
         recorder.close()
         uninstall_plan(model)
@@ -225,6 +229,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         for p in parameters:
             p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
+        sized.output_freed_bytes = min(sized.output_freed_bytes, timer.output_freed_bytes)
         _merge_timing_step(sized, timer)
         # The timing step rehearses a plan: what it held beyond the simulator's prediction (phases
         # measured a little differently in two steps: heap pages glibc keeps, page granularity) is
@@ -270,4 +275,5 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         measured_peak_bytes=recorder.probe.highest_bytes,
         loss_other_bytes=recorder.loss_other_bytes,
         loss_peak_bytes=recorder.loss_peak_bytes,
+        output_freed_bytes=recorder.output_freed_bytes,
     )

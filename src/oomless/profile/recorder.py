@@ -50,6 +50,10 @@ class Recorder:
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        # The model's output storages (not its inputs or parameters), and of their bytes those the
+        # loss freed: alive into backward only where the caller keeps a reference (`Profile.output_freed_bytes`).
+        self.live_output: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        self.output_freed_bytes = 0
         # When the forward frees each saved storage (`BlockProfile.saved_alive_blocks`), read in the
         # sizing step, whose ``tier_is_out`` is the swap tier's: the runtime's entries not yet seen
         # freed, as (entry, block index, index in its saved_sizes, position of that block in the
@@ -203,11 +207,18 @@ class Recorder:
         self.saved_freed = []
 
     def forward_finished(self, output):
+        self._track(self.live_output, tensors_in(output))
         if self.selective_meter is not None:
             self.selective_meter.__exit__(None, None, None)
         if self.saved_alive:
             self._look_for_freed(len(self.order), 0)
         self._enter(("loss", _LOSS))
+
+    def loss_done(self) -> None:
+        """The loss is computed and the caller dropped its reference to the output: what of it is
+        freed now, the loss did not save."""
+        output_bytes = sum(num_bytes for _, num_bytes in self.live_output.values())
+        self.output_freed_bytes = output_bytes - self._alive_bytes(self.live_output)
 
     def unassigned(self, num_bytes):
         self.unassigned_saved_bytes += num_bytes

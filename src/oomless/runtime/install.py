@@ -12,6 +12,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 try:
     from torch.distributed.tensor import DTensor
@@ -46,6 +47,11 @@ def _local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+# An output whose unsaved bytes are at least 1/this of the plan's memory is watched (`_watch_output`);
+# a smaller one kept by the loop costs under 1 % of the plan: not worth a warning on every run.
+WATCHED_OUTPUT_SHARE = 100
+
+
 class InstalledPlan:
     """Everything `apply` added to a model; `oomless.stats` and `remove` read it."""
 
@@ -67,6 +73,7 @@ class InstalledPlan:
         self._hooks_context = None
         self._parameters_move = True
         self._warned_gradients = False
+        self._warned_output = False
         self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         # Whether the hooks only count here (every block kept, nothing moved or measured), and how
         # many forwards of each inputs' signature they have counted.
@@ -171,8 +178,40 @@ class InstalledPlan:
         context, self._hooks_context = self._hooks_context, None
         context.__exit__(None, None, None)
         self.engine.block_index = None
+        if self.plan.output_freed_bytes * WATCHED_OUTPUT_SHARE >= self.plan.memory_bytes and not self._warned_output:
+            self._watch_output(output)
         if self.recorder is not None:
             self.recorder.forward_finished(output)
+
+    def _watch_output(self, output) -> None:
+        """The plan counts the bytes of the output the loss does not save as freed before backward
+        (`Plan.output_freed_bytes`): check, as backward begins, that the loop did not keep them."""
+        resident = self.engine.resident_storages
+        storages = {}
+        for tensor in tensors_in(output):
+            if has_storage(tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                key = (tensor.device, storage.data_ptr())
+                if key not in resident:
+                    storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        del output
+        total = sum(num_bytes for _, num_bytes in storages.values())
+        freed = self.plan.output_freed_bytes
+
+        def check():
+            alive = sum(num_bytes for weak, num_bytes in storages.values() if not weak.expired())
+            # Dropped, the output keeps only what the loss saved (total - freed); kept, all of it.
+            if alive - (total - freed) > freed // 2 and not self._warned_output:
+                self._warned_output = True
+                warnings.warn(
+                    f"the training loop keeps the model's output ({format_bytes(total)}) into backward; the plan counts "
+                    f"the {format_bytes(freed)} of it the loss does not save as freed before backward, as in "
+                    "loss_fn(model(x)).backward(), so this step may exceed the plan's "
+                    f"{format_bytes(self.plan.memory_bytes)} by that much. Drop the reference before backward (take "
+                    "metrics from output.detach() first, then del output), or plan for that much less memory",
+                    UserWarning, stacklevel=2)
+
+        self.engine.backward_check = check
 
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):

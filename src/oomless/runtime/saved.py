@@ -187,6 +187,15 @@ class ForwardRegistry:
             self.prefetch()   # room was freed: bring the next entries back while compute goes on
 
 
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward in this thread (not an unpack in the
+    forward, such as a loss reading a node's saved tensors); False where torch cannot tell."""
+    return _graph_task is not None and _graph_task() >= 0
+
+
 class SavedTensorEngine:
     """pack/unpack for one installed model."""
 
@@ -220,6 +229,8 @@ class SavedTensorEngine:
         self._recomputed_on_ledger = 0
         # Parameters off the device between uses (`OffloadedParameters`, set by `oomless.apply`).
         self.offloaded_parameters = None
+        # Called once at the first unpack in backward after a forward, then cleared.
+        self.backward_check = None
 
     def recompute_started(self, block_index: int) -> None:
         """Put a recomputed block's saved bytes (known from the profile) on the ledger: they live
@@ -354,6 +365,9 @@ class SavedTensorEngine:
         return not (tensor.is_conj() or tensor.is_neg())
 
     def unpack(self, packed):
+        if self.backward_check is not None and _in_backward():
+            check, self.backward_check = self.backward_check, None
+            check()
         if not isinstance(packed, _Handle):
             if isinstance(packed, _ParameterUse):
                 self.offloaded_parameters.ensure_in(packed.parameter)

@@ -37,21 +37,43 @@ def segmentation_loss(logits: torch.Tensor, labels: torch.Tensor, sum_across=Non
     return F.cross_entropy(logits, labels) + soft_dice_loss(logits, labels, sum_across)
 
 
+def _dice_counts(predicted: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """(2, classes-1): per foreground class, the voxels both predicted and labelled, and the voxels
+    predicted plus the voxels labelled."""
+    counts = []
+    for label in range(1, classes):
+        predicted_here, target = predicted == label, labels == label
+        counts.append(torch.stack([(predicted_here & target).sum(), predicted_here.sum() + target.sum()]))
+    return torch.stack(counts, dim=1)
+
+
+def _dice_of(counts: torch.Tensor) -> torch.Tensor:
+    overlap, total = counts[0], counts[1]
+    return torch.where(total > 0, 2.0 * overlap / total.clamp(min=1), torch.ones((), device=counts.device))
+
+
 @torch.no_grad()
 def dice_per_class(predicted: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
     """Dice of hard predictions for each foreground class 1..classes-1, over all voxels given, as a
     (classes-1,) tensor (no host sync); a class absent from both prediction and labels scores 1."""
-    scores = []
-    for label in range(1, classes):
-        predicted_here, target = predicted == label, labels == label
-        overlap = (predicted_here & target).sum()
-        total = predicted_here.sum() + target.sum()
-        scores.append(torch.where(total > 0, 2.0 * overlap / total.clamp(min=1), torch.ones((), device=labels.device)))
-    return torch.stack(scores)
+    return _dice_of(_dice_counts(predicted, labels, classes))
+
+
+# Voxels per slab of `hard_dice`: its argmax (int64) and masks stay this small however large the volume.
+_DICE_SLAB_VOXELS = 2**20
 
 
 @torch.no_grad()
 def hard_dice(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean over the foreground classes of the Dice of argmax predictions (the lesion class's when C = 2),
-    as a 0-d tensor (no host sync)."""
-    return dice_per_class(logits.argmax(dim=1), labels, logits.shape[1]).mean()
+    as a 0-d tensor (no host sync). Counted in slabs of the first spatial axis: the training step takes
+    it before backward, where a whole volume's argmax would add to the loss's memory."""
+    classes = logits.shape[1]
+    if logits.dim() < 3:
+        return _dice_of(_dice_counts(logits.argmax(dim=1), labels, classes)).mean()
+    rows = logits.shape[2]
+    per_row = max(logits[:, 0, 0].numel(), 1)
+    step = max(1, _DICE_SLAB_VOXELS // per_row)
+    counts = sum(_dice_counts(logits[:, :, low:low + step].argmax(dim=1), labels[:, low:low + step], classes)
+                 for low in range(0, rows, step))
+    return _dice_of(counts).mean()
