@@ -8,6 +8,7 @@ it must not count: a 16 MiB output the loss does not save is freed before backwa
 the API defines it (``loss_fn(model(x)).backward()``); a loop that keeps it is warned.
 """
 
+import functools
 import warnings
 
 import torch
@@ -161,3 +162,67 @@ def test_a_loop_keeping_the_output_into_backward_is_warned_once():
         if warned:
             assert "16.00 MiB" in messages[0] and "del output" in messages[0]
             assert not _warnings_of(keeping), "once"
+
+
+class _CachedInBackward(torch.autograd.Function):
+    """Identity whose backward makes, the first time, a 16 MiB cache it keeps (as oneDNN keeps a
+    backward kernel's workspace for its shapes): made after the forward's phases were read."""
+
+    caches: dict = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.key = tuple(x.shape)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.key not in _CachedInBackward.caches:
+            _CachedInBackward.caches[ctx.key] = torch.ones(WIDE_BYTES // 4)
+        return grad
+
+
+class KeepsACacheFromItsBackward(nn.Module):
+    """Its output is 128 MiB at a batch of 512: the cache is far under a quarter of the step's rise
+    (not a fresh process starting up) and far over a fiftieth."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 65536))
+
+    def forward(self, x):
+        return _CachedInBackward.apply(self.blocks(x))
+
+
+def test_what_the_first_step_leaves_held_counts_from_the_start_of_the_step():
+    # Training steps hold the cache from their start, the first profiling step only from its
+    # backward: its forward's phases are read again on a step that starts with it.
+    model = KeepsACacheFromItsBackward()
+    measured = profile(model, batch=512)
+    assert any("left" in note and "held" in note for note in measured.notes), measured.notes
+    assert measured.blocks[0].forward_other_bytes >= 0.9 * WIDE_BYTES
+
+
+def test_the_targets_the_loss_function_holds_are_static_bytes():
+    x = torch.randn(64, WIDTH)
+    labels = torch.randint(0, 10, (64, 2**14))      # 8 MiB of int64 class indices
+
+    def closing_over(out):
+        return nn.functional.cross_entropy(out[:, :10].unsqueeze(-1).expand(-1, -1, labels.shape[1]), labels)
+
+    class Criterion:
+        def __init__(self):
+            self.labels = labels
+
+        def __call__(self, out):
+            return closing_over(out)
+
+    for loss_fn in [closing_over, lambda out, target=labels: closing_over(out),
+                    functools.partial(lambda out, target: closing_over(out), target=labels), Criterion()]:
+        measured = oomless.profile(WideOutput(), x, loss_fn=loss_fn, blocks=BLOCKS)
+        assert measured.target_bytes == labels.nbytes, loss_fn
+    plan = oomless.plan(WideOutput(), x, "1GiB", loss_fn=closing_over, blocks=BLOCKS, profile=measured)
+    assert plan.static_breakdown["targets"] == labels.nbytes
+    assert {part.name: part.device_bytes for part in plan.static_parts}["targets"] == labels.nbytes
+    # Tensors the model or the inputs hold already are counted there, not twice.
+    assert oomless.profile(WideOutput(), x, loss_fn=lambda out: classes(out) + 0 * x.sum(), blocks=BLOCKS).target_bytes == 0

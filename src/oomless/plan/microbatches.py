@@ -36,6 +36,7 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                       backward_transient_bytes=bytes_(block.backward_transient_bytes))
               for block in profile.blocks]
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
+                   target_bytes=bytes_(profile.target_bytes),
                    unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
                    loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None,
                    notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])

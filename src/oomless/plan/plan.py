@@ -30,7 +30,7 @@ class BlockPlan:
 class StaticPart:
     """One kind of static bytes (plan/static.py): all of it, what the device holds at once, and where."""
 
-    name: str              # parameters | gradients | optimizer state | buffers | inputs
+    name: str              # parameters | gradients | optimizer state | buffers | inputs | targets | allocator and objects
     total_bytes: int
     device_bytes: int      # what the budget counts
     where: str

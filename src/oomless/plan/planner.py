@@ -26,7 +26,8 @@ EXACT_MAX_BLOCKS = 300  # "auto" runs the exact solver too up to here; the DP is
 def static_breakdown(profile: Profile) -> dict[str, int]:
     return {"parameters": profile.parameter_bytes, "gradients": profile.gradient_bytes,
             "buffers": profile.buffer_bytes, "optimizer state": profile.optimizer_state_bytes,
-            "inputs": profile.input_bytes, "allocator and objects": profile.static_overhead_bytes}
+            "inputs": profile.input_bytes, "targets": profile.target_bytes,
+            "allocator and objects": profile.static_overhead_bytes}
 
 
 def _transient_bytes(block) -> int:

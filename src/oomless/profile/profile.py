@@ -99,6 +99,9 @@ class Profile:
     # profiled (``loss_fn(model(x)).backward()``), held through it by a loop that keeps a reference to
     # the output (the runtime warns where one does: `runtime.install`).
     output_freed_bytes: int = 0
+    # The tensors on the device the loss function holds (its targets: ``lambda out: F.cross_entropy(out,
+    # labels)``; `profiler.target_bytes`), resident through the step as the inputs are.
+    target_bytes: int = 0
     # What the process holds for the static tensors beyond their bytes (`tensors.static_overhead_bytes`:
     # on CPU page rounding and each tensor's objects, measured ~16 KiB per trainable parameter with Adam;
     # on CUDA the caching allocator's rounding); 0 in profiles made on meta tensors for a target.

@@ -21,8 +21,8 @@ from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
-from oomless.profile.tensors import (call_model, check_inputs_device, static_overhead_bytes, storage_bytes,
-                                     tensors_in, training_state_kept)
+from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, static_overhead_bytes,
+                                     storage_bytes, tensors_held_by, tensors_in, training_state_kept)
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -120,6 +120,9 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
 
 # A first step that keeps more than a quarter of its own peak rise is a fresh process starting up.
 COLD_START_SHARE = 4
+# One that keeps less, but more than a fiftieth of it, made caches for its shapes that the training
+# steps hold throughout (`profile_model`'s `measure_sizes`).
+HELD_SHARE = 50
 
 # Where replicas profile together (their BatchNorm's statistics all-reduced across them, as in
 # `parallel.stage_fit`), each must run as many profiling steps as the others, or their collectives
@@ -205,13 +208,21 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             for p in parameters:
                 p.grad = None
             kept = probe.current() - baseline["bytes"]
-            if _agreed(kept > max(recorder.highest_above_static_bytes // COLD_START_SHARE, 2**20)):
+            highest = recorder.highest_above_static_bytes
+            if _agreed(kept > max(highest // COLD_START_SHARE, 2**20)):
                 # The first step of a process loads libraries and initialises kernels and thread pools,
                 # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
                 # step treats it). Measured again, from what the process holds now.
                 notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
                              "sizes measured again on a second step")
                 baseline["bytes"] = probe.current() - left_before
+                recorder, loss_seconds = measure()
+            elif _agreed(kept > max(highest // HELD_SHARE, 2**20)):
+                # What the step left held (kernels' caches and workspaces for its shapes) every training
+                # step holds from its start, but the first step's phases only from where it was made:
+                # measured again on a step that starts with it, from the same baseline.
+                notes.append(f"the first profiling step left {format_bytes(kept)} held (kernel caches for its shapes): "
+                             "sizes measured again on a second step that holds it from its start, as training does")
                 recorder, loss_seconds = measure()
             return recorder, loss_seconds
 
@@ -220,7 +231,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         if refined is not None:
             found = refined
             recorder, loss_seconds = measure()
-        sized = _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes)
+        sized = _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss_seconds, device, notes)
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
@@ -244,7 +255,19 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     return sized
 
 
-def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds, device, notes) -> Profile:
+def target_bytes(loss_fn, model: nn.Module, example_inputs, device: torch.device) -> int:
+    """Bytes of the tensors on ``device`` the loss function holds (its targets), beyond the model's
+    parameters and buffers and the inputs: resident through the step as the inputs are."""
+    if loss_fn is None:
+        return 0
+    counted = [*model.parameters(), *model.buffers(), *tensors_in(example_inputs)]
+    held = [tensor for tensor in tensors_held_by(loss_fn)
+            if tensor.device.type == device.type and (tensor.device.index or 0) == (device.index or 0)
+            and has_storage(tensor)]
+    return max(storage_bytes(counted + held) - storage_bytes(counted), 0)
+
+
+def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss_seconds, device, notes) -> Profile:
     modules = dict(found)
     parameters = list(dict.fromkeys(model.parameters()))
     block_profiles = []
@@ -264,6 +287,7 @@ def _as_profile(model, example_inputs, optimizer, found, recorder, loss_seconds,
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=optimizer_state_bytes(optimizer, model, notes),
         input_bytes=storage_bytes(tensors_in(example_inputs)),
+        target_bytes=target_bytes(loss_fn, model, example_inputs, device),
         gradients_from_backward=True,   # the profiling steps start with every gradient None
         static_overhead_bytes=static_overhead_bytes(
             device, len(trainable), len(parameters) - len(trainable) + len(list(model.buffers()))

@@ -1,6 +1,8 @@
 """Small helpers on tensors and models shared by the profiler and the runtime."""
 
 import contextlib
+import functools
+import types
 
 import torch
 import torch.nn as nn
@@ -11,6 +13,48 @@ from oomless.errors import InputError
 def tensors_in(value) -> list[torch.Tensor]:
     leaves, _ = torch.utils._pytree.tree_flatten(value)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
+    """Tensors a callable holds, such as the targets a loss function closes over
+    (``lambda out: F.cross_entropy(out, labels)``): its closure's cells and default arguments, a
+    functools.partial's arguments, a bound method's object, a module's parameters and buffers, and
+    the contents and attributes of what those hold, to ``depth`` levels."""
+    found, seen = [], set()
+
+    def visit(value, level: int) -> None:
+        if level > depth or id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes)):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, nn.Module):
+            found.extend(value.parameters())
+            found.extend(value.buffers())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item, level + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, level + 1)
+        elif isinstance(value, functools.partial):
+            for item in (value.func, *value.args, *value.keywords.values()):
+                visit(item, level + 1)
+        elif isinstance(value, types.FunctionType):
+            cells = []
+            for cell in value.__closure__ or ():
+                with contextlib.suppress(ValueError):      # a cell not filled yet
+                    cells.append(cell.cell_contents)
+            for item in (*cells, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()):
+                visit(item, level + 1)
+        elif isinstance(value, types.MethodType):
+            visit(value.__self__, level + 1)
+        elif hasattr(value, "__dict__") and not callable(getattr(value, "__get__", None)):
+            for item in vars(value).values():
+                visit(item, level + 1)
+
+    visit(function, 0)
+    return found
 
 
 def has_storage(tensor: torch.Tensor) -> bool:
