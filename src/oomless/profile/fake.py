@@ -37,7 +37,7 @@ from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import tensors_in
+from oomless.profile.tensors import alive_bytes, tensors_in
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -146,12 +146,6 @@ class _FakeRecorder:
         storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta").untyped_storage()
         return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
 
-    @staticmethod
-    def _alive_bytes(live: dict) -> int:
-        for key in [key for key, (weak, _) in live.items() if weak.expired()]:
-            del live[key]
-        return sum(num_bytes for _, num_bytes in live.values())
-
     def _track(self, live: dict, tensors) -> None:
         for tensor in tensors:
             key = _storage_key(tensor)
@@ -165,7 +159,7 @@ class _FakeRecorder:
             block = self.blocks[index]
             block.calls += 1
             block.input_bytes += _distinct_bytes(tensors_in((args, kwargs)))
-            block.held_forward_bytes = max(block.held_forward_bytes, self._alive_bytes(self.live_outputs))
+            block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
         return hook
 
@@ -187,7 +181,7 @@ class _FakeRecorder:
             self.backward_block = index
             self._track(self.live_gradients, [grad])
             block = self.blocks[index]
-            block.held_backward_bytes = max(block.held_backward_bytes, self._alive_bytes(self.live_gradients))
+            block.held_backward_bytes = max(block.held_backward_bytes, alive_bytes(self.live_gradients))
         return hook
 
 

@@ -240,7 +240,6 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         for p in parameters:
             p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)
-        sized.output_freed_bytes = min(sized.output_freed_bytes, timer.output_freed_bytes)
         _merge_timing_step(sized, timer)
         # The timing step rehearses a plan: what it held beyond the simulator's prediction (phases
         # measured a little differently in two steps: heap pages glibc keeps, page granularity) is

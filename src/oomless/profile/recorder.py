@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import storage_bytes, tensors_in
+from oomless.profile.tensors import alive_bytes, storage_bytes, tensors_in, weak_storages
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
 _BEFORE_BLOCKS = -2  # the forward before its first block
@@ -159,19 +159,7 @@ class Recorder:
             self.selective_meter.__enter__()
 
     def _track(self, live: dict, tensors) -> None:
-        for tensor in tensors:
-            if tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr())
-            if key not in self.resident:
-                live[key] = (StorageWeakRef(storage), storage.nbytes())
-
-    @staticmethod
-    def _alive_bytes(live: dict) -> int:
-        for key in [key for key, (weak, _) in live.items() if weak.expired()]:
-            del live[key]
-        return sum(num_bytes for _, num_bytes in live.values())
+        live.update(weak_storages(tensors, self.resident))
 
     def _look_for_freed(self, position: int, saves: int) -> None:
         """Note the saved storages the forward has freed by now: the phase at ``position`` (in the
@@ -218,7 +206,7 @@ class Recorder:
         """The loss is computed and the caller dropped its reference to the output: what of it is
         freed now, the loss did not save."""
         output_bytes = sum(num_bytes for _, num_bytes in self.live_output.values())
-        self.output_freed_bytes = output_bytes - self._alive_bytes(self.live_output)
+        self.output_freed_bytes = output_bytes - alive_bytes(self.live_output)
 
     def unassigned(self, num_bytes):
         self.unassigned_saved_bytes += num_bytes
@@ -252,7 +240,7 @@ class Recorder:
         block = self.blocks[index]
         block.calls += 1
         block.input_bytes += storage_bytes(tensors_in(args))
-        block.held_forward_bytes = max(block.held_forward_bytes, self._alive_bytes(self.live_outputs))
+        block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
         self._enter(("forward", index))
         before, self._before_blocks = self._before_blocks, None
         if before is not None and before.forward_other_bytes is not None:
@@ -287,7 +275,7 @@ class Recorder:
             self.backward_marks.append((self.now() - self.tier_stall(), index))
             self._track(self.live_gradients, [grad])
             block = self.blocks[index]
-            block.held_backward_bytes = max(block.held_backward_bytes, self._alive_bytes(self.live_gradients))
+            block.held_backward_bytes = max(block.held_backward_bytes, alive_bytes(self.live_gradients))
         return hook
 
     def backward_finished(self) -> None:

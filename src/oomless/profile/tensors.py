@@ -6,6 +6,7 @@ import types
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.errors import InputError
 
@@ -60,6 +61,27 @@ def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
 def has_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor.untyped_storage()`` exists: not for sparse or nested tensors."""
     return not (tensor.is_sparse or tensor.is_nested)
+
+
+def weak_storages(tensors, resident=frozenset()) -> dict[tuple, tuple[StorageWeakRef, int]]:
+    """{(device, data pointer): (a weak reference to the storage, its bytes)} of ``tensors`` with a
+    storage on a real device, but those in ``resident``: read later (`alive_bytes`) without keeping
+    them alive."""
+    storages = {}
+    for tensor in tensors:
+        if has_storage(tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr())
+            if key not in resident:
+                storages[key] = (StorageWeakRef(storage), storage.nbytes())
+    return storages
+
+
+def alive_bytes(storages: dict) -> int:
+    """Bytes of the storages in ``storages`` (`weak_storages`) still alive; the freed are dropped from it."""
+    for key in [key for key, (weak, _) in storages.items() if weak.expired()]:
+        del storages[key]
+    return sum(num_bytes for _, num_bytes in storages.values())
 
 
 def storage_bytes(tensors) -> int:

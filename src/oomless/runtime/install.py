@@ -12,7 +12,6 @@ import warnings
 
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 try:
     from torch.distributed.tensor import DTensor
@@ -20,7 +19,7 @@ except ImportError:          # a build without torch.distributed: no sharded par
     DTensor = ()
 
 from oomless.errors import ApplyError
-from oomless.profile.tensors import has_storage, tensors_in
+from oomless.profile.tensors import alive_bytes, has_storage, tensors_in, weak_storages
 from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
@@ -186,20 +185,12 @@ class InstalledPlan:
     def _watch_output(self, output) -> None:
         """The plan counts the bytes of the output the loss does not save as freed before backward
         (`Plan.output_freed_bytes`): check, as backward begins, that the loop did not keep them."""
-        resident = self.engine.resident_storages
-        storages = {}
-        for tensor in tensors_in(output):
-            if has_storage(tensor) and tensor.device.type != "meta":
-                storage = tensor.untyped_storage()
-                key = (tensor.device, storage.data_ptr())
-                if key not in resident:
-                    storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        del output
+        storages = weak_storages(tensors_in(output), self.engine.resident_storages)
         total = sum(num_bytes for _, num_bytes in storages.values())
         freed = self.plan.output_freed_bytes
 
         def check():
-            alive = sum(num_bytes for weak, num_bytes in storages.values() if not weak.expired())
+            alive = alive_bytes(storages)
             # Dropped, the output keeps only what the loss saved (total - freed); kept, all of it.
             if alive - (total - freed) > freed // 2 and not self._warned_output:
                 self._warned_output = True
