@@ -8,6 +8,8 @@ The state lives on the model as ``model._oomless`` and `remove` restores the mod
 """
 
 import inspect
+import os
+import sys
 import warnings
 
 import torch
@@ -44,6 +46,21 @@ def _local(tensor):
     """The tensor that owns the bytes: a DTensor's (an FSDP-sharded parameter's) local shard; a
     DTensor has no storage of its own."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# Frames of these folders are not the user's: a warning raised inside backward names the first frame
+# outside them (the loop's ``loss.backward()``).
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` for a warning raised by the function calling this one, that names the
+    first frame outside torch and oomless (2, the caller's caller, where there is none: a backward
+    on a device thread)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 # An output whose unsaved bytes are at least 1/this of the plan's memory is watched (`_watch_output`);
@@ -125,7 +142,7 @@ class InstalledPlan:
                     "only (each step starting from optimizer.zero_grad(), set_to_none=True by default): the step may "
                     f"exceed the plan's {format_bytes(self.plan.memory_bytes)}. Call optimizer.zero_grad() before "
                     "the forward, or for gradient accumulation plan with accumulation_steps=k", UserWarning,
-                    stacklevel=2)
+                    stacklevel=_callers_level())
         if self._counts_only and self._counted_enough((args, kwargs)):
             self.ledger.steps += 1
             return args, kwargs
@@ -200,7 +217,7 @@ class InstalledPlan:
                     "loss_fn(model(x)).backward(), so this step may exceed the plan's "
                     f"{format_bytes(self.plan.memory_bytes)} by that much. Drop the reference before backward (take "
                     "metrics from output.detach() first, then del output), or plan for that much less memory",
-                    UserWarning, stacklevel=2)
+                    UserWarning, stacklevel=_callers_level())
 
         self.engine.backward_check = check
 
