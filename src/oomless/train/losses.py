@@ -70,7 +70,7 @@ def hard_dice(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     it before backward, where a whole volume's argmax would add to the loss's memory."""
     classes = logits.shape[1]
     if logits.dim() < 3:
-        return _dice_of(_dice_counts(logits.argmax(dim=1), labels, classes)).mean()
+        return dice_per_class(logits.argmax(dim=1), labels, classes).mean()
     rows = logits.shape[2]
     per_row = max(logits[:, 0, 0].numel(), 1)
     step = max(1, _DICE_SLAB_VOXELS // per_row)
