@@ -196,3 +196,18 @@ def test_data_parallel_on_files_stages_once_and_equals_one_process(dataset_dir, 
     assert max(differences.values()) < 1e-4, differences
     validations = json.loads((tmp_path / "run" / "validation.json").read_text())
     assert [record["step"] for record in validations] == [1, 2]
+
+
+def test_predicted_class_is_argmax_with_ties_and_nan():
+    """`predicted_class` (max's indices, 30x faster than argmax on CPU) picks what argmax picks: the
+    first of equal logits, and a NaN over any number."""
+    from oomless.train.losses import predicted_class
+
+    generator = torch.Generator().manual_seed(0)
+    for shape, dim in (((4, 3, 6, 6, 6), 1), ((3, 9, 9, 9), 0)):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.randint(0, 3, shape, generator=generator).to(dtype)    # many ties
+            logits.view(-1)[::37] = float("nan")
+            assert torch.equal(predicted_class(logits, dim), logits.argmax(dim=dim))
+    tied = torch.zeros(1, 3, 2, 2, 2)
+    assert predicted_class(tied).eq(0).all()

@@ -59,7 +59,15 @@ def dice_per_class(predicted: torch.Tensor, labels: torch.Tensor, classes: int) 
     return _dice_of(_dice_counts(predicted, labels, classes))
 
 
-# Voxels per slab of `hard_dice`: its argmax (int64) and masks stay this small however large the volume.
+def predicted_class(logits: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The index of the largest logit along ``dim``, as ``logits.argmax(dim)`` gives it (the first of
+    equal maxima, NaN counted largest), through ``max``: on CPU torch's argmax over a strided class
+    axis is about 30x slower (25 ms for a 32 x 2 x 16^3 batch, 0.4 s for one 128^3 volume), which
+    made the trainer's metric a tenth of its step."""
+    return logits.max(dim=dim).indices
+
+
+# Voxels per slab of `hard_dice`: its class indices (int64) and masks stay this small however large the volume.
 _DICE_SLAB_VOXELS = 2**20
 
 
@@ -67,13 +75,13 @@ _DICE_SLAB_VOXELS = 2**20
 def hard_dice(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean over the foreground classes of the Dice of argmax predictions (the lesion class's when C = 2),
     as a 0-d tensor (no host sync). Counted in slabs of the first spatial axis: the training step takes
-    it before backward, where a whole volume's argmax would add to the loss's memory."""
+    it before backward, where a whole volume's class indices would add to the loss's memory."""
     classes = logits.shape[1]
     if logits.dim() < 3:
-        return dice_per_class(logits.argmax(dim=1), labels, classes).mean()
+        return dice_per_class(predicted_class(logits), labels, classes).mean()
     rows = logits.shape[2]
     per_row = max(logits[:, 0, 0].numel(), 1)
     step = max(1, _DICE_SLAB_VOXELS // per_row)
-    counts = sum(_dice_counts(logits[:, :, low:low + step].argmax(dim=1), labels[:, low:low + step], classes)
+    counts = sum(_dice_counts(predicted_class(logits[:, :, low:low + step]), labels[:, low:low + step], classes)
                  for low in range(0, rows, step))
     return _dice_of(counts).mean()

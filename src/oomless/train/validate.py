@@ -23,7 +23,7 @@ from torch import nn
 from oomless.data.nifti import nifti_bytes
 from oomless.data.volumes import VolumeDataset
 from oomless.train.checkpoint import atomic_write
-from oomless.train.losses import dice_per_class
+from oomless.train.losses import dice_per_class, predicted_class
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def validate_volumes(model: nn.Module, dataset: VolumeDataset, device: torch.dev
         for index, record in enumerate(dataset.cases):
             volume, _ = dataset.fitted(index)
             logits = model(volume[None].to(device))[0]
-            predicted = dataset.unfit(logits, index).argmax(dim=0)
+            predicted = predicted_class(dataset.unfit(logits, index), dim=0)
             label = torch.from_numpy(np.array(dataset.native(index)[1], dtype=np.int64)).to(device)
             scores = dice_per_class(predicted, label, dataset.classes).tolist()
             per_case[record.name] = dict(zip(class_names[1:], scores))
