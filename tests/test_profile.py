@@ -96,3 +96,25 @@ def test_a_storage_the_runtime_cannot_move_is_recorded_and_counted_kept_in_a_swa
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=oomless.sum_of_outputs, profile=profile, min_swap_bytes=0,
                         decisions={"0": "keep", "1": "swap", "2": "keep"})
     assert plan.predicted_activation_peak_bytes >= complex_bytes + profile.blocks[2].saved_bytes
+
+
+def test_time_between_blocks_counts_in_the_step():
+    """Work between blocks (functional code in the model's forward) is the step's time too: it is
+    counted with the loss's seconds, which every step prediction adds, not lost between blocks."""
+    import time
+
+    class GlueBetween(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+
+        def forward(self, x):
+            x = self.blocks[0](x)
+            time.sleep(0.05)                # the glue: 50 ms outside every block
+            return self.blocks[1](x)
+
+    profile = oomless.profile(GlueBetween(), torch.randn(4, 16), loss_fn=oomless.sum_of_outputs,
+                              blocks=["blocks.0", "blocks.1"])
+    assert [block.name for block in profile.blocks] == ["blocks.0", "blocks.1"]
+    assert all(block.forward_seconds < 0.05 for block in profile.blocks)
+    assert profile.loss_seconds >= 0.05

@@ -81,7 +81,7 @@ class Profile:
     optimizer_state_bytes: int
     input_bytes: int
     unassigned_saved_bytes: int     # saved by ops outside every block: always kept
-    loss_seconds: float
+    loss_seconds: float             # the loss, and the step's time outside every block (glue between them)
     link: LinkProfile
     notes: list[str] = field(default_factory=list)
     measured_peak_bytes: int | None = None   # highest absolute reading while profiling (RSS on CPU)
