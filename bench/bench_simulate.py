@@ -20,7 +20,8 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   ring formula 2(n-1) alpha + 2(n-1)/n S/B (`oomless.plan.collectives`) for B; alpha from what a
   small all-reduce adds to a 10 ms burst of compute it follows (`_collective_after_compute`), since
   the ranks of a training step do not reach a collective together. They become the cluster's
-  ``intra_node`` link (efficiency 1, backend gloo).
+  ``intra_node`` link (efficiency 1, backend gloo, no overlap: the ranks' threads fill the cores,
+  so gloo's reductions and copies take turns with compute).
 - Memory bandwidth (the optimizer step's roofline): a streaming copy.
 - The device registered (`oomless.register_device`): the machine's memory / N, that bandwidth.
 
@@ -413,7 +414,8 @@ def predict(calibration: dict, settings: dict):
         model = build_segmentation_model(_train_config(settings))
     side = settings["size"]
     example = torch.empty(calibration["profiled_batch"], 1, side, side, side, device="meta")
-    cluster = {"intra_node": calibration["link"], "efficiency": 1.0, "backend": "gloo"} \
+    cluster = {"intra_node": calibration["link"], "efficiency": 1.0, "backend": "gloo",
+               "overlap": False} \
         if "link" in calibration else None
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
                             gpus=calibration["world_size"], cluster=cluster,

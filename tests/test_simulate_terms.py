@@ -1,7 +1,7 @@
 """The terms of `oomless simulate`'s model that measurement on gloo showed missing
 (bench/bench_simulate.py): BatchNorm's collectives under data parallel, pipelines cut only where
-the trainer can cut, and torch's receive buffers of every micro-batch (tests/test_partition.py
-checks those by hand). Each formula is checked against values computed by hand."""
+the trainer can cut, torch's receive buffers of every micro-batch (tests/test_partition.py
+checks those by hand), and gloo's collectives taking the cores compute runs on. Each formula is checked against values computed by hand."""
 
 import json
 
@@ -13,7 +13,7 @@ from oomless.models import UNet3D
 from oomless.parallel.block_sequence import pipeline_block_groups
 from oomless.plan.cluster import make_cluster
 from oomless.plan.collectives import Group, batchnorm_sync_seconds
-from oomless.plan.layouts import estimate_data_parallel, with_batchnorm_sync
+from oomless.plan.layouts import estimate_data_parallel, estimate_fsdp, with_batchnorm_sync
 from oomless.plan.microbatches import merge_blocks
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
@@ -114,3 +114,27 @@ def test_block_groups_follow_the_hand_written_sequence_and_the_shared_pool_joins
                                                    ("decoder0", [4]), ("head", [5])]
     assert pipeline_block_groups(torch.nn.Linear(2, 2), ["weight"]) is None     # no hand-written sequence
     assert json.loads(json.dumps(pipeline_block_groups(model, names)))      # plain data
+
+
+def test_collectives_on_the_compute_cores_add_to_the_step_and_beside_compute_hide():
+    block = dict(saved_bytes=MiB, largest_saved_bytes=MiB, input_bytes=MiB, output_bytes=MiB,
+                 parameter_bytes=64 * MiB, calls=1, forward_transient_bytes=MiB, backward_transient_bytes=MiB)
+    profile = _profile([BlockProfile(name, 0.1, 0.2, **block) for name in "abcd"])
+    beside = make_cluster("h100", 2, overrides={**LINK, "backend": "gloo", "overlap": True})
+    sharing = make_cluster("h100", 2, overrides={**LINK, "backend": "gloo"})
+    assert (sharing.overlap, beside.overlap, make_cluster("h100", 2).overlap) == (False, True, True)
+    assert sharing.describe()["overlap"] is False
+    for estimate in (estimate_fsdp, estimate_data_parallel):
+        hidden, shared = estimate(profile, beside, 1), estimate(profile, sharing, 1)
+        assert shared.communication_seconds > 0
+        assert hidden.communication_seconds == pytest.approx(shared.communication_seconds)
+        # compute_seconds: the blocks, the loss and the optimizer step, the same either way.
+        assert shared.compute_seconds > 4 * (0.1 + 0.2) + 0.01
+        assert hidden.compute_seconds == pytest.approx(shared.compute_seconds)
+        # Sharing the cores, compute waits for every collective: the step is their sum.
+        assert shared.exposed_communication_seconds == pytest.approx(shared.communication_seconds)
+        assert shared.step_seconds == pytest.approx(shared.compute_seconds + shared.communication_seconds)
+        if estimate is estimate_fsdp:       # gathers ahead of use and reduce-scatters behind hide
+            assert hidden.step_seconds < shared.step_seconds - 0.5 * shared.communication_seconds
+    with pytest.raises(oomless.InputError, match="overlap must be true or false"):
+        make_cluster("h100", 2, overrides={"overlap": "no"})

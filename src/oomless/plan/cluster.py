@@ -24,6 +24,11 @@ Real collectives do not reach the link's raw rate: every bandwidth is scaled by 
 
 ``"backend"``: the collective library, ``"nccl"`` (default; GPUs) or ``"gloo"`` (CPU processes): the
 trainer synchronises BatchNorm differently under each (`plan.layouts.batchnorm_sync_seconds`).
+
+``"overlap"``: whether collectives run beside compute (true; the default under NCCL, whose kernels
+and copy engines work while the GPU computes) or on the cores compute runs on, so that compute waits
+for them (false; the default under gloo, whose threads reduce and copy on the CPU: measured on 2
+cores filled by the ranks' compute, FSDP2's collectives lengthened the step by about their own time).
 """
 
 import json
@@ -77,6 +82,7 @@ class Cluster:
     inter_node: Link
     efficiency: float = LINK_EFFICIENCY
     backend: str = "nccl"
+    overlap: bool = True        # collectives run beside compute (module docstring)
 
     @property
     def gpus(self) -> int:
@@ -90,14 +96,15 @@ class Cluster:
         return {"device": self.device.name, "device_memory_bytes": self.device.memory_bytes, "gpus": self.gpus,
                 "gpus_per_node": self.gpus_per_node,
                 "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
-                "efficiency": self.efficiency, "backend": self.backend}
+                "efficiency": self.efficiency, "backend": self.backend, "overlap": self.overlap}
 
     def summary(self) -> str:
         inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
                  if self.nodes > 1 else "")
         return (f"{self.nodes} x {self.gpus_per_node} {self.device.name}: {self.intra_node.name} "
                 f"{self.intra_node.bytes_per_second / 1e9:g} GB/s each way within a node{inter}; "
-                f"collectives at {self.efficiency:.0%} of link rate")
+                f"collectives at {self.efficiency:.0%} of link rate"
+                + ("" if self.overlap else ", on the cores compute runs on (no overlap)"))
 
 
 def _divisors(n: int) -> list[int]:
@@ -145,13 +152,17 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         if not isinstance(settings, dict):
             raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
     settings = {**settings, **(overrides or {})}
-    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend"})
+    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend", "overlap"})
     if unknown:
         raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency, "
-                         "backend")
+                         "backend, overlap")
     backend = settings.get("backend", "nccl")
     if backend not in BACKENDS:
         raise InputError(f"cluster backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    overlap = settings.get("overlap", backend != "gloo")
+    if not isinstance(overlap, bool):
+        raise InputError(f"cluster overlap must be true or false (whether collectives run beside compute), "
+                         f"got {overlap!r}")
     efficiency = settings.get("efficiency", LINK_EFFICIENCY)
     if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise InputError(f"cluster efficiency must be in (0, 1], got {efficiency!r}")
@@ -159,4 +170,4 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         intra = _link_from(settings["intra_node"], intra, "intra_node")
     if "inter_node" in settings:
         inter = _link_from(settings["inter_node"], inter, "inter_node")
-    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend)
+    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap)

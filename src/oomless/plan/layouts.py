@@ -107,14 +107,19 @@ class LayoutEstimate:
 
 
 class _Stream:
-    """A stream that runs its work in the order given, each piece once it is ready."""
+    """A stream that runs its work in the order given, each piece once it is ready. ``shares``:
+    another stream whose resources this one's work takes (collectives on the cores compute runs on,
+    `Cluster.overlap` false): each piece waits for it and holds it up while it runs."""
 
-    def __init__(self, name: str, spans: list[Span]):
+    def __init__(self, name: str, spans: list[Span], shares: "_Stream | None" = None):
         self.name, self.spans, self.free, self.busy = name, spans, 0.0, 0.0
+        self.shares = shares
 
     def run(self, ready: float, seconds: float, label: str) -> float:
-        start = max(self.free, ready)
+        start = max(self.free, ready, self.shares.free if self.shares is not None else 0.0)
         self.free = start + seconds
+        if self.shares is not None:
+            self.shares.free = self.free
         self.busy += seconds
         if seconds > 0:
             self.spans.append(Span(self.name, label, start, self.free))
@@ -212,7 +217,8 @@ def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank:
     gradients = _block_shares(profile, profile.gradient_bytes)
     group = consecutive_group(cluster, n)
     spans: list[Span] = []
-    compute, link = _Stream("compute", spans), _Stream("communication", spans)
+    compute = _Stream("compute", spans)
+    link = _Stream("communication", spans, shares=None if cluster.overlap else compute)
     for i, block in enumerate(profile.blocks):
         compute.run(0.0, forward[i], f"F {block.name}")
     compute.run(0.0, profile.loss_seconds, "loss")
@@ -253,7 +259,8 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
     gradients = _block_shares(profile, profile.gradient_bytes)
     group = consecutive_group(cluster, n)
     spans: list[Span] = []
-    compute, link = _Stream("compute", spans), _Stream("communication", spans)
+    compute = _Stream("compute", spans)
+    link = _Stream("communication", spans, shares=None if cluster.overlap else compute)
     blocks = profile.blocks
     count = len(blocks)
     gathered = [0.0] * count
