@@ -414,9 +414,9 @@ def predict(calibration: dict, settings: dict):
         model = build_segmentation_model(_train_config(settings))
     side = settings["size"]
     example = torch.empty(calibration["profiled_batch"], 1, side, side, side, device="meta")
-    cluster = {"intra_node": calibration["link"], "efficiency": 1.0, "backend": "gloo",
-               "overlap": False} \
-        if "link" in calibration else None
+    cluster = None
+    if "link" in calibration:
+        cluster = {"intra_node": calibration["link"], "efficiency": 1.0, "backend": "gloo", "overlap": False}
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
                             gpus=calibration["world_size"], cluster=cluster,
                             profile=Profile.from_json(calibration["profile"]))

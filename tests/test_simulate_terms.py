@@ -1,7 +1,8 @@
 """The terms of `oomless simulate`'s model that measurement on gloo showed missing
 (bench/bench_simulate.py): BatchNorm's collectives under data parallel, pipelines cut only where
 the trainer can cut, torch's receive buffers of every micro-batch (tests/test_partition.py
-checks those by hand), and gloo's collectives taking the cores compute runs on. Each formula is checked against values computed by hand."""
+checks those by hand), and gloo's collectives taking the cores compute runs on. Each formula is
+checked against values computed by hand."""
 
 import json
 

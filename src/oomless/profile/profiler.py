@@ -266,7 +266,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # the step's shapes), not the timing step's start-up of its plan's code path (recompute's
         # left ~6 MiB for a 3D U-Net at 32 x 16^3, which a keep plan's training never holds; this
         # profile does not count it either, so a later one must not).
-        _LEFT_BEHIND[model] = max(probe.current() - started_up - baseline["bytes"], left_before)
+        _LEFT_BEHIND[model] = max(min(probe.current(), before_rehearsal) - baseline["bytes"], left_before)
     return sized
 
 
