@@ -231,3 +231,41 @@ def test_the_simulated_forward_ends_holding_what_each_decision_keeps():
     assert simulate(profile, ["recompute"] * 4).forward_end_bytes == 4 * 2 * MiB
     assert simulate(profile, ["selective"] * 4).forward_end_bytes == 4 * (2 + 10) * MiB
     assert simulate(profile, ["selective", "recompute", "keep", "recompute"]).forward_end_bytes == (12 + 2 + 40 + 2) * MiB
+
+
+def test_planning_leaves_nothing_of_its_callers_frames_alive():
+    """Refusals the planner keeps as values (each static placement's, the floor it probes before
+    splitting) carry no traceback: one would hold the frames of the call and of its callers, with
+    their locals, in a cycle only the garbage collector breaks. A trainer's batch stayed alive
+    through every step that way. Here a caller's local must be freed as the caller returns."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+
+    from oomless.models import UNet3D
+
+    torch.manual_seed(0)
+    model = UNet3D(base_channels=4, depth=2)
+    volume = torch.randn(2, 1, 16, 16, 16)
+    labels = (volume[:, 0] > 0.5).long()
+    loss_fn = lambda out: F.cross_entropy(out, labels)      # noqa: E731
+    with pytest.raises(oomless.PlanError) as refused:
+        oomless.plan(model, volume, 1, loss_fn=loss_fn, split=False)
+    smallest = refused.value.minimum_bytes
+    del refused
+
+    def plan_in_a_helper():
+        held_by_the_caller = torch.ones(1024)
+        # Near the floor: the planner probes the floor and tries splitting; every placement is planned.
+        oomless.plan(model, volume, smallest, loss_fn=loss_fn)
+        return weakref.ref(held_by_the_caller)
+
+    gc.collect()
+    gc.disable()
+    try:
+        watched = plan_in_a_helper()
+        assert watched() is None, "a frame of the planning call is still alive"
+    finally:
+        gc.enable()

@@ -186,3 +186,31 @@ def test_resume_with_the_optimizer_state_and_parameters_off_the_device_equals_pl
                         for tensors in (expected, actual))
     assert expected and expected.keys() == actual.keys()
     _assert_state_equal(expected, actual)
+
+
+def test_the_batch_planned_on_is_not_held_through_the_steps(monkeypatch):
+    """The plan counts one batch (the inputs and the loss's targets): each step's own. The first
+    batch, which the loop plans on, must not stay alive beside it through the steps."""
+    import weakref
+
+    from oomless.parallel.data_parallel import SingleProcess
+    from oomless.train import loop
+
+    planned_on, alive_at_steps = [], []
+    apply_oomless = loop._apply_oomless
+
+    def remembering(model, optimizer, example, *args):
+        planned_on.extend(weakref.ref(tensor) for tensor in example)
+        return apply_oomless(model, optimizer, example, *args)
+
+    train_step = SingleProcess.train_step
+
+    def checking(self, train_model, volumes, labels):
+        alive_at_steps.append([ref() is not None for ref in planned_on])
+        return train_step(self, train_model, volumes, labels)
+
+    monkeypatch.setattr(loop, "_apply_oomless", remembering)
+    monkeypatch.setattr(SingleProcess, "train_step", checking)
+    train(_config(steps=2, memory="1GiB"))
+    assert len(planned_on) == 2 and len(alive_at_steps) == 2
+    assert alive_at_steps[1] == [False, False], "the planning batch is still held at the second step"

@@ -24,6 +24,19 @@ class PlanError(OomlessError):
         self.limiting_block = limiting_block
         self.floor_block = floor_block if floor_block is not None else limiting_block
 
+    def kept(self) -> "PlanError":
+        """This refusal as a value to keep (a candidate's result, the floor a search probes): without
+        its traceback, whose frames hold their locals (a caller's batch among them) in a cycle with
+        any frame that keeps the error, which only the garbage collector breaks."""
+        return self.with_traceback(None)
+
+    def to_raise(self) -> "PlanError":
+        """A copy of a kept refusal to raise: raising the kept one would give it a traceback through
+        the frames that keep it, the cycle `kept` avoids."""
+        copied = PlanError(str(self), self.minimum_bytes, self.limiting_block, self.floor_block)
+        copied.__dict__.update(self.__dict__)
+        return copied
+
 
 class ApplyError(OomlessError):
     """A plan cannot be installed on this model (already installed, blocks missing, ...)."""

@@ -109,7 +109,7 @@ def choose_microbatches(profile: Profile, stages: int, batch: int, memory, sched
             partition = partition_stages(scale_profile(profile, 1 / m), stages, memory, m, schedule,
                                          link_bytes_per_second, stages_per_rank)
         except PlanError as error:
-            refusals.append((m, error))
+            refusals.append((m, error.kept()))
             tried.append(f"M={m}: does not fit ({format_bytes(error.minimum_bytes)} per rank would)")
             continue
         partition = replace(partition, overhead_seconds=overhead_seconds)

@@ -70,9 +70,9 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
         try:
             made = plan_profile(profile)
         except PlanError as again:
-            error = again
+            error = again.kept()
             if best.minimum_bytes is None or (again.minimum_bytes or 0) < best.minimum_bytes:
-                best, best_chains = again, list(chosen)
+                best, best_chains = error, list(chosen)
             continue
         made.split = dict(chosen)
         made.notes.append(f"split into slabs: {_named(chosen)} "
@@ -86,7 +86,7 @@ def _floor(profile, plan_profile: Callable) -> PlanError:
     try:
         plan_profile(profile, 0)
     except PlanError as error:
-        return error
+        return error.kept()
     raise AssertionError("a plan fitted 0 bytes")
 
 

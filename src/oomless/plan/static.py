@@ -307,7 +307,7 @@ class _Candidates:
             try:
                 self.results[placement] = self.plan_activations(seen)
             except PlanError as refused:
-                self.results[placement] = refused
+                self.results[placement] = refused.kept()
         return self.results[placement]
 
     def added_seconds(self, placement: Placement) -> tuple[float, str]:
@@ -406,7 +406,7 @@ def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Place
     if len(placements) == 1:
         only = placements[0]
         if isinstance(candidates.plan(only), PlanError):
-            raise candidates.plan(only)
+            raise candidates.plan(only).to_raise()
         return only, "the only placement given or possible"
     first = placements[0]
     first_plan = candidates.plan(first)
