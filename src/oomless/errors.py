@@ -1,5 +1,7 @@
 """Errors raised by oomless. Every one says what was wrong and what would work."""
 
+import copy
+
 
 class OomlessError(Exception):
     """Base class of every error oomless raises on purpose."""
@@ -33,9 +35,7 @@ class PlanError(OomlessError):
     def to_raise(self) -> "PlanError":
         """A copy of a kept refusal to raise: raising the kept one would give it a traceback through
         the frames that keep it, the cycle `kept` avoids."""
-        copied = PlanError(str(self), self.minimum_bytes, self.limiting_block, self.floor_block)
-        copied.__dict__.update(self.__dict__)
-        return copied
+        return copy.copy(self)      # the message and attributes; an exception's copy has no traceback
 
 
 class ApplyError(OomlessError):
