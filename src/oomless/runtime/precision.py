@@ -115,6 +115,9 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
         self.parameters: list[nn.Parameter] = []
+        # Ranks whose gradients differ (FSDP shards, pipeline stages) decide together whether a step
+        # is skipped: the layout sets the group, and every rank of it takes the same decision.
+        self.agreement_group = None
         self._hidden: list[tuple[nn.Parameter, torch.Tensor]] | None = None
 
     def is_enabled(self) -> bool:
@@ -123,14 +126,24 @@ class LossScaler:
     def unscale(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * (1.0 / self.scale)
 
+    def all_finite(self) -> bool:
+        """Whether every gradient of ``parameters`` is finite, on every rank of ``agreement_group``.
+        One host synchronisation per step, as GradScaler.step's found_inf.item(): whether the step
+        runs at all cannot be decided on the device."""
+        grads = [_local(p.grad) for p in self.parameters if p.grad is not None]
+        finite = torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads else None
+        if self.agreement_group is None:
+            return finite is None or bool(finite)
+        import torch.distributed as dist
+
+        # A rank without gradients (a pipeline rank before its first stage ran) still votes: yes.
+        device = grads[0].device if grads else _group_device(self.agreement_group)
+        vote = (finite if finite is not None else torch.ones((), dtype=torch.bool, device=device)).to(torch.int32)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.agreement_group)
+        return bool(vote)
+
     def before_step(self, optimizer, args, kwargs):
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        if not grads:
-            return None
-        # One host synchronisation per step, as GradScaler.step's found_inf.item(): whether the
-        # step runs at all cannot be decided on the device.
-        finite = bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
-        if finite:
+        if self.all_finite():
             return None
         # Skip: the optimizer steps only parameters that have a gradient, so hiding them makes this
         # one step() a no-op (no update, no state change), as GradScaler.step not calling it.
@@ -160,6 +173,21 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2's gradients), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _group_device(group) -> torch.device:
+    """The device a collective over ``group`` runs on: CUDA under NCCL, else the CPU (gloo)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Precision:
