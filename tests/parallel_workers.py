@@ -85,6 +85,9 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
                 result, measured = (train(config), {}) if tight is None else _train_tight(config, tight)
             results[name] = {"losses": [record["loss"] for record in result.history],
                              "steps_done": result.steps_done, "layouts": result.layouts,
+                             "skipped_steps": result.skipped_steps,
+                             # Graphs dynamo compiled in this process so far (all jobs before too).
+                             "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                              **_parameter_elements(result.model), **measured}
     finally:
         dist.destroy_process_group()

@@ -9,6 +9,7 @@ the BatchNorm / Dice statistics sums over ranks, so float addition order differs
 resumed from its own fsdp checkpoint against the run that was not interrupted.
 
 Also here: the static bytes a sharded plan counts, and the combinations refused before any step.
+bf16, fp16 and compile under fsdp: tests/test_parallel_precision.py.
 """
 
 import shutil
@@ -191,8 +192,6 @@ def test_a_sharded_plan_refuses_moving_what_fsdp_owns(option):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (dict(precision="bf16"), "--precision bf16"),
-    (dict(compile=True), "--compile"),
     (dict(parallel=dict(mode="fsdp", switch=[(2, "dp")])), "switching layout to or from fsdp"),
     (dict(parallel=dict(mode="dp", switch=[(2, "fsdp")])), "switching layout to or from fsdp"),
     (dict(parallel=dict(mode="hybrid", stages=2, switch_when=[("loss<0.5", "fsdp")])), "switching layout"),

@@ -24,11 +24,15 @@ Equal to one process with the same global batch, as `dp` is: equal shards of the
 on global-batch statistics (`batchnorm.py`), the Dice sums across ranks, and FSDP's reduce-scatter
 averaging the gradients (``ReduceOp.AVG``, DDP's mean).
 
+Precision and compile compose as torchtitan orders them: autocast hooks and each block compiled in
+place come first (`oomless.apply`), ``fully_shard`` after. Autocast casts the all-gathered fp32
+parameters per op, as in one process; fp16's loss scale is taken out by FSDP's own reduce-scatter
+division and the skip is voted over the ranks (`runtime/precision.py`). FSDP's hooks run eagerly
+around the compiled forwards (torch 2.13 marks them ``_dynamo_disable``, fsdp/_fully_shard/_fsdp_state.py).
+
 What does not compose, refused before any step (`check_sharded_plan`, `TrainConfig.validate`):
 the optimizer step in backward and the optimizer state or parameters off the device (FSDP owns
-where parameters and gradients live and when they exist); ``--precision`` and ``--compile`` (not
-built yet: FSDP's ``MixedPrecisionPolicy`` and per-block compile would each need their own order of
-application); switching layout to or from fsdp mid-run.
+where parameters and gradients live and when they exist); switching layout to or from fsdp mid-run.
 
 Checkpoints and ``--save`` hold full tensors in the file format of every other layout:
 `full_state` gathers them to rank 0 with ``torch.distributed.checkpoint.state_dict``
@@ -45,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from oomless.errors import InputError
 from oomless.parallel.data_parallel import Collectives, SynchronousDataParallel
+from oomless.runtime.precision import precision_state
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
@@ -67,6 +72,9 @@ def apply_fsdp(model: nn.Module, block_names: list[str]) -> list[str]:
         fully_shard(block)
         sharded.append(name)
     fully_shard(model)
+    precision = precision_state(model)
+    if precision is not None:
+        precision.follow_sharding(model)    # fp16: unscale in FSDP's reduce-scatter (runtime/precision.py)
     return sharded
 
 

@@ -32,6 +32,14 @@ The contract: a parameter's gradient reaches it through the model's forward. A p
 outside the forward (a tied output projection applied in the loss) would be unscaled without
 having been scaled.
 
+Under FSDP2 (``fully_shard``, ``--parallel fsdp``) no hook sees a parameter's final gradient (FSDP
+reduce-scatters the unsharded parameters' gradients into the shards' ``.grad``), so FSDP's own
+division unscales it: ranks x S instead of ranks (`LossScaler.unscale_in_reduce_scatter`). Each
+rank holds a shard of every gradient, so whether to skip is voted over the ranks (``agreement_group``,
+as pipeline stages vote too). bf16 needs nothing of FSDP: parameters stay fp32 and are all-gathered
+so, and autocast casts them per op, as in one process (FSDP's ``MixedPrecisionPolicy`` would
+all-gather bf16 copies, half the traffic, but computes norms and the update from other roundings).
+
 The caller's own autocast: if the model is called while ``torch.autocast`` is already on for its
 device, with the plan's dtype, the hooks step aside (no second autocast, no output cast: the
 caller's autocast governs the loss too) and the plan holds, having been made for that dtype. Any
@@ -110,6 +118,8 @@ class LossScaler:
 
     def __init__(self, scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000):
+        self.sharded_modules: list = []     # FSDP2 units whose reduce-scatter unscales (`unscale_in_reduce_scatter`)
+        self.data_parallel_size = 1
         self.scale = scale
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.clean_steps = 0
@@ -119,6 +129,42 @@ class LossScaler:
         # is skipped: the layout sets the group, and every rank of it takes the same decision.
         self.agreement_group = None
         self._hidden: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = value
+        for module in self.sharded_modules:
+            module.set_gradient_divide_factor(self.data_parallel_size * value)
+
+    def unscale_in_reduce_scatter(self, modules: list, data_parallel_size: int) -> None:
+        """Under FSDP2 autograd accumulates into unsharded parameters, which FSDP reduce-scatters into
+        the sharded ones' ``.grad``: a hook on either never holds the final gradient. FSDP's own
+        division unscales instead: it sums the ranks' scaled gradients and divides by ranks x S
+        (``FSDPModule.set_gradient_divide_factor``, kept equal to it as S changes), exact because S
+        is a power of two, so ``.grad`` holds the true averaged gradient when backward returns, as
+        under dp. Summed, not PREMUL_SUM (which gloo lacks): forced for more than one rank; on one
+        rank FSDP only copies and divides, and forcing the sum would divide twice (torch 2.13)."""
+        if data_parallel_size > 1 and not all(hasattr(module, "set_force_sum_reduction_for_comms")
+                                              for module in modules):
+            raise InputError(f"precision='fp16' under FSDP needs FSDPModule.set_force_sum_reduction_for_comms, "
+                             f"which torch {torch.__version__} lacks; use precision='bf16' (no loss scaling)")
+        self.sharded_modules, self.data_parallel_size = list(modules), data_parallel_size
+        for module in self.sharded_modules:
+            if data_parallel_size > 1:
+                module.set_force_sum_reduction_for_comms(True)
+        self.scale = self._scale
+
+    def restore_reduce_scatter(self) -> None:
+        """FSDP's plain average again (`oomless.remove`)."""
+        for module in self.sharded_modules:
+            module.set_gradient_divide_factor(float(self.data_parallel_size))
+            if self.data_parallel_size > 1:
+                module.set_force_sum_reduction_for_comms(False)
+        self.sharded_modules = []
 
     def is_enabled(self) -> bool:
         return True   # read by oomless.parallel.overlap.needs_global_view, as GradScaler's
@@ -175,6 +221,15 @@ class LossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+def _fsdp_modules(model: nn.Module) -> list:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made units, outermost first."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (FSDP2's gradients), else the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
@@ -199,27 +254,64 @@ class Precision:
         self.device_type = device_type
         self.scaler = scaler
         self.handles: list = []
+        self.unscale_handles: list = []     # one per parameter, until the model is sharded
         self._entered: list = []   # per model call: the autocast context we entered, or None
 
     def install(self, model: nn.Module, optimizer=None) -> None:
         # First of the model's pre-hooks: a refused autocast stops the call before the plan's
         # hooks open a forward.
         self.handles.append(model.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
-        self.handles.append(model.register_forward_hook(self._post_hook, always_call=True))
+        self.post_handle = model.register_forward_hook(self._post_hook, always_call=True)
+        self.handles.append(self.post_handle)
         if self.scaler is None:
             return
         self.scaler.parameters = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-        for parameter in self.scaler.parameters:
-            self.handles.append(parameter.register_hook(self.scaler.unscale))
+        self.unscale_handles = [parameter.register_hook(self.scaler.unscale) for parameter in self.scaler.parameters]
         self.handles.append(optimizer.register_step_pre_hook(self.scaler.before_step))
         self.handles.append(optimizer.register_step_post_hook(self.scaler.after_step))
+        self.follow_sharding(model)
+
+    def follow_sharding(self, model: nn.Module) -> None:
+        """fp16 on a model sharded with FSDP2 (``fully_shard``, before or after this was installed):
+        unscale in FSDP's reduce-scatter instead of per-parameter hooks (`LossScaler.
+        unscale_in_reduce_scatter`), count the sharded parameters, and decide a skip on every rank
+        together (each holds a shard of every gradient). Called on install, by `oomless.parallel.
+        sharded.apply_fsdp`, and by the first forward after a caller's own ``fully_shard``."""
+        if self.scaler is None or self.scaler.sharded_modules:
+            return
+        modules = _fsdp_modules(model)
+        if not modules:
+            return
+        import torch.distributed as dist
+
+        for handle in self.unscale_handles:       # on the parameters FSDP replaced: they never see a gradient
+            handle.remove()
+        self.unscale_handles = []
+        self.scaler.parameters = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        # The ranks FSDP averages over: the mesh of its sharded parameters (DTensors).
+        mesh = next((p.device_mesh for p in self.scaler.parameters if hasattr(p, "device_mesh")), None)
+        size = 1 if mesh is None else mesh.size()
+        if size > 1:
+            self.scaler.agreement_group = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+        self.scaler.unscale_in_reduce_scatter(modules, size)
+        # After FSDP's post-forward, which hooks its pre-backward onto the outputs and warns when an
+        # output is a view, as the scaling identity's are: hooked on the outputs before the scaling.
+        self.handles.remove(self.post_handle)
+        self.post_handle.remove()
+        self.post_handle = model.register_forward_hook(self._post_hook, always_call=True)
+        self.handles.append(self.post_handle)
 
     def uninstall(self) -> None:
-        for handle in self.handles:
+        for handle in self.handles + self.unscale_handles:
             handle.remove()
         self.handles.clear()
+        self.unscale_handles.clear()
+        if self.scaler is not None:
+            self.scaler.restore_reduce_scatter()
 
     def _pre_hook(self, model, args, kwargs):
+        if self.scaler is not None and not self.scaler.sharded_modules and torch.is_grad_enabled():
+            self.follow_sharding(model)     # a caller's fully_shard after installing: before its backward
         context = None
         if torch.is_autocast_enabled(self.device_type):
             outer = torch.get_autocast_dtype(self.device_type)

@@ -11,7 +11,7 @@ from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.output_paths import check_output_path
 from oomless.parallel.config import ParallelConfig
-from oomless.runtime.compile import check_compile_available
+from oomless.runtime.compile import check_compile_available, compile_options
 from oomless.runtime.precision import autocast_dtype, check_precision
 from oomless.sizes import parse_bytes
 
@@ -59,7 +59,9 @@ class TrainConfig:
     deterministic: bool = False
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
     precision: str = "fp32"                 # "bf16" | "fp16": forward under torch.autocast (runtime/precision.py)
-    compile: bool = False                   # torch.compile each block in place (runtime/compile.py)
+    # torch.compile each block in place (runtime/compile.py): True, or a dict of torch.compile options
+    # ({"backend": "aot_eager"}, {"mode": "max-autotune-no-cudagraphs"}); the CLI's --compile is True.
+    compile: bool | dict = False
     split: str = "auto"                     # chains in slabs (runtime/split.py): "auto" (the planner's choice) | "all" | "off"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig | None = None
@@ -114,11 +116,6 @@ class TrainConfig:
         if self.compile and any(layout.pipelined for layout in layouts):
             raise InputError("--compile is not supported with pipeline or hybrid layouts yet (each stage is planned "
                              "on its own, uncompiled); drop --compile there, or use dp / local-sgd / async")
-        if self.parallel.sharded and (self.precision != "fp32" or self.compile):
-            option = f"--precision {self.precision}" if self.precision != "fp32" else "--compile"
-            raise InputError(f"{option} is not supported with --parallel fsdp yet (FSDP's own mixed precision and "
-                             "per-block compile are not composed with its sharding here); use --precision fp32 "
-                             "without --compile under fsdp, or --parallel dp")
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:
@@ -131,8 +128,9 @@ class TrainConfig:
         device = self.resolve_device()
         if self.precision != "fp32":
             check_precision(self.precision, device)     # before any step: the option and what works instead
-        if self.compile:
-            check_compile_available({})
+        options = compile_options(self.compile)     # raises InputError on a value that is not True/False/dict
+        if options is not None:
+            check_compile_available(options)
         return self
 
     def resolve_device(self) -> torch.device:

@@ -31,7 +31,7 @@ from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.profile.blocks import find_blocks
-from oomless.runtime.compile import apply_compile
+from oomless.runtime.compile import apply_compile, compile_options
 from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
@@ -228,7 +228,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                 if config.precision != "fp32":
                     apply_precision(model, config.precision, optimizer)
                 if config.compile:
-                    apply_compile(model, [name for name, _ in find_blocks(model)], {})
+                    apply_compile(model, [name for name, _ in find_blocks(model)], compile_options(config.compile))
             if step != start_step:
                 load_loss_scale_state(model, loss_scale)
             resume_now = step == start_step and resumable
