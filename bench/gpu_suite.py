@@ -6,10 +6,13 @@
 
 On a machine with a CUDA GPU, each piece in its own process, one after the other:
 
-    cuda_tests        python -m pytest -m gpu tests/test_cuda.py (one JSON line per test as it ends)
+    cuda_tests        python -m pytest -m gpu tests/test_cuda.py tests/test_cuda_precision.py (one JSON line
+                      per test as it ends)
     swap_trace        bench/swap_trace.py: torch.profiler trace of one all-swap step, copy/compute overlap
     fit_bench         oomless bench --device cuda (bench/bench_fit.py): step time and peak against plain
                       PyTorch, torch.utils.checkpoint and save_on_cpu
+    fit_precision     oomless bench --device cuda --model transformer --precision bf16 --compile: bf16 and
+                      compiled variants against plain bf16 and torch.compile(block) (issue 11's figures)
     predict           bench/bench_predict.py: predicted against measured step time and peak
     max_size          bench/bench_max_size.py, if present: the largest model trained within the memory
     dp_world_1        bench/bench_dp.py --world-size 1 (NCCL)
@@ -45,8 +48,9 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "max_size": 80,
-                       "dp_world_1": 30, "dp_world_2": 30}
+                       "dp_world_1": 30, "dp_world_2": 30, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
+CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_precision.py"]
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started
 
 
@@ -90,7 +94,7 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
           ["--size", "8", "--base-channels", "2", "--depth", "1", "--rounds", "2", "--warmup-rounds", "1"])
     pieces = [
         {"name": "cuda_tests", "writes": ["cuda-tests.json"],
-         "command": [python, "-m", "pytest", "-q", "-m", "gpu", "tests/test_cuda.py", "-p", "bench.pytest_jsonl",
+         "command": [python, "-m", "pytest", "-q", "-m", "gpu", *CUDA_TEST_FILES, "-p", "bench.pytest_jsonl",
                      "--results-jsonl", str(out / "logs" / "cuda-tests.jsonl"), "-p", "no:cacheprovider"]},
         {"name": "swap_trace", "writes": ["swap-trace.json"],
          "command": [python, "bench/swap_trace.py", "--device", device_name, "--out", str(out / "swap-trace.json")]
@@ -121,6 +125,12 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
             piece["skip"] = (f"needs {world_size} GPUs (NCCL puts each rank on its own GPU); "
                              f"this machine has {device['device_count']}")
         pieces.append(piece)
+    # Last: inductor compiles the transformer's block first (tens of seconds on a GPU). The dry run
+    # checks the bf16 variants only: compiling on CI's CPU takes a minute more.
+    pieces.append({"name": "fit_precision", "writes": ["fit-precision.json"],
+                   "command": [python, "-m", "oomless", "bench", "--device", device_name, "--model", "transformer",
+                               "--precision", "bf16", "--out", str(out / "fit-precision.json")]
+                   + (["--compile", "--steps", "3", "--warmup", "1"] if cuda else ["--quick", "--threads", "1"])})
     return pieces
 
 

@@ -19,6 +19,8 @@ TARGETS = {
     "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
     "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
     "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
+    "fit_precision": "keep_bf16 and keep_compiled within 3 % of their references (plain_bf16, plain_compiled); "
+                     "plan_50_bf16's activation peak about half the fp32 plan_50's (issue 11)",
 }
 
 
@@ -35,13 +37,12 @@ def _cuda_tests(out: Path) -> dict:
             "printed": printed[:20]}
 
 
-def _fit_bench(out: Path) -> dict:
-    result = _read(out, "fit.json")
+def _fit_bench(out: Path, file: str = "fit.json", ratio: str = "paired_ratio_vs_plain") -> dict:
+    result = _read(out, file)
     found = {}
     for model, report in result["models"].items():
         variants = report["variants"]
-        found[model] = {name: round(variant["paired_ratio_vs_plain"], 3) for name, variant in variants.items()
-                        if name != "plain"}
+        found[model] = {name: round(variant[ratio], 3) for name, variant in variants.items() if name != "plain"}
         found[model]["peak_over_budget"] = {name: round(variant["measured_peak_bytes"] / variant["memory_bytes"], 3)
                                             for name, variant in variants.items() if variant.get("memory_bytes")}
         found[model]["targets"] = report.get("targets")
@@ -92,7 +93,9 @@ def highlights(record: dict, out: Path) -> dict:
         return {}
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
-                  "swap_trace": _swap_trace}
+                  "swap_trace": _swap_trace,
+                  # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
+                  "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
     try:
         if record["name"] == "max_size":
             return _max_size(out, record["files"])

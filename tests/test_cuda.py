@@ -243,7 +243,8 @@ def _plain_peak_bytes(name, tracker) -> int:
     return peak
 
 
-def _planned_peak_bytes(name, tracker, memory=None, everything=None, forced_memory_from_prediction=False):
+def _planned_peak_bytes(name, tracker, memory=None, everything=None, forced_memory_from_prediction=False,
+                        precision="fp32"):
     """Peak of planning (profiling included) plus two steps under the plan, above the baseline;
     ``memory`` may be a function of the profile; ``everything`` forces that decision on every block."""
     baseline = _fresh_memory()
@@ -251,14 +252,15 @@ def _planned_peak_bytes(name, tracker, memory=None, everything=None, forced_memo
     model, inputs, loss_fn = LARGE[name]()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     tracker.start()
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, precision=precision)
     decisions = {block.name: everything for block in profile.blocks} if everything else None
     if callable(memory):
         memory = memory(profile)
     if forced_memory_from_prediction:
         memory = oomless.plan(model, inputs, 2**40, decisions=decisions, profile=profile,
-                              min_swap_bytes=0).predicted_peak_bytes
-    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
+                              min_swap_bytes=0, precision=precision).predicted_peak_bytes
+    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0,
+                        precision=precision)
     oomless.apply(model, plan)
     _steps(model, inputs, loss_fn, optimizer)
     peak = tracker.peak() - baseline

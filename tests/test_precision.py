@@ -28,14 +28,15 @@ def _to_fp32(output, dtype):
     return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t, output)
 
 
-def _train_plain(model, inputs, loss_fn, precision, steps=2, scaler=None, lr=1e-2):
-    """Plain PyTorch with autocast around the forward (and GradScaler when given)."""
+def train_plain_autocast(model, inputs, loss_fn, precision, steps=2, scaler=None, lr=1e-2):
+    """Plain PyTorch with autocast around the forward (and GradScaler when given), on the inputs'
+    device (tests/test_cuda_precision.py runs it on CUDA)."""
     dtype = DTYPES[precision]
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(100 + step)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(inputs.device.type, dtype=dtype):
             output = model(inputs)
         loss = loss_fn(_to_fp32(output, dtype))
         if scaler is None:
@@ -61,7 +62,7 @@ def test_bf16_equals_plain_autocast(model_name, policy):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     oomless.apply(model, plan, optimizer=optimizer)
 
-    _train_plain(reference, inputs, loss_fn, "bf16")
+    train_plain_autocast(reference, inputs, loss_fn, "bf16")
     train_steps(model, optimizer, inputs, loss_fn)
 
     _assert_same(reference, model)
@@ -135,7 +136,7 @@ def test_fp16_equals_grad_scaler(policy, initial_scale, growth_interval):
     precision_state(model).scaler.growth_interval = growth_interval
     scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale, growth_interval=growth_interval)
 
-    _train_plain(reference, inputs, loss_fn, "fp16", steps=4, scaler=scaler)
+    train_plain_autocast(reference, inputs, loss_fn, "fp16", steps=4, scaler=scaler)
     train_steps(model, optimizer, inputs, loss_fn, steps=4)
 
     stats = oomless.stats(model)
