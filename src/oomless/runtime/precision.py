@@ -222,8 +222,9 @@ class LossScaler:
 
 
 def _fsdp_modules(model: nn.Module) -> list:
-    """The modules of ``model`` that FSDP2's ``fully_shard`` made units, outermost first."""
-    if not torch.distributed.is_available():
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made units, outermost first. Without a
+    process group there are none (``fully_shard`` needs one): no walk over the modules then."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return []
     from torch.distributed.fsdp import FSDPModule
 
