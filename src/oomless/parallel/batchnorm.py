@@ -58,6 +58,10 @@ class GlobalBatchNorm(_BatchNorm):
             world_size, total = 1, _this_rank_only
         else:
             total = partial(sum_across_ranks, group=self.group)
+        # A bf16/fp16 input (a convolution's output under autocast) is normalised in fp32 and the
+        # result given back in its dtype, as torch's BatchNorm kernels do (their accumulate type):
+        # statistics summed in bf16 lose up to 2^-8 of each sum, and the running statistics with them.
+        dtype, input = input.dtype, input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         dims = [0, *range(2, input.dim())]
         count = input.numel() // input.size(1) * world_size
         mean = total(input.sum(dim=dims)) / count
@@ -76,8 +80,8 @@ class GlobalBatchNorm(_BatchNorm):
         # and the channels' scale, not the normalised tensor a separate affine product would save.
         scale = torch.rsqrt(variance + self.eps)
         if not self.affine:
-            return centred * scale.view(shape)
-        return centred * (scale * self.weight).view(shape) + self.bias.view(shape)
+            return (centred * scale.view(shape)).to(dtype)
+        return (centred * (scale * self.weight).view(shape) + self.bias.view(shape)).to(dtype)
 
 
 def _this_rank_only(tensor: torch.Tensor) -> torch.Tensor:
