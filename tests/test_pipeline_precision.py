@@ -1,6 +1,6 @@
 """Pipeline and hybrid layouts under ``--precision bf16|fp16`` and ``--compile`` train what one process
 trains: gloo on CPU, 2 pipeline ranks and a 2 x 2 pipeline x data hybrid, 5 SGD-momentum steps
-(tests/pipeline_workers.py).
+(tests/pipeline_workers.py), then the training loop itself (6 Adam steps, `oomless train`'s U-Net).
 
 The reference is one process with the whole forward under ``torch.autocast``, the loss in fp32 on its
 output brought to fp32, fp16 with ``torch.amp.GradScaler`` (`train_reference`; what oomless's
@@ -21,17 +21,27 @@ Tolerances, and why:
 - Every comparison also checks that the reference at its precision is further from the fp32 one than
   100x the tolerance (bf16: 5.5e-4 for the transformer, 1.1e-2 for the U-Net), so a layout that
   silently trained in fp32 would fail.
+- The training loop's hybrid normalises BatchNorm over the replicas (`GlobalBatchNorm`, fp32 statistics
+  summed per replica, then across): its statistics differ from one process's kernel in the last fp32
+  bit, which flips the bf16 rounding of some normalised elements, and 6 Adam steps spread that over
+  the weights (1.5e-3 bf16 and 2.5e-3 fp16 max, 8e-4 for dp; bf16 vs fp32 is 3.5e-3), so no weight
+  tolerance separates it from fp32 there. Its first loss (no step yet) is compared instead, to 1e-6
+  relative (measured 7e-8; fp32's differs by 7e-4 from bf16's, 1.2e-5 from fp16's), and its run with
+  per-stage plans to the one without, bitwise.
 """
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, stage_shapes
 from oomless.parallel.stage_fit import _stage_inputs
+from oomless.runtime.precision import LossScaler
+from tests.parallel_workers import run_jobs, tiny_config
 from tests.pipeline_workers import STEPS, build, run_pipeline_jobs, train_reference
 
 TOLERANCE = 1e-6
@@ -192,3 +202,85 @@ def test_fp16_pipelines_need_the_models_loss_scaler():
         PipelineParallel(sequence, [0, 4, 8], None, 1, example=(torch.randn(1, 1, 8, 8, 8),), precision="fp16")
     with pytest.raises(InputError, match="precision must be one of fp32, bf16, fp16"):
         PipelineParallel(sequence, [0, 4, 8], None, 1, example=(torch.randn(1, 1, 8, 8, 8),), precision="fp8")
+
+
+def _train_one_process(tmp_path, name: str, **overrides) -> dict:
+    """`oomless train` in this process (one thread, as the workers), its ``--save``d weights."""
+    from oomless.train import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = train(tiny_config(save=tmp_path / f"{name}.safetensors", **overrides))
+    finally:
+        torch.set_num_threads(threads)
+    return {"weights": load_file(str(tmp_path / f"{name}.safetensors")), "result": result}
+
+
+def _assert_bitwise(first: dict, second: dict, label) -> None:
+    assert first.keys() == second.keys()
+    unequal = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not unequal, (label, unequal[:3], _max_difference(first, second))
+
+
+LOOP = dict(steps=6, global_batch=4)
+PIPELINE = dict(mode="pipeline", stages=2, microbatches=1)
+# Where the first fp16 steps overflow (the U-Net's scaled gradients pass 65504): steps 0 and 1 are
+# skipped, the scale halves twice, and the run trains from 2**17 on. Carrying the scale through a
+# checkpoint or a layout switch then shows: a scale started afresh would skip twice more.
+OVERFLOWING_SCALE = 2.0**19
+
+
+def test_the_training_loop_pipelines_under_bf16_fp16_and_compile_as_one_process(tmp_path, monkeypatch):
+    """``oomless train --parallel pipeline --precision bf16|fp16 [--memory] [--compile]`` with one
+    micro-batch trains bitwise what one process trains at that precision; fp16's skipped steps and
+    scale go through a checkpoint and a switch from dp."""
+    fp16 = dict(precision="fp16", initial_loss_scale=OVERFLOWING_SCALE)
+    run = tmp_path / "run"
+    jobs = [
+        ("bf16", dict(parallel=PIPELINE, precision="bf16", **LOOP)),
+        ("bf16-planned", dict(parallel=PIPELINE, precision="bf16", memory="4MiB", **LOOP)),
+        ("bf16-compiled", dict(parallel=PIPELINE, precision="bf16", compile=COMPILE, **LOOP)),
+        ("bf16-compiled-planned", dict(parallel=PIPELINE, precision="bf16", compile=COMPILE, memory="4MiB", **LOOP)),
+        ("fp16", dict(parallel=PIPELINE, **fp16, **LOOP)),
+        ("fp16-first-half", dict(parallel=PIPELINE, checkpoint_dir=str(run), **fp16, steps=3, global_batch=4)),
+        ("fp16-resumed", dict(parallel=PIPELINE, checkpoint_dir=str(run), resume=True, **fp16, **LOOP)),
+        ("fp16-dp-to-pipeline", dict(parallel=dict(mode="dp", microbatches=1, switch=[(3, "pipeline:2")]), **fp16,
+                                     **LOOP)),
+    ]
+    results = run_jobs(2, jobs, tmp_path)
+    weights = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name, _ in jobs}
+    bf16 = _train_one_process(tmp_path, "one-bf16", precision="bf16", **LOOP)
+    fp32 = _train_one_process(tmp_path, "one-fp32", **LOOP)
+    monkeypatch.setattr(LossScaler.__init__, "__defaults__",        # what start_loss_scale_at does in the workers
+                        (OVERFLOWING_SCALE, *LossScaler.__init__.__defaults__[1:]))
+    one_fp16 = _train_one_process(tmp_path, "one-fp16", precision="fp16", **LOOP)
+    for name in ("bf16", "bf16-planned", "bf16-compiled", "bf16-compiled-planned"):
+        _assert_bitwise(weights[name], bf16["weights"], name)
+    assert _max_difference(bf16["weights"], fp32["weights"]) > 1e-3, "bf16 trained other weights than fp32"
+    assert one_fp16["result"].skipped_steps == 2, "steps 0 and 1 overflow at 2**19"
+    for name in ("fp16", "fp16-resumed"):
+        _assert_bitwise(weights[name], one_fp16["weights"], name)
+        assert results[name]["skipped_steps"] == 2, name
+    assert len(results["fp16-resumed"]["losses"]) == 3 and results["fp16-first-half"]["skipped_steps"] == 2
+    # dp skipped steps 0 and 1; the pipeline went on from step 3 at the scale dp left (2**17), not 2**19.
+    assert results["fp16-dp-to-pipeline"]["layouts"] == [[0, "dp"], [3, "pipeline with 2 stages (1f1b)"]]
+    assert results["fp16-dp-to-pipeline"]["skipped_steps"] == 2
+
+
+def test_the_training_loops_hybrid_runs_under_bf16_and_fp16(tmp_path):
+    """``--parallel hybrid`` (2 x 2, BatchNorm over the replicas) under bf16 and fp16: the first loss
+    equals one process's at that precision (see the module docstring for why not the weights), the
+    stages' plans change nothing, and the run really trained at its precision."""
+    hybrid = dict(mode="hybrid", stages=2, microbatches=1)
+    jobs = [("bf16", dict(parallel=hybrid, precision="bf16", **LOOP)),
+            ("bf16-planned", dict(parallel=hybrid, precision="bf16", memory="4MiB", **LOOP)),
+            ("fp16", dict(parallel=hybrid, precision="fp16", **LOOP))]
+    results = run_jobs(4, jobs, tmp_path)
+    _assert_bitwise(load_file(str(tmp_path / "bf16.safetensors")), load_file(str(tmp_path / "bf16-planned.safetensors")),
+                    "bf16-planned")
+    first = {precision: _train_one_process(tmp_path, f"one-{precision}", precision=precision, **LOOP)["result"]
+             .history[0]["loss"] for precision in ("fp32", "bf16", "fp16")}
+    for precision in ("bf16", "fp16"):       # measured 7e-8 from their own; from fp32's 7e-4 (bf16), 1.2e-5 (fp16)
+        assert results[precision]["losses"][0] == pytest.approx(first[precision], rel=1e-6), precision
+        assert results[precision]["losses"][0] != pytest.approx(first["fp32"], rel=1e-6), precision

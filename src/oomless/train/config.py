@@ -11,7 +11,7 @@ from oomless.data.config import DataConfig
 from oomless.errors import InputError
 from oomless.output_paths import check_output_path
 from oomless.parallel.config import ParallelConfig
-from oomless.runtime.compile import check_compile_available
+from oomless.runtime.compile import check_compile_available, compile_options
 from oomless.runtime.precision import autocast_dtype, check_precision
 from oomless.sizes import parse_bytes
 
@@ -59,7 +59,9 @@ class TrainConfig:
     deterministic: bool = False
     max_grad_norm: float | None = None      # clip gradients to this global L2 norm before each step
     precision: str = "fp32"                 # "bf16" | "fp16": forward under torch.autocast (runtime/precision.py)
-    compile: bool = False                   # torch.compile each block in place (runtime/compile.py)
+    # torch.compile each block in place (runtime/compile.py): True, or a dict of torch.compile options
+    # ({"backend": "aot_eager"}, {"mode": "max-autotune-no-cudagraphs"}); the CLI's --compile is True.
+    compile: bool | dict = False
     split: str = "auto"                     # chains in slabs (runtime/split.py): "auto" (the planner's choice) | "all" | "off"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig | None = None
@@ -105,15 +107,6 @@ class TrainConfig:
         if self.split == "all" and self.parallel.mode != "none":
             raise InputError(f"--split all is for one process: under --parallel {self.parallel.mode} BatchNorm takes "
                              "global-batch statistics, which chains in slabs do not compute yet; use --split off")
-        layouts = [self.parallel] + [self.parallel.with_layout(layout)
-                                     for _, layout in self.parallel.switch + self.parallel.switch_when]
-        if self.precision != "fp32" and any(layout.pipelined for layout in layouts):
-            raise InputError(f"--precision {self.precision} is not supported with pipeline or hybrid layouts yet "
-                             "(their schedules compute the loss inside the stages); use --precision fp32 there, "
-                             "or dp / local-sgd / async")
-        if self.compile and any(layout.pipelined for layout in layouts):
-            raise InputError("--compile is not supported with pipeline or hybrid layouts yet (each stage is planned "
-                             "on its own, uncompiled); drop --compile there, or use dp / local-sgd / async")
         if self.parallel.sharded and (self.precision != "fp32" or self.compile):
             option = f"--precision {self.precision}" if self.precision != "fp32" else "--compile"
             raise InputError(f"{option} is not supported with --parallel fsdp yet (FSDP's own mixed precision and "
@@ -131,8 +124,9 @@ class TrainConfig:
         device = self.resolve_device()
         if self.precision != "fp32":
             check_precision(self.precision, device)     # before any step: the option and what works instead
-        if self.compile:
-            check_compile_available({})
+        options = compile_options(self.compile)     # raises InputError on a value that is not True/False/dict
+        if options is not None:
+            check_compile_available(options)
         return self
 
     def resolve_device(self) -> torch.device:

@@ -31,7 +31,7 @@ from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
 from oomless.profile.blocks import find_blocks
-from oomless.runtime.compile import apply_compile
+from oomless.runtime.compile import apply_compile, compile_options
 from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
@@ -227,8 +227,8 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             else:       # no plan: autocast (and loss scaling) and compiled blocks alone
                 if config.precision != "fp32":
                     apply_precision(model, config.precision, optimizer)
-                if config.compile:
-                    apply_compile(model, [name for name, _ in find_blocks(model)], {})
+                if config.compile and not layout.pipelined:     # a pipeline compiles its stages' blocks
+                    apply_compile(model, [name for name, _ in find_blocks(model)], compile_options(config.compile))
             if step != start_step:
                 load_loss_scale_state(model, loss_scale)
             resume_now = step == start_step and resumable
@@ -238,8 +238,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
-            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example,
-                                           memory=config.memory_bytes if layout.pipelined else None)
+            stage_options = dict(memory=config.memory_bytes, compile=compile_options(config.compile)) \
+                if layout.pipelined else {}
+            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example, **stage_options)
             # The plan counts one batch (its inputs and the loss's targets): the steps' own. Kept
             # here, the first batch would be a second one through every step (6 MiB at the demo's
             # 2 x 64^3, 256 MiB budget: measured peaks 256-274 MiB with it).
