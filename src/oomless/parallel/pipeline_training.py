@@ -27,8 +27,9 @@ switches); the model's own forward never runs. The stages run under autocast wit
 tensors in their autocast dtype and the last stage's output in fp32 (`stage_precision`), so the
 layout trains what one process trains under ``--precision`` with the same global batch. The cut's
 profile and the stages' plans are measured at that precision (bf16 bytes, not fp32's). ``--compile``
-compiles each stage's blocks in place (with its plan when ``--memory`` gives one); the cut is profiled
-eager (a compiled block saves at most what the eager one saves).
+compiles each stage's blocks in place (with its plan when ``--memory`` gives one, profiled compiled);
+the cut's profile, on rank 0 only, runs eager: compiling every block there would be a second
+compilation of the whole model for an estimate of time and bytes per block.
 """
 
 import json
