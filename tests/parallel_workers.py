@@ -78,6 +78,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
             overrides = dict(overrides)
             tight = overrides.pop("plan_tight", None)
             cycle = overrides.pop("plan_cycle", None)
+            start_loss_scale_at(overrides.pop("initial_loss_scale", None))
             config = tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides)
             if cycle is not None:
                 result, measured = _train_cycling(config, cycle)
@@ -93,6 +94,16 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
+
+
+def start_loss_scale_at(scale: float | None) -> None:
+    """fp16 runs in this process start from loss scale ``scale`` (None: GradScaler's 2**16). The
+    training loop has no option for it; a test sets it high enough that the first steps overflow
+    and are skipped, so that carrying the scale (checkpoints, layout switches) is visible."""
+    from oomless.runtime.precision import LossScaler
+
+    defaults = LossScaler.__init__.__defaults__
+    LossScaler.__init__.__defaults__ = (2.0**16 if scale is None else float(scale), *defaults[1:])
 
 
 def _parameter_elements(model) -> dict:

@@ -10,7 +10,11 @@ optionally dp (replicas; the world is P x dp), policy (every stage planned by th
 that decision on every block), clip (gradients clipped to that global norm), volumes (the U-Net's
 global batch; default `UNET_VOLUMES`) and global_batchnorm (BatchNorm statistics over every
 replica's micro-batch, as `oomless.parallel.pipeline_training` sets up; otherwise each replica's
-BatchNorm normalises and tracks its own shard, so replicas' buffers differ and are not saved)."""
+BatchNorm normalises and tracks its own shard, so replicas' buffers differ and are not saved),
+precision ("bf16" | "fp16": the stages under autocast, as `oomless train --precision` runs them,
+the whole model's `apply_precision` owning fp16's loss scaler), overflow ({"step", "parameter",
+"rank"}: that rank sets one element of that parameter's gradient to inf after that step's backward,
+an fp16 overflow only it sees) and compile (torch.compile options for every stage's blocks)."""
 
 from pathlib import Path
 
@@ -23,8 +27,10 @@ from oomless.models import TinyTransformer, UNet3D
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.block_sequence import sequence_for, transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import PipelineParallel, pipeline_mesh
-from oomless.parallel.stage_fit import fit_stages
+from oomless.parallel.stage_fit import compile_stages, fit_stages
+from oomless.parallel.stage_precision import stage_autocast
 from oomless.parallel.traced import TracedSequence
+from oomless.runtime.precision import apply_precision, autocast_dtype
 from tests.parallel_workers import join, rendezvous
 
 STEPS = 5
@@ -93,13 +99,27 @@ def batch(kind: str, step: int, volumes: int = UNET_VOLUMES) -> tuple[torch.Tens
     return volumes, (volumes[:, 0] > 0).long()
 
 
-def reference(kind: str, chunks: int = 1, clip: float | None = None,
-              volumes: int = UNET_VOLUMES) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(kind: str, chunks: int = 1, clip: float | None = None, volumes: int = UNET_VOLUMES,
+              precision: str = "fp32", overflow: dict | None = None) -> tuple[dict[str, torch.Tensor],
+                                                                               dict[str, torch.Tensor]]:
     """(parameters, buffers) after plain PyTorch on one process, the whole global batch per step;
     with ``chunks`` > 1 the batch is split into that many equal chunks whose mean-loss gradients are
     averaged (accumulation): the same gradient for a per-sample loss, but BatchNorm normalises each
     chunk by its own statistics and updates its running statistics once per chunk, in order, as a
-    pipeline stage does each micro-batch of each replica."""
+    pipeline stage does each micro-batch of each replica. ``precision`` and ``overflow``: see
+    `train_reference`."""
+    model, _ = train_reference(kind, chunks, clip, volumes, precision, overflow)
+    return ({name: parameter.detach().clone() for name, parameter in model.named_parameters()},
+            {name: buffer.detach().clone() for name, buffer in model.named_buffers()})
+
+
+def train_reference(kind: str, chunks: int = 1, clip: float | None = None, volumes: int = UNET_VOLUMES,
+                    precision: str = "fp32", overflow: dict | None = None):
+    """(model, GradScaler or None) trained as `reference` says. With ``precision`` the forward runs
+    under ``torch.autocast`` and the loss on its output brought to fp32 (what oomless's precision does
+    in one process, tests/test_precision.py), fp16 with ``torch.amp.GradScaler`` (unscale_ before
+    clipping); ``overflow`` sets one element of ``overflow["parameter"]``'s gradient to inf after
+    step ``overflow["step"]``'s backward, which GradScaler skips."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # the workers run one thread; CPU kernels' sums depend on the split
     try:
@@ -109,18 +129,30 @@ def reference(kind: str, chunks: int = 1, clip: float | None = None,
         else:
             model, _, loss_fn = build(kind)
         optimizer = make_optimizer(model.parameters())
+        dtype = autocast_dtype(precision)
+        scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
         for step in range(STEPS):
             inputs, target = batch(kind, step, volumes)
             optimizer.zero_grad()
             for part, part_target in zip(inputs.chunk(chunks), target.chunk(chunks)):
-                (loss_fn(model_output(kind, model(part)), part_target) / chunks).backward()
+                with stage_autocast("cpu", dtype):
+                    output = model_output(kind, model(part))
+                loss = loss_fn(output.float(), part_target) / chunks
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if overflow is not None and step == overflow["step"]:
+                dict(model.named_parameters())[overflow["parameter"]].grad.view(-1)[0] = float("inf")
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
     finally:
         torch.set_num_threads(threads)
-    return ({name: parameter.detach().clone() for name, parameter in model.named_parameters()},
-            {name: buffer.detach().clone() for name, buffer in model.named_buffers()})
+    return model, scaler
 
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: str) -> None:
@@ -138,20 +170,36 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
             volumes = job.get("volumes", UNET_VOLUMES)
             inputs, _ = batch(job["kind"], 0, volumes)
             example = (inputs.chunk(replicas)[replica].chunk(job["microbatches"])[0],)
+            # Over the whole model, as the training loop's: parameters of other ranks' stages get no
+            # gradient and are skipped. Built first: fp16's loss scaler hooks its steps.
+            optimizer = make_optimizer(model.parameters())
+            precision = job.get("precision", "fp32")
+            scaler = None
+            if precision != "fp32":
+                # As the training loop: the whole model's precision owns the loss scaler (its forward never runs).
+                scaler = apply_precision(model, precision, optimizer).scaler
             pipeline = PipelineParallel(sequence, job["cuts"], loss_fn, job["microbatches"], job["schedule"],
                                         group=mesh["pp"].get_group(), dp_group=mesh["dp"].get_group(),
-                                        example=example)
+                                        example=example, precision=precision, scaler=scaler)
             plans = []
             if "policy" in job:
                 _, target = batch(job["kind"], 0, volumes)
                 target = target.chunk(replicas)[replica].chunk(job["microbatches"])[0]
                 plans = fit_stages(pipeline, "64GiB", target=target, policy=job["policy"],
-                                   min_swap_bytes=0)     # the tiny models' saved tensors are small
-            optimizer = make_optimizer(pipeline.parameters())
+                                   min_swap_bytes=0,     # the tiny models' saved tensors are small
+                                   compile=job.get("compile"))
+            elif "compile" in job:
+                compile_stages(pipeline, job["compile"])
+            if "compile" in job:
+                torch._dynamo.reset()       # graphs cached by an earlier job would not be counted again
+            overflow = job.get("overflow")
+            graphs_before = _compiled_graphs()
             for step in range(STEPS):
                 inputs, target = batch(job["kind"], step, volumes)
                 optimizer.zero_grad()
                 pipeline.step(inputs.chunk(replicas)[replica], target=target.chunk(replicas)[replica])
+                if overflow is not None and step == overflow["step"] and rank == overflow["rank"]:
+                    dict(model.named_parameters())[overflow["parameter"]].grad.view(-1)[0] = float("inf")
                 if "clip" in job:
                     pipeline.clip_grad_norm_(job["clip"])
                 optimizer.step()
@@ -165,10 +213,25 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
                 # What each of this rank's stages was planned to do, and what its runtime did.
                 "stages": [{"decisions": sorted(set(plan.decisions.values())),
                             "saving_blocks": sum(block.saved_bytes > 0 for block in plan.blocks),
+                            "saved_bytes": sum(block.saved_bytes for block in plan.blocks),
+                            "precision": plan.precision,
                             **_runtime_counts(module)} for plan, module in zip(plans, pipeline.modules)],
+                # fp16: this rank's loss scale and skipped steps.
+                "scaler": None if scaler is None else {"scale": scaler.scale, "skipped_steps": scaler.skipped_steps},
+                # Compiled: this rank's stage modules running compiled code, and the graphs dynamo made.
+                "compiled": {"modules": sum(getattr(inner, "_compiled_call_impl", None) is not None
+                                            for module in pipeline.modules for inner in module.modules()),
+                             "graphs": _compiled_graphs() - graphs_before},
             }, Path(out_dir) / f"{job['name']}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def buffers_agree(job: dict) -> bool:
@@ -201,16 +264,19 @@ def _runtime_counts(module) -> dict[str, int]:
 def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[str, dict]:
     """Run ``jobs`` in ``world_size`` gloo processes; per job, {"parameters": every stage's parameters
     merged, "buffers": the same of buffers (jobs without replicas), "stages": per rank, what each of
-    its stages' plans said and did (jobs with a policy)}."""
+    its stages' plans said and did (jobs with a policy), "scalers": per rank, fp16's loss scale and
+    skipped steps (None without fp16), "compiled": per rank, stage modules compiled and graphs made}."""
     with rendezvous() as port:
         mp.start_processes(_worker, args=(world_size, port, jobs, str(out_dir)), nprocs=world_size,
                            start_method="spawn")
     merged = {}
     for job in jobs:
-        result = merged[job["name"]] = {"parameters": {}, "buffers": {}, "stages": []}
+        result = merged[job["name"]] = {"parameters": {}, "buffers": {}, "stages": [], "scalers": [], "compiled": []}
         for rank in range(world_size):
             saved = torch.load(Path(out_dir) / f"{job['name']}-rank{rank}.pt", weights_only=True)
             result["stages"].append(saved["stages"])
+            result["scalers"].append(saved["scaler"])
+            result["compiled"].append(saved["compiled"])
             for kind in ("parameters", "buffers"):
                 for name, tensor in saved[kind].items():
                     # A tied parameter lives on two stages, every parameter on each replica: all copies

@@ -155,6 +155,7 @@ def test_the_cut_is_profiled_at_one_micro_batch_when_their_number_is_given(monke
     strategy = PipelineTraining.__new__(PipelineTraining)        # no process group: the cut alone
     strategy.config = ParallelConfig(mode="pipeline", stages=2, microbatches=microbatches)
     strategy.optimizer, strategy.memory, strategy.device = torch.optim.Adam(model.parameters()), None, torch.device("cpu")
+    strategy.precision = "fp32"
     partition = strategy._partition(sequence_for(model), (volumes, labels))
     assert profiled == [4 // (microbatches or 1)]
     assert partition.stages == 2 and (microbatches is None or partition.microbatches == microbatches)

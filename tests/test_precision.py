@@ -304,12 +304,18 @@ def test_train_with_a_budget_equals_autocast_alone():
     assert fp16.stats.loss_scale is not None and fp16.skipped_steps == fp16.stats.skipped_steps
 
 
-def test_train_rejects_precision_with_pipeline():
+def test_train_takes_precision_and_compile_with_pipeline_layouts():
+    """``--precision bf16|fp16`` and ``--compile`` under pipeline and hybrid, and switches to them,
+    validate (they were refused before each stage ran under autocast); what they train is checked in
+    tests/test_pipeline_precision.py. A pipeline built by hand at fp16 without the model's loss
+    scaler is refused there."""
     from oomless.parallel.config import ParallelConfig
     from oomless.train import TrainConfig
 
-    with pytest.raises(InputError, match="not supported with pipeline or hybrid"):
-        TrainConfig(precision="bf16", parallel=ParallelConfig(mode="pipeline")).validate()
+    for precision in ("bf16", "fp16"):
+        TrainConfig(precision=precision, parallel=ParallelConfig(mode="pipeline")).validate()
+        TrainConfig(precision=precision, compile={"backend": "aot_eager"}, memory="1GiB",
+                    parallel=ParallelConfig(mode="dp", switch=[(2, "hybrid:2")])).validate()
 
 
 def test_segmentation_loss_runs_in_fp32_on_fp32_outputs():

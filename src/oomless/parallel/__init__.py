@@ -16,11 +16,15 @@ launched by ``torchrun``.
 - `traced.py`          any other model traced with torch.export into such blocks, unmodified;
                        `traced_graph.py` cuts the exported graph.
 - `pipeline.py`        pipeline stages and torch's schedules; a (pipeline x data) mesh.
+- `stage_precision.py` bf16 / fp16 on stages: autocast per stage, crossing tensors in their autocast
+                       dtype, the loss on fp32 outputs, fp16's loss scale and skips agreed by every rank.
+- `stage_fit.py`       each stage's own memory plan (at the pipeline's precision), its blocks compiled.
 - `pipeline_training.py` the loop's pipeline / hybrid layout: cut chosen by the partitioner.
 
     torchrun --nproc-per-node 2 -m oomless train --parallel dp --global-batch 4 --size 32
     torchrun --nproc-per-node 2 -m oomless train --parallel fsdp --global-batch 4 --size 32
     torchrun --nproc-per-node 4 -m oomless train --parallel hybrid --stages 2 --switch-at 10:dp
+    torchrun --nproc-per-node 2 -m oomless train --parallel pipeline --stages 2 --precision bf16 --compile
 """
 
 import torch

@@ -25,6 +25,10 @@ Schedules (`SCHEDULES`; ``cuts`` gives P x V stages for P pipeline ranks, V stag
 The micro-batch loss is averaged by ``loss_fn`` and gradients are divided by the number of
 micro-batches, so with equal micro-batches the gradient is that of the mean loss over them. With a
 data-parallel group, gradients are then averaged across replicas (each replica runs its own shard).
+
+``precision="bf16"|"fp16"`` runs every stage's forward under ``torch.autocast``, the tensors crossing
+a cut in their autocast dtype and the loss on fp32 outputs, fp16 with the model's loss scale
+(`oomless.parallel.stage_precision`).
 """
 
 import torch
@@ -35,6 +39,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import BlockSequence
+from oomless.parallel.stage_precision import apply_stage_precision, check_stage_precision, loss_ready_outputs, \
+    stage_autocast
 from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, microbatch_problem, stage_ranks
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -73,12 +79,16 @@ class PipelineParallel:
     """This process's stages of ``sequence`` cut at ``cuts`` (stage i holds blocks cuts[i]..cuts[i+1]),
     their `PipelineStage`s and the schedule. ``group`` is the pipeline's process group (default: the
     world), this process's rank in it places its stages; ``dp_group``, if given, holds the replicas
-    of this process's stages, across which gradients are averaged after every step."""
+    of this process's stages, across which gradients are averaged after every step. ``precision``
+    "bf16" or "fp16" runs the stages under autocast; fp16 takes the model's `LossScaler` as ``scaler``
+    (`oomless.parallel.stage_precision`)."""
 
     def __init__(self, sequence: BlockSequence, cuts: list[int], loss_fn, microbatches: int,
                  schedule: str = "1f1b", device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
-                 dp_group: dist.ProcessGroup | None = None, *, example: tuple[torch.Tensor, ...]):
+                 dp_group: dist.ProcessGroup | None = None, *, example: tuple[torch.Tensor, ...],
+                 precision: str = "fp32", scaler=None):
         _check_cuts(cuts, len(sequence.blocks))
+        dtype = check_stage_precision(precision, scaler)
         if schedule not in SCHEDULE_CLASSES:
             raise InputError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}")
         ranks, stages = dist.get_world_size(group), len(cuts) - 1
@@ -93,7 +103,13 @@ class PipelineParallel:
         self.stage_indices = [stage for stage in range(stages) if placement[stage] == self.rank]
         device = torch.device(device)
         self.modules = [sequence.stage(cuts[stage], cuts[stage + 1]).to(device) for stage in self.stage_indices]
-        shapes = stage_shapes(sequence, cuts, example)
+        shapes = stage_shapes(sequence, cuts, example, dtype)
+        for module, stage in zip(self.modules, self.stage_indices):
+            apply_stage_precision(module, precision, device.type, stage == stages - 1, scaler)
+        if scaler is not None:
+            # Each rank holds its stages' gradients only: all skip an overflowed step, or none does.
+            # With replicas, every rank of the (pipeline x data) mesh, which spans the world (`pipeline_mesh`).
+            scaler.agreement_group = group if group is not None and dp_group is None else dist.group.WORLD
         self.stages = [PipelineStage(module, stage, stages, device, input_args=shapes[stage][0],
                                      output_args=shapes[stage][1], group=group)
                        for module, stage in zip(self.modules, self.stage_indices)]
@@ -105,6 +121,7 @@ class PipelineParallel:
         # What `oomless.parallel.stage_fit` needs to plan this rank's stages.
         self.sequence, self.cuts, self.example, self.loss_fn, self.device = sequence, cuts, example, loss_fn, device
         self.schedule_name, self.microbatches = schedule, microbatches
+        self.precision, self.autocast_dtype, self.scaler = precision, dtype, scaler
         self.pipeline_ranks, self.stages_per_rank = ranks, stages // ranks
         self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
         self.owners = tensor_owners(sequence, cuts, placement)
@@ -202,25 +219,44 @@ class PipelineParallel:
 
 
 @torch.enable_grad()
-def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.Tensor, ...]) -> list[tuple]:
+def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.Tensor, ...],
+                 dtype: torch.dtype | None = None) -> list[tuple]:
     """(inputs, outputs) of every stage for one micro-batch shaped like ``example``, as meta tensors:
     the static shapes `PipelineStage` takes instead of inferring them. Its own inference runs each
     stage on uninitialised tensors of the right shape, which BatchNorm would count and fold into its
-    running statistics; here each stage runs on meta copies of its parameters and buffers
-    (``functional_call``), so the model is untouched and nothing is allocated. Gradients are on:
-    whether a stage's input requires a gradient decides whether the next stage sends one back."""
+    running statistics; here each stage runs on fake copies of its parameters and buffers
+    (``FakeTensorMode``, ``functional_call``), so the model is untouched and nothing is allocated.
+    Fake, not meta, tensors: they keep the device's dispatch keys, so ``torch.autocast`` applies to
+    them (meta tensors have no autocast): with ``dtype`` each stage runs under autocast, as it
+    trains, and what crosses a cut is declared in its autocast dtype (`stage_precision`); the last
+    stage's outputs in fp32. Gradients are on: whether a stage's input requires a gradient decides
+    whether the next stage sends one back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    values = tuple(tensor.to("meta") for tensor in example)
+    fake = FakeTensorMode()
+    device_type = example[0].device.type
+    values = tuple(fake.from_tensor(tensor) for tensor in example)
     shapes = []
-    for start, stop in zip(cuts, cuts[1:]):
+    for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
         module = sequence.stage(start, stop)
-        state = {name: tensor.to("meta") for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
-        produced = functional_call(module, state, values)
+        state = {name: fake.from_tensor(tensor) for name, tensor in [*module.named_parameters(),
+                                                                      *module.named_buffers()]}
+        with fake, stage_autocast(device_type, dtype):
+            produced = functional_call(module, state, values)
         produced = produced if isinstance(produced, tuple) else (produced,)
-        shapes.append((values, produced))
+        if stage == len(cuts) - 2:
+            with fake:
+                produced = loss_ready_outputs(produced, dtype)
+        shapes.append((tuple(_as_meta(tensor) for tensor in values), tuple(_as_meta(tensor) for tensor in produced)))
         values = produced
     return shapes
+
+
+def _as_meta(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``tensor``'s shape, strides, dtype and requires_grad (what `PipelineStage` reads)."""
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return meta.requires_grad_(tensor.requires_grad)
 
 
 def _parameters_in_several_ranks(sequence: BlockSequence, cuts: list[int],

@@ -19,6 +19,17 @@ parameters outside this rank's stages get no gradient, so the optimizer skips th
 checkpoint, ``--save`` or a layout switch, `synchronize` broadcasts every parameter, buffer and
 optimizer state from the rank that trains it, so every rank then holds the whole current state and
 the ordinary checkpoint code applies.
+
+Precision and compile: the loop applies ``--precision``'s hooks to the whole model
+(`oomless.runtime.precision.apply_precision`), which here own the fp16 loss scaler (unscaling each
+parameter's gradient, skipping overflowed steps, the scale in checkpoints and across layout
+switches); the model's own forward never runs. The stages run under autocast with the crossing
+tensors in their autocast dtype and the last stage's output in fp32 (`stage_precision`), so the
+layout trains what one process trains under ``--precision`` with the same global batch. The cut's
+profile and the stages' plans are measured at that precision (bf16 bytes, not fp32's). ``--compile``
+compiles each stage's blocks in place (with its plan when ``--memory`` gives one, profiled compiled);
+the cut's profile, on rank 0 only, runs eager: compiling every block there would be a second
+compilation of the whole model for an estimate of time and bytes per block.
 """
 
 import json
@@ -36,10 +47,11 @@ from oomless.parallel.config import ParallelConfig
 from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
 from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
-from oomless.parallel.stage_fit import UNLIMITED, fit_stages
+from oomless.parallel.stage_fit import UNLIMITED, compile_stages, fit_stages
 from oomless.parallel.traced import TracedSequence
 from oomless.plan.microbatches import choose_microbatches
 from oomless.plan.partition import Partition, partition_stages
+from oomless.runtime.precision import precision_state
 from oomless.train.losses import hard_dice, segmentation_loss
 
 
@@ -55,6 +67,7 @@ class PipelineTraining(Collectives):
         self.partition: Partition | None = None
         self.optimizer = None
         self.memory = None
+        self.precision = "fp32"
         self.plans: list = []
 
     def shard(self, step: int, global_batch: int) -> tuple[int, int]:
@@ -63,10 +76,15 @@ class PipelineTraining(Collectives):
         return step * global_batch + self.replica * count, count
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-                example=None, memory=None) -> nn.Module:
-        """Cut the model, build this rank's stages; with ``memory`` (bytes per rank) each stage
-        also gets its own plan from the fit engine (`oomless.parallel.stage_fit`)."""
+                example=None, memory=None, compile: dict | None = None) -> nn.Module:
+        """Cut the model, build this rank's stages at the precision applied to ``model`` (fp32 when
+        none is); with ``memory`` (bytes per rank) each stage also gets its own plan from the fit
+        engine (`oomless.parallel.stage_fit`); ``compile`` (torch.compile options) compiles each
+        stage's blocks."""
         self.max_grad_norm, self.optimizer, self.memory = max_grad_norm, optimizer, memory
+        applied = precision_state(model)
+        self.precision = "fp32" if applied is None else applied.precision
+        scaler = None if applied is None else applied.scaler
         dp_group = self.mesh["dp"].get_group()
         # Written by hand for the project's models, else traced (every rank traces: same blocks).
         sequence = sequence_for(model, None if example is None else example[0])
@@ -84,11 +102,14 @@ class PipelineTraining(Collectives):
             sequence, cuts, lambda logits, labels: segmentation_loss(logits, labels, sum_across),
             self.partition.microbatches, self.partition.schedule, self.device,
             group=self.mesh["pp"].get_group(), dp_group=dp_group,
-            example=(example[0].chunk(self.partition.microbatches)[0],))
+            example=(example[0].chunk(self.partition.microbatches)[0],), precision=self.precision, scaler=scaler)
         if memory is not None:
             labels = example[1].chunk(self.partition.microbatches)[0]
             with self.collective("per-stage plans (profiling with replica BatchNorm, plan broadcast)"):
-                self.plans = fit_stages(self.pipeline, memory, target=labels, optimizer_class=type(optimizer))
+                self.plans = fit_stages(self.pipeline, memory, target=labels, optimizer_class=type(optimizer),
+                                        compile=compile)
+        elif compile is not None:
+            compile_stages(self.pipeline, compile)
         return model
 
     def _cut(self, sequence: BlockSequence, example) -> Partition:
@@ -117,7 +138,7 @@ class PipelineTraining(Collectives):
             volumes, labels = volumes[:batch // microbatches], labels[:batch // microbatches]
         profile = oomless.profile(sequence, volumes, blocks=[f"steps.{block.name}" for block in sequence.blocks],
                                   loss_fn=lambda logits: segmentation_loss(logits, labels),
-                                  optimizer=self.optimizer)
+                                  optimizer=self.optimizer, precision=self.precision)
         for block in profile.blocks:
             block.name = block.name.removeprefix("steps.")
         try:

@@ -18,6 +18,14 @@ run once without gradients, their buffers and the RNG put back after, so no stat
 with the real loss on ``target``, the others with the sum of their outputs (the gradient's shape is
 what matters). Replicas of a stage take replica 0's plan: a recomputed block re-runs BatchNorm's
 all-reduce over the replicas in backward, so their plans must agree.
+
+Under the pipeline's precision (bf16 / fp16) each stage is profiled and planned at that precision,
+on inputs computed under autocast (they arrive in their autocast dtype), so the plan counts the bytes
+the stage saves. The plan is installed without its own precision hooks: the stage's autocast, fp32
+output and loss scale are the pipeline's (`oomless.parallel.stage_precision`), which a plan's would
+contradict (fp32 outputs at every stage, a loss scale at every boundary). With ``compile`` each
+stage's blocks are profiled compiled and compiled in place with the plan (`oomless.runtime.compile`);
+`compile_stages` compiles the same blocks where no stage is planned.
 """
 
 import dataclasses
@@ -26,21 +34,27 @@ import torch
 import torch.distributed as dist
 
 import oomless
+from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
 from oomless.profile import profiler
+from oomless.profile.blocks import find_blocks
 from oomless.profile.selective import without_selective
+from oomless.runtime.compile import apply_compile, check_compile_available, check_compile_composes
 from oomless.sizes import parse_bytes
 
 UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known (CPU)
 
 
 def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str | None = None,
-               optimizer_class=torch.optim.Adam, min_swap_bytes: int = 64 * 1024) -> list:
+               optimizer_class=torch.optim.Adam, min_swap_bytes: int = 64 * 1024, compile: dict | None = None) -> list:
     """Plan and apply the fit engine on every stage of ``pipeline`` on this rank, for ``memory``
     bytes per rank (split evenly among its stages); ``policy`` ("keep", "swap" or "recompute")
     forces that decision on every block instead of searching. Returns the plans, in the order of
-    ``pipeline.stage_indices``. ``optimizer_class`` sizes the optimizer state; ``min_swap_bytes``
-    is `oomless.plan`'s (a swap block keeps smaller saved storages)."""
+    ``pipeline.stage_indices``, at the pipeline's precision. ``optimizer_class`` sizes the optimizer
+    state; ``min_swap_bytes`` is `oomless.plan`'s (a swap block keeps smaller saved storages);
+    ``compile`` (torch.compile options, ``{}`` for the defaults) compiles each stage's blocks."""
+    if compile is not None:
+        check_compile_available(compile)
     inputs_by_stage = _stage_inputs(pipeline)
     share = parse_bytes(memory) // len(pipeline.modules)
     plans = []
@@ -54,10 +68,23 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
         in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
                                            pipeline.microbatches, pipeline.stages_per_rank)
         plan = _replica_zero_plan(pipeline, lambda: _plan_stage(module, inputs, loss_fn, share, in_flight,
-                                                                policy, optimizer_class, min_swap_bytes))
-        oomless.apply(module, plan)
+                                                                policy, optimizer_class, min_swap_bytes,
+                                                                pipeline.precision, compile))
+        # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
+        oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
         plans.append(plan)
     return plans
+
+
+def compile_stages(pipeline, options: dict) -> None:
+    """Compile the blocks of every stage of ``pipeline`` on this rank in place, with torch.compile
+    ``options``: the blocks a stage's plan compiles (`fit_stages` with ``compile``), for a pipeline
+    whose stages run without plans. The stages' own hooks (their precision) stay eager around them."""
+    check_compile_available(options)
+    for module in pipeline.modules:
+        names = [name for name, _ in find_blocks(module)]
+        check_compile_composes(module, names, options, None, pipeline.device)
+        apply_compile(module, names, options)
 
 
 def _loss_on(loss_fn, target: torch.Tensor):
@@ -65,18 +92,20 @@ def _loss_on(loss_fn, target: torch.Tensor):
 
 
 def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class,
-                min_swap_bytes: int):
+                min_swap_bytes: int, precision: str, compile: dict | None):
     optimizer = optimizer_class(module.parameters())
+    configured = dict(precision=precision, compile=False if compile is None else compile)
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
     # weight gradients), and torch's cache of kept outputs serves one replay.
-    profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer))
+    profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer, **configured))
     # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
     profile = dataclasses.replace(profile, gradients_from_backward=False)
     decisions = {block.name: policy for block in profile.blocks} if policy else None
-    roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile)
+    roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile, **configured)
     fixed = roomy.static_bytes + roomy.reserve_bytes
     memory = fixed + max(share - fixed, 0) // in_flight
-    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions, min_swap_bytes=min_swap_bytes)
+    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions, min_swap_bytes=min_swap_bytes,
+                        **configured)
     return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
 
 
@@ -108,7 +137,8 @@ def _stage_inputs(pipeline) -> dict[int, tuple[torch.Tensor, ...]]:
     """{stage: the real inputs it receives for the example micro-batch}, for this rank's stages.
     Earlier stages run here, without gradients, in the mode they train in (a traced sequence runs
     in no other); every buffer is put back after and the RNG state too, so no BatchNorm statistic
-    moves and dropout draws nothing. Replicas run the same stages: BatchNorm's all-reduces over
+    moves and dropout draws nothing. Under the pipeline's autocast, as they train: a stage receives
+    its inputs in their autocast dtype. Replicas run the same stages: BatchNorm's all-reduces over
     them match."""
     sequence, cuts = pipeline.sequence, pipeline.cuts
     buffers = [(buffer, buffer.clone()) for buffer in sequence.buffers()]
@@ -123,7 +153,8 @@ def _stage_inputs(pipeline) -> dict[int, tuple[torch.Tensor, ...]]:
                     break
                 module = sequence.stage(start, stop)
                 device = next((p.device for p in module.parameters()), values[0].device)
-                produced = module(*(tensor.to(device) for tensor in values))
+                with stage_autocast(device.type, pipeline.autocast_dtype):
+                    produced = module(*(tensor.to(device) for tensor in values))
                 values = produced if isinstance(produced, tuple) else (produced,)
     finally:
         for buffer, saved in buffers:

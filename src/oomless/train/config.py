@@ -107,15 +107,6 @@ class TrainConfig:
         if self.split == "all" and self.parallel.mode != "none":
             raise InputError(f"--split all is for one process: under --parallel {self.parallel.mode} BatchNorm takes "
                              "global-batch statistics, which chains in slabs do not compute yet; use --split off")
-        layouts = [self.parallel] + [self.parallel.with_layout(layout)
-                                     for _, layout in self.parallel.switch + self.parallel.switch_when]
-        if self.precision != "fp32" and any(layout.pipelined for layout in layouts):
-            raise InputError(f"--precision {self.precision} is not supported with pipeline or hybrid layouts yet "
-                             "(their schedules compute the loss inside the stages); use --precision fp32 there, "
-                             "or dp / local-sgd / async")
-        if self.compile and any(layout.pipelined for layout in layouts):
-            raise InputError("--compile is not supported with pipeline or hybrid layouts yet (each stage is planned "
-                             "on its own, uncompiled); drop --compile there, or use dp / local-sgd / async")
         if self.memory is not None:
             parse_bytes(self.memory)            # raises SizeError with the accepted formats
         if self.resume and self.checkpoint_dir is None:

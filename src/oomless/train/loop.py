@@ -227,7 +227,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             else:       # no plan: autocast (and loss scaling) and compiled blocks alone
                 if config.precision != "fp32":
                     apply_precision(model, config.precision, optimizer)
-                if config.compile:
+                if config.compile and not layout.pipelined:     # a pipeline compiles its stages' blocks
                     apply_compile(model, [name for name, _ in find_blocks(model)], compile_options(config.compile))
             if step != start_step:
                 load_loss_scale_state(model, loss_scale)
@@ -238,8 +238,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
-            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example,
-                                           memory=config.memory_bytes if layout.pipelined else None)
+            stage_options = dict(memory=config.memory_bytes, compile=compile_options(config.compile)) \
+                if layout.pipelined else {}
+            train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example, **stage_options)
             # The plan counts one batch (its inputs and the loss's targets): the steps' own. Kept
             # here, the first batch would be a second one through every step (6 MiB at the demo's
             # 2 x 64^3, 256 MiB budget: measured peaks 256-274 MiB with it).
