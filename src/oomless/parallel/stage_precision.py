@@ -30,8 +30,10 @@ or ``oomless train --parallel pipeline|hybrid --precision bf16|fp16``. Each stag
 - fp16: whether a step is skipped is decided by every pipeline rank together (the scaler's
   ``agreement_group``, MIN over the finite votes, a rank without gradients voting finite): each rank
   holds only its stages' gradients, and a step skipped on one rank but taken on another would leave
-  the stages' weights from different steps. The pipeline group suffices under hybrid too: the replica
-  average runs before the step, so an inf in one replica's gradient is in every replica's.
+  the stages' weights from different steps. With replicas (hybrid) every rank of the (pipeline x
+  data) mesh votes, the world: the replica average runs before the step, so an inf in one replica's
+  gradient is in every replica's and each pipeline's vote would agree anyway, but one group spanning
+  them all is one collective every rank joins at the same point.
 
 A stage's own memory plan (`oomless.parallel.stage_fit`) is profiled and planned at the pipeline's
 precision, and installed without the plan's precision hooks: those would bring a middle stage's
