@@ -215,6 +215,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[dict], out_dir: st
                             "saving_blocks": sum(block.saved_bytes > 0 for block in plan.blocks),
                             "saved_bytes": sum(block.saved_bytes for block in plan.blocks),
                             "precision": plan.precision,
+                            "output_freed_bytes": plan.output_freed_bytes,
                             **_runtime_counts(module)} for plan, module in zip(plans, pipeline.modules)],
                 # fp16: this rank's loss scale and skipped steps.
                 "scaler": None if scaler is None else {"scale": scaler.scale, "skipped_steps": scaler.skipped_steps},

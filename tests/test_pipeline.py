@@ -54,6 +54,8 @@ def _check_stage_plans(job: dict, stages_by_rank: list[list[dict]]) -> None:
     stages = [stage for by_rank in stages_by_rank for stage in by_rank]
     assert len(stages) == (len(job["cuts"]) - 1) * job.get("dp", 1)
     assert all(stage["decisions"] == [job["policy"]] for stage in stages), job["name"]
+    # The schedule holds each stage's output into its backward: no plan counts it freed before.
+    assert all(stage["output_freed_bytes"] == 0 for stage in stages), job["name"]
     for stage in stages:
         if job["policy"] == "recompute":
             runs = stage["saving_blocks"] * job["microbatches"] * STEPS
@@ -129,3 +131,30 @@ def test_cuts_from_a_partition_must_follow_the_sequence():
         cuts_from_stage_blocks(sequence, [["embed", "block1"], ["block0", "head"]])
     with pytest.raises(InputError, match="cover 3 of 4"):
         cuts_from_stage_blocks(sequence, [["embed"], ["block0", "block1"]])
+
+
+def test_a_stage_profile_holds_its_output_through_backward_as_the_schedule_does():
+    """The profiling step drops a stage's output before backward where its loss (the sum of outputs)
+    does not save it; torch's schedules keep it until the micro-batch's backward is done, so a
+    stage's plan counts it in every backward phase (`stage_fit.held_by_the_schedule`)."""
+    import dataclasses
+
+    import oomless
+    from oomless.parallel.stage_fit import held_by_the_schedule
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4096))
+    profile = oomless.profile(stage, torch.randn(512, 64), loss_fn=oomless.sum_of_outputs)
+    output_bytes = 512 * 4096 * 4
+    assert profile.output_freed_bytes == output_bytes          # 8 MiB the sum does not save
+    held = held_by_the_schedule(profile)
+    assert held.output_freed_bytes == 0
+    for before, after in zip(profile.blocks, held.blocks):
+        assert after.backward_other_bytes == before.backward_other_bytes + output_bytes, after.name
+        assert after.backward_peak_bytes == before.backward_peak_bytes + output_bytes, after.name
+        assert dataclasses.replace(after, backward_other_bytes=before.backward_other_bytes,
+                                   backward_peak_bytes=before.backward_peak_bytes) == before
+    assert held_by_the_schedule(held) is held                   # nothing freed: unchanged
+    # The plan made from it counts the output held, so more memory than from the step as profiled.
+    assert oomless.plan(stage, torch.randn(512, 64), 2**40, profile=held).predicted_peak_bytes > \
+        oomless.plan(stage, torch.randn(512, 64), 2**40, profile=profile).predicted_peak_bytes

@@ -87,6 +87,25 @@ def compile_stages(pipeline, options: dict) -> None:
         apply_compile(module, names, options)
 
 
+def held_by_the_schedule(profile):
+    """A stage's profile as torch's schedules run the stage: each micro-batch's stage output is kept
+    from its forward until its backward is done (``_PipelineStageBase.fwd_cache``), where the
+    profiling step, ``loss_fn(stage(x)).backward()``, let go before backward of what its loss does
+    not save (`Profile.output_freed_bytes`; the sum of outputs saves nothing). Those bytes are then
+    held in every backward phase too. Without this, a stage's plan counted them freed (its phases
+    short by the stage's output) and the runtime warned that the training loop keeps the output."""
+    freed = profile.output_freed_bytes
+    if not freed:
+        return profile
+
+    def held(value):
+        return None if value is None else value + freed
+
+    blocks = [dataclasses.replace(block, backward_other_bytes=held(block.backward_other_bytes),
+                                  backward_peak_bytes=held(block.backward_peak_bytes)) for block in profile.blocks]
+    return dataclasses.replace(profile, blocks=blocks, output_freed_bytes=0)
+
+
 def _loss_on(loss_fn, target: torch.Tensor):
     return lambda output: loss_fn(output, target)
 
@@ -99,7 +118,7 @@ def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str
     # weight gradients), and torch's cache of kept outputs serves one replay.
     profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer, **configured))
     # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
-    profile = dataclasses.replace(profile, gradients_from_backward=False)
+    profile = held_by_the_schedule(dataclasses.replace(profile, gradients_from_backward=False))
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile, **configured)
     fixed = roomy.static_bytes + roomy.reserve_bytes
