@@ -19,7 +19,7 @@ from tests.conftest import budget_for_share, minimum_memory, plan_under, train_s
 from tests.test_compile import compiled_reference, fresh_dynamo  # noqa: F401  (a fixture)
 from tests.test_cuda import (LARGE, MODELS, _differences, _on_device, _PeakTracker,  # noqa: F401
                               _planned_peak_bytes, deterministic_kernels)
-from tests.test_precision import train_plain_autocast
+from tests.test_precision import train_bf16_beside_plain_autocast, train_plain_autocast
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -40,21 +40,9 @@ def test_bf16_on_cuda_equals_plain_autocast(model_name, policy, deterministic_ke
     model, inputs, loss_fn = _on_device(MODELS[model_name])
     if not _reproducible(model, inputs, loss_fn, "bf16"):
         pytest.skip(f"plain PyTorch under bf16 autocast is not bitwise reproducible for {model_name} on this GPU")
-    reference = copy.deepcopy(model)
-    plan, memory = plan_under(model, inputs, loss_fn, policy, precision="bf16")
-    assert plan.precision == "bf16"
-    if policy == "planned" and memory < plan.plain_peak_bytes:
-        assert set(plan.decisions.values()) != {"keep"}, "the budget should force swaps or recomputes"
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    oomless.apply(model, plan, optimizer=optimizer)
-
-    train_plain_autocast(reference, inputs, loss_fn, "bf16")
-    train_steps(model, optimizer, inputs, loss_fn)
-
+    reference, _ = train_bf16_beside_plain_autocast(model, inputs, loss_fn, policy)
     assert not _differences(reference, model), _differences(reference, model)
-    stats = oomless.stats(model)
-    assert (stats.offloaded_bytes > 0) == (policy == "swap" or "swap" in plan.decisions.values())
-    assert stats.resident_activation_bytes == 0
+    assert oomless.stats(model).resident_activation_bytes == 0
 
 
 @pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
