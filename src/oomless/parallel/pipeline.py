@@ -39,8 +39,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import BlockSequence
-from oomless.parallel.stage_precision import apply_stage_precision, check_stage_precision, loss_ready_outputs, \
-    stage_autocast
+from oomless.parallel.stage_precision import apply_stage_precision, check_stage_precision, stage_autocast
+from oomless.runtime.precision import fp32_outputs
 from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, microbatch_problem, stage_ranks
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -247,7 +247,7 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
         produced = produced if isinstance(produced, tuple) else (produced,)
         if stage == len(cuts) - 2:
             with fake:
-                produced = loss_ready_outputs(produced, dtype)
+                produced = fp32_outputs(produced, dtype)
         shapes.append((tuple(_as_meta(tensor) for tensor in values), tuple(_as_meta(tensor) for tensor in produced)))
         values = produced
     return shapes

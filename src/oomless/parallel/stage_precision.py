@@ -44,10 +44,9 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from oomless.errors import InputError
-from oomless.runtime.precision import LossScaler, _ScaleGradient, autocast_dtype
+from oomless.runtime.precision import LossScaler, autocast_dtype, fp32_outputs, scaled_gradients
 
 STATE_ATTRIBUTE = "_oomless_stage_precision"
 
@@ -55,14 +54,6 @@ STATE_ATTRIBUTE = "_oomless_stage_precision"
 def stage_autocast(device_type: str, dtype: torch.dtype | None):
     """``torch.autocast(device_type, dtype)``, or no context for fp32 (``dtype`` None)."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
-
-
-def loss_ready_outputs(output, dtype: torch.dtype | None):
-    """The last stage's ``output`` as the loss reads it: floating tensors in ``dtype`` as fp32."""
-    if dtype is None:
-        return output
-    return tree_map(lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype == dtype
-                    else value, output)
 
 
 def check_stage_precision(precision: str, scaler: LossScaler | None) -> torch.dtype | None:
@@ -105,13 +96,8 @@ class StagePrecision:
         self._entered.pop().__exit__(None, None, None)
         if not self.last or output is None:      # None: the forward raised
             return None
-        output = loss_ready_outputs(output, self.dtype)
-        return output if self.scaler is None else tree_map(self._scaled, output)
-
-    def _scaled(self, value):
-        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
-            return _ScaleGradient.apply(value, lambda: self.scaler.scale)
-        return value
+        output = fp32_outputs(output, self.dtype)
+        return output if self.scaler is None else scaled_gradients(output, lambda: self.scaler.scale)
 
 
 def apply_stage_precision(module: nn.Module, precision: str, device_type: str, last: bool,

@@ -113,6 +113,24 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor(), None
 
 
+def scaled_gradients(values, factor):
+    """``values`` (a pytree) with the gradient reaching each floating tensor that requires one
+    multiplied by ``factor()``, read when backward runs (the loss scale changes between steps)."""
+    def scaled(value):
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+            return _ScaleGradient.apply(value, factor)
+        return value
+    return tree_map(scaled, values)
+
+
+def fp32_outputs(output, dtype: torch.dtype | None):
+    """``output`` (a pytree) as the loss reads it after autocast: tensors in ``dtype`` as fp32."""
+    if dtype is None:
+        return output
+    return tree_map(lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype == dtype
+                    else value, output)
+
+
 class LossScaler:
     """The loss scale of one fp16 model, GradScaler's defaults and update rule (powers of two)."""
 
@@ -231,6 +249,11 @@ def _fsdp_modules(model: nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that take gradients, each once (tied ones too)."""
+    return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (FSDP2's gradients), else the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
@@ -266,7 +289,7 @@ class Precision:
         self.handles.append(self.post_handle)
         if self.scaler is None:
             return
-        self.scaler.parameters = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.scaler.parameters = _trainable(model)
         self.unscale_handles = [parameter.register_hook(self.scaler.unscale) for parameter in self.scaler.parameters]
         self.handles.append(optimizer.register_step_pre_hook(self.scaler.before_step))
         self.handles.append(optimizer.register_step_post_hook(self.scaler.after_step))
@@ -288,7 +311,7 @@ class Precision:
         for handle in self.unscale_handles:       # on the parameters FSDP replaced: they never see a gradient
             handle.remove()
         self.unscale_handles = []
-        self.scaler.parameters = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.scaler.parameters = _trainable(model)
         # The ranks FSDP averages over: the mesh of its sharded parameters (DTensors).
         mesh = next((p.device_mesh for p in self.scaler.parameters if hasattr(p, "device_mesh")), None)
         size = 1 if mesh is None else mesh.size()
@@ -311,7 +334,7 @@ class Precision:
             self.scaler.restore_reduce_scatter()
 
     def _pre_hook(self, model, args, kwargs):
-        if self.scaler is not None and not self.scaler.sharded_modules and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             self.follow_sharding(model)     # a caller's fully_shard after installing: before its backward
         context = None
         if torch.is_autocast_enabled(self.device_type):
@@ -329,34 +352,21 @@ class Precision:
         self._entered.append(context)
         if self.scaler is not None and torch.is_grad_enabled():
             # A gradient leaving the model through an input is the caller's: give it back unscaled.
-            return tree_map(self._unscaled_input, args), tree_map(self._unscaled_input, kwargs)
+            return scaled_gradients((args, kwargs), lambda: 1.0 / self.scaler.scale)
         return None
 
     def _post_hook(self, model, args, output):
         if not self._entered:
             return None
         context = self._entered.pop()
-        if context is None:
-            return None if self.scaler is None else tree_map(self._scaled_output, output)
-        context.__exit__(None, None, None)
-        if output is None:
-            return None   # forward raised: nothing to convert
-        return tree_map(self._fp32_output, output)
-
-    def _fp32_output(self, value):
-        if isinstance(value, torch.Tensor) and value.dtype == self.dtype:
-            value = value.float()
-        return self._scaled_output(value) if self.scaler is not None else value
-
-    def _scaled_output(self, value):
-        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
-            return _ScaleGradient.apply(value, lambda: self.scaler.scale)
-        return value
-
-    def _unscaled_input(self, value):
-        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
-            return _ScaleGradient.apply(value, lambda: 1.0 / self.scaler.scale)
-        return value
+        if context is not None:
+            context.__exit__(None, None, None)
+            if output is None:
+                return None   # forward raised: nothing to convert
+            output = fp32_outputs(output, self.dtype)
+        elif self.scaler is None:
+            return None
+        return output if self.scaler is None else scaled_gradients(output, lambda: self.scaler.scale)
 
 
 def check_can_apply(model: nn.Module, precision: str, optimizer, device: torch.device) -> None:
