@@ -10,9 +10,13 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
 - Compute: simulate's measured-profile path (`oomless.simulate(profile=...)`), not its roofline of a
   device table (written for GPUs' kernels). The 3D U-Net's step is profiled for real
   (`oomless.profile`: per block forward and backward seconds, saved, held and working bytes) at one
-  rank's batch, in N processes at once, each with a rank's threads and no communication, so the
-  profile carries the contention of N ranks on the cores; the per-block median of ``--profiles``
-  profiles (after one discarded) of rank 0. Simulate scales it to each layout's (micro-)batch.
+  rank's batch and a rank's threads, by rank 0 while the other N - 1 wait at a barrier: one rank
+  with the cores to itself, the per-block median of ``--profiles`` profiles (after one discarded,
+  which every rank runs at once). Simulate scales it to each layout's (micro-)batch, and slows it
+  by the ranks computing at once on the machine's cores (the cluster's ``cores_per_node``, this
+  machine's, and ``threads_per_rank``: `Cluster.contention`; all N under dp and fsdp, fewer in a
+  pipeline's bubble). Profiling all N at once and reading rank 0's, as before, put the scheduler's
+  whims in the prediction: a rank's profile of 4 on 2 cores varied by a quarter between rounds.
   At N > 1 also what the zero-bubble schedules' split backward costs against the backward in one
   pass (`oomless.profile.split_backward`, torch's own stage backward functions), at the micro-batch
   their pipelines run; the profile carries the ranks' median (``split_backward_ratio``).
@@ -22,7 +26,7 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   the ranks of a training step do not reach a collective together. They become the cluster's
   ``intra_node`` link (efficiency 1, backend gloo, no overlap: the ranks' threads fill the cores,
   so gloo's reductions and copies take turns with compute).
-- Memory bandwidth (the optimizer step's roofline): a streaming copy.
+- Memory bandwidth (the optimizer step's roofline): a streaming copy, by rank 0 alone.
 - The device registered (`oomless.register_device`): the machine's memory / N, that bandwidth.
 
 Then `oomless.simulate` predicts every layout for the global batch, and each layout run here (dp,
@@ -218,10 +222,17 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     memory = _machine_memory_bytes() // world_size
     # The first profile of a process pays start-up (kernels' first calls, thread pools): discarded.
     oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer, memory=memory)
-    profiles = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer, memory=memory).to_json()
-                for _ in range(settings["profiles"])]
-    bandwidth = _memory_bandwidth(settings["threads"])
-    measured = {"profiles": profiles, "memory_bytes_per_second": bandwidth, "process_held_bytes": held}
+    # Times of one rank with the cores to itself, as simulate reads a profile: the other ranks wait
+    # (simulate slows it by the ranks computing at once, `Cluster.contention`).
+    measured = {"process_held_bytes": held}
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        measured["profiles"] = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer,
+                                                memory=memory).to_json() for _ in range(settings["profiles"])]
+        measured["memory_bytes_per_second"] = _memory_bandwidth(settings["threads"])
+    if world_size > 1:
+        dist.barrier()
     if world_size > 1:
         # The zero-bubble schedules' split backward against the backward in one pass, at the
         # micro-batch their pipelines run (simulate's largest micro-batch count for this many ranks).
@@ -373,7 +384,7 @@ def calibrate(world_size: int, settings: dict) -> dict:
                                                                           for rank in measured))
     record = {"world_size": world_size, "threads": threads, "profiled_batch": batch,
               "profile": profile.to_json(),
-              "memory_bytes_per_second": statistics.median(rank["memory_bytes_per_second"] for rank in measured)}
+              "memory_bytes_per_second": measured[0]["memory_bytes_per_second"]}
     if world_size > 1:
         # Every rank waits for the slowest: the collective's time is the latest rank's.
         seconds = {int(size): max(rank["all_reduce_seconds"][size] for rank in measured)
@@ -414,9 +425,11 @@ def predict(calibration: dict, settings: dict):
         model = build_segmentation_model(_train_config(settings))
     side = settings["size"]
     example = torch.empty(calibration["profiled_batch"], 1, side, side, side, device="meta")
-    cluster = None
+    # The ranks share this machine's cores, each with the calibration's threads.
+    cluster = {"backend": "gloo", "overlap": False, "cores_per_node": os.cpu_count() or 1,
+               "threads_per_rank": calibration["threads"]}
     if "link" in calibration:
-        cluster = {"intra_node": calibration["link"], "efficiency": 1.0, "backend": "gloo", "overlap": False}
+        cluster.update(intra_node=calibration["link"], efficiency=1.0)
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
                             gpus=calibration["world_size"], cluster=cluster,
                             profile=Profile.from_json(calibration["profile"]))

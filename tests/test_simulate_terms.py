@@ -14,7 +14,8 @@ from oomless.models import UNet3D
 from oomless.parallel.block_sequence import pipeline_block_groups
 from oomless.plan.cluster import make_cluster
 from oomless.plan.collectives import Group, batchnorm_sync_seconds
-from oomless.plan.layouts import estimate_data_parallel, estimate_fsdp, with_batchnorm_sync
+from oomless.plan.layouts import (estimate_data_parallel, estimate_fsdp, estimate_pipeline, slowed,
+                                  with_batchnorm_sync)
 from oomless.plan.microbatches import merge_blocks
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
@@ -139,3 +140,42 @@ def test_collectives_on_the_compute_cores_add_to_the_step_and_beside_compute_hid
             assert hidden.step_seconds < shared.step_seconds - 0.5 * shared.communication_seconds
     with pytest.raises(oomless.InputError, match="overlap must be true or false"):
         make_cluster("h100", 2, overrides={"overlap": "no"})
+
+
+def test_ranks_sharing_cores_slow_by_the_busy_ranks_threads_over_the_cores():
+    block = dict(saved_bytes=MiB, largest_saved_bytes=MiB, input_bytes=MiB, output_bytes=MiB,
+                 parameter_bytes=1024, calls=1, forward_transient_bytes=MiB, backward_transient_bytes=MiB)
+    profile = _profile([BlockProfile(name, 0.1, 0.2, **block) for name in "abcdefgh"])
+    alone = make_cluster("h100", 4, overrides={**LINK, "backend": "gloo"})
+    shared = make_cluster("h100", 4, overrides={**LINK, "backend": "gloo", "cores_per_node": 2,
+                                                "threads_per_rank": 1})
+    roomy = make_cluster("h100", 4, overrides={**LINK, "backend": "gloo", "cores_per_node": 8, "threads_per_rank": 2})
+    assert alone.contention(4) == 1.0 and roomy.contention(4) == 1.0
+    assert shared.contention(4) == 2.0 and shared.contention(1) == 1.0 and shared.contention(3) == 1.5
+    assert shared.describe()["cores_per_node"] == 2 and "share 2 cores" in shared.summary()
+    # dp and fsdp: all 4 ranks compute at once on 2 cores, so blocks, loss and update take twice as long;
+    # the collectives (measured between the ranks as they are) do not.
+    for estimate in (estimate_data_parallel, estimate_fsdp):
+        one, two = estimate(profile, alone, 1), estimate(profile, shared, 1)
+        assert two.compute_seconds == pytest.approx(2 * one.compute_seconds)
+        assert two.communication_seconds == pytest.approx(one.communication_seconds)
+        assert (two.step_seconds - two.exposed_communication_seconds
+                == pytest.approx(2 * (one.step_seconds - one.exposed_communication_seconds)))
+        assert estimate(profile, roomy, 1).step_seconds == pytest.approx(one.step_seconds)
+    # A pipeline of 4 ranks idles in its bubble: its compute is slowed by the contention of the ranks
+    # busy on average, its sends (1 ms latency each way per micro-batch and stage) are not.
+    for schedule in ("gpipe", "1f1b"):
+        one = estimate_pipeline(profile, alone, 8, 8, 4, schedule)
+        two = estimate_pipeline(profile, shared, 8, 8, 4, schedule)
+        bubble = one.partition.bubble_fraction
+        factor = max(1.0, 4 * (1 - bubble) / 2)
+        assert 0 < bubble < 1 and 1 < factor < 2
+        by_hand = estimate_pipeline(slowed(profile, factor), alone, 8, 8, 4, schedule)
+        assert two.partition.stage_blocks == by_hand.partition.stage_blocks
+        # (the optimizer step, twice as long shared, is nanoseconds for these 8 KiB of weights)
+        assert two.step_seconds == pytest.approx(by_hand.step_seconds, abs=1e-6)
+        assert one.step_seconds < two.step_seconds < one.step_seconds * factor
+    with pytest.raises(oomless.InputError, match="cores_per_node must be a positive integer"):
+        make_cluster("h100", 2, overrides={"cores_per_node": 0})
+    with pytest.raises(oomless.InputError, match="threads_per_rank must be a positive integer"):
+        make_cluster("h100", 2, overrides={"threads_per_rank": 1.5})

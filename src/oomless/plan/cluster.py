@@ -29,6 +29,15 @@ trainer synchronises BatchNorm differently under each (`plan.layouts.batchnorm_s
 and copy engines work while the GPU computes) or on the cores compute runs on, so that compute waits
 for them (false; the default under gloo, whose threads reduce and copy on the CPU: measured on 2
 cores filled by the ranks' compute, FSDP2's collectives lengthened the step by about their own time).
+
+``"cores_per_node"`` and ``"threads_per_rank"``: CPU hosts whose ranks share the node's cores (default
+none: each rank has its device to itself, as GPUs do). Ranks computing at the same time then share
+the cores: with b of them busy, each runs ``contention(b) = max(1, b x threads_per_rank /
+cores_per_node)`` times slower than alone (processor sharing; memory bandwidth and caches shared as
+well are not modelled). The profile a simulation is given is one rank's step with the cores to itself
+(bench/bench_simulate.py profiles rank 0 while the other ranks wait). Data-parallel ranks compute
+together throughout the step; a pipeline's ranks idle in its bubble, so fewer share the cores
+(`plan.layouts`).
 """
 
 import json
@@ -83,10 +92,19 @@ class Cluster:
     efficiency: float = LINK_EFFICIENCY
     backend: str = "nccl"
     overlap: bool = True        # collectives run beside compute (module docstring)
+    cores_per_node: int | None = None   # CPU hosts: the cores a node's ranks share (module docstring)
+    threads_per_rank: int = 1
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def contention(self, busy_ranks: float) -> float:
+        """How many times slower a rank computes while ``busy_ranks`` ranks of its node compute at
+        once than with the node to itself (1 unless the ranks share cores: module docstring)."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, busy_ranks * self.threads_per_rank / self.cores_per_node)
 
     def effective(self, link: Link) -> tuple[float, float]:
         """(bytes per second a collective reaches on ``link``, its latency)."""
@@ -96,7 +114,8 @@ class Cluster:
         return {"device": self.device.name, "device_memory_bytes": self.device.memory_bytes, "gpus": self.gpus,
                 "gpus_per_node": self.gpus_per_node,
                 "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
-                "efficiency": self.efficiency, "backend": self.backend, "overlap": self.overlap}
+                "efficiency": self.efficiency, "backend": self.backend, "overlap": self.overlap,
+                "cores_per_node": self.cores_per_node, "threads_per_rank": self.threads_per_rank}
 
     def summary(self) -> str:
         inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
@@ -104,7 +123,9 @@ class Cluster:
         return (f"{self.nodes} x {self.gpus_per_node} {self.device.name}: {self.intra_node.name} "
                 f"{self.intra_node.bytes_per_second / 1e9:g} GB/s each way within a node{inter}; "
                 f"collectives at {self.efficiency:.0%} of link rate"
-                + ("" if self.overlap else ", on the cores compute runs on (no overlap)"))
+                + ("" if self.overlap else ", on the cores compute runs on (no overlap)")
+                + (f"; {self.gpus_per_node} ranks of {self.threads_per_rank} thread(s) share {self.cores_per_node} "
+                   "cores per node" if self.cores_per_node is not None else ""))
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,10 +173,11 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         if not isinstance(settings, dict):
             raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
     settings = {**settings, **(overrides or {})}
-    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend", "overlap"})
+    unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend", "overlap",
+                                      "cores_per_node", "threads_per_rank"})
     if unknown:
         raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency, "
-                         "backend, overlap")
+                         "backend, overlap, cores_per_node, threads_per_rank")
     backend = settings.get("backend", "nccl")
     if backend not in BACKENDS:
         raise InputError(f"cluster backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -166,8 +188,14 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
     efficiency = settings.get("efficiency", LINK_EFFICIENCY)
     if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise InputError(f"cluster efficiency must be in (0, 1], got {efficiency!r}")
+    cores = settings.get("cores_per_node")
+    threads = settings.get("threads_per_rank", 1)
+    for key, value in (("cores_per_node", cores), ("threads_per_rank", threads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"cluster {key} must be a positive integer, got {value!r} (cores_per_node: the cores a "
+                             "CPU node's ranks share; leave it out for GPUs)")
     if "intra_node" in settings:
         intra = _link_from(settings["intra_node"], intra, "intra_node")
     if "inter_node" in settings:
         inter = _link_from(settings["inter_node"], inter, "inter_node")
-    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap)
+    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap, cores, threads)

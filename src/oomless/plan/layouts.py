@@ -40,6 +40,14 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
   trainer cuts), dp and fsdp plan and shard the profile's own blocks, as the trainer does.
 - Optimizer step: bandwidth-bound, parameters and state read and written, gradients read, at the
   roofline's memory efficiency.
+- Ranks sharing a CPU node's cores (`Cluster.contention`; GPUs never do): dp and fsdp ranks compute
+  together throughout the step, so every block, the loss and the optimizer step run
+  ``contention(ranks per node)`` times slower than the profile (one rank alone). A pipeline's ranks
+  idle in its bubble: its compute is slowed by the contention of the ranks busy on average,
+  ``ranks per node x (1 - bubble)`` with the bubble of the cut with every rank alone (a fluid
+  approximation: the busy ranks speed up together while others wait), and cut again; the sends,
+  measured between ranks as they run, are not slowed. A hybrid's all-reduce and optimizer step after
+  the pipeline run on every rank at once.
 
 Assumptions: compute and communication overlap perfectly where streams allow (no slowdown of
 kernels sharing SMs with NCCL); linear scaling of time and activations with the batch; the
@@ -143,9 +151,20 @@ def with_batchnorm_sync(profile: Profile, cluster: Cluster, replicas: int) -> Pr
 
 
 def optimizer_seconds(cluster: Cluster, parameter_bytes: float, gradient_bytes: float, state_bytes: float) -> float:
-    """An elementwise optimizer's step: parameters and state read and written, gradients read."""
+    """An elementwise optimizer's step: parameters and state read and written, gradients read, while
+    every rank of the node steps too."""
     moved = 2 * parameter_bytes + gradient_bytes + 2 * state_bytes
-    return moved / (cluster.device.memory_bytes_per_second * MEMORY_EFFICIENCY)
+    return (moved / (cluster.device.memory_bytes_per_second * MEMORY_EFFICIENCY)
+            * cluster.contention(cluster.gpus_per_node))
+
+
+def slowed(profile: Profile, factor: float) -> Profile:
+    """``profile`` with its blocks' and loss's seconds ``factor`` times longer (`Cluster.contention`)."""
+    if factor == 1:
+        return profile
+    return replace(profile, loss_seconds=profile.loss_seconds * factor,
+                   blocks=[replace(block, forward_seconds=block.forward_seconds * factor,
+                                   backward_seconds=block.backward_seconds * factor) for block in profile.blocks])
 
 
 def _memory_plan(profile: Profile, memory_bytes: int):
@@ -211,7 +230,8 @@ def _finish_step(name: str, ranks: int, samples_per_rank: int, plan, minimum: in
 def estimate_data_parallel(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
     """dp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples."""
     n, device = cluster.gpus, cluster.device
-    profile = with_batchnorm_sync(profile, cluster, n)
+    # Every rank of the node computes at once (module docstring); BatchNorm's collectives then wait on them.
+    profile = with_batchnorm_sync(slowed(profile, cluster.contention(cluster.gpus_per_node)), cluster, n)
     plan, minimum = _memory_plan(profile, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
     gradients = _block_shares(profile, profile.gradient_bytes)
@@ -251,7 +271,7 @@ def fsdp_static_profile(profile: Profile, ranks: int) -> Profile:
 def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> LayoutEstimate:
     """fsdp over every GPU: ``profile`` is one rank's step of ``samples_per_rank`` samples, unsharded."""
     n, device = cluster.gpus, cluster.device
-    profile = with_batchnorm_sync(profile, cluster, n)
+    profile = with_batchnorm_sync(slowed(profile, cluster.contention(cluster.gpus_per_node)), cluster, n)
     sharded = fsdp_static_profile(profile, n)
     plan, minimum = _memory_plan(sharded, device.memory_bytes)
     forward, backward = _block_seconds(profile, plan)
@@ -367,28 +387,42 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     # so for those only each stage alone is checked.
     pieces = pipeline_ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
     smallest = scale_profile(profile, samples / max(candidates) / profiled_batch)
-    best, least, tried = None, None, []
-    for plan_name, planned in (("keep all", whole), ("recompute all", None)):
-        if best is not None:
-            break       # every block kept fits: recomputing would only add time
-        planned = planned or recompute_profile(whole)
-        if not cut_may_fit(smallest if plan_name == "keep all" else recompute_profile(smallest), pieces,
-                           cluster.device.memory_bytes):
-            tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
-            continue
-        try:
-            partition = choose_microbatches(planned, pipeline_ranks, samples, cluster.device.memory_bytes, schedule,
-                                            stages_per_rank, bytes_per_second, overhead, candidates)
-        except PlanError as error:
-            least = error.minimum_bytes if least is None else min(least, error.minimum_bytes)
-            tried.append(f"{plan_name}: no cut fits")
-            continue
-        except InputError as error:          # no micro-batch count this schedule accepts
-            tried.append(f"{plan_name}: {error}")
-            continue
-        best = (plan_name, partition)
+
+    def cut(whole: Profile):
+        """(plan name, partition) of the first uniform plan some cut fits (or None), the least
+        memory a cut would need, and what was tried."""
+        best, least, tried = None, None, []
+        for plan_name, planned in (("keep all", whole), ("recompute all", None)):
+            if best is not None:
+                break       # every block kept fits: recomputing would only add time
+            planned = planned or recompute_profile(whole)
+            if not cut_may_fit(smallest if plan_name == "keep all" else recompute_profile(smallest), pieces,
+                               cluster.device.memory_bytes):
+                tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
+                continue
+            try:
+                partition = choose_microbatches(planned, pipeline_ranks, samples, cluster.device.memory_bytes,
+                                                schedule, stages_per_rank, bytes_per_second, overhead, candidates)
+            except PlanError as error:
+                least = error.minimum_bytes if least is None else min(least, error.minimum_bytes)
+                tried.append(f"{plan_name}: no cut fits")
+                continue
+            except InputError as error:          # no micro-batch count this schedule accepts
+                tried.append(f"{plan_name}: {error}")
+                continue
+            best = (plan_name, partition)
+        return best, least, tried
+
+    best, least, tried = cut(whole)
+    if best is not None:
+        # Ranks sharing cores: the compute, not the communication, slowed by the ranks busy on
+        # average outside the bubble; cut again, as the trainer's partitioner cuts its slower profile.
+        factor = cluster.contention(cluster.gpus_per_node * (1 - best[1].bubble_fraction))
+        if factor > 1:
+            best = cut(slowed(whole, factor))[0] or best
     if best is None:
-        compute = sum(b.forward_seconds + b.backward_seconds for b in whole.blocks) + whole.loss_seconds
+        compute = ((sum(b.forward_seconds + b.backward_seconds for b in whole.blocks) + whole.loss_seconds)
+                   * cluster.contention(cluster.gpus_per_node))
         return LayoutEstimate(layout, replicas, pipeline_ranks, schedule, 0, samples, False, compute / pipeline_ranks,
                               least or static_share, static_share, "no plan fits", 0.0, 0.0, compute / pipeline_ranks,
                               notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
