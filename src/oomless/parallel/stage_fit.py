@@ -37,9 +37,8 @@ import oomless
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
 from oomless.profile import profiler
-from oomless.profile.blocks import find_blocks
 from oomless.profile.selective import without_selective
-from oomless.runtime.compile import apply_compile, check_compile_available, check_compile_composes
+from oomless.runtime.compile import check_compile_available, compile_blocks
 from oomless.sizes import parse_bytes
 
 UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known (CPU)
@@ -80,11 +79,8 @@ def compile_stages(pipeline, options: dict) -> None:
     """Compile the blocks of every stage of ``pipeline`` on this rank in place, with torch.compile
     ``options``: the blocks a stage's plan compiles (`fit_stages` with ``compile``), for a pipeline
     whose stages run without plans. The stages' own hooks (their precision) stay eager around them."""
-    check_compile_available(options)
     for module in pipeline.modules:
-        names = [name for name, _ in find_blocks(module)]
-        check_compile_composes(module, names, options, None, pipeline.device)
-        apply_compile(module, names, options)
+        compile_blocks(module, options, pipeline.device)
 
 
 def held_by_the_schedule(profile):

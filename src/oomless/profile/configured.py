@@ -16,7 +16,7 @@ from oomless.profile.profile import Profile
 from oomless.profile.profiler import profile_model
 from oomless.profile.selective import without_selective
 from oomless.profile.tensors import check_inputs_device
-from oomless.runtime.compile import apply_compile, check_compile_available, check_compile_composes, remove_compile
+from oomless.runtime.compile import compile_blocks, remove_compile
 from oomless.runtime.precision import profiling_precision
 from oomless.runtime.split import apply_split, check_split_composes, remove_split
 
@@ -59,10 +59,7 @@ def _profile_compiled(model, example_inputs, loss_fn, optimizer, blocks, memory_
     ``blocks=``), not split further by size as eager plans are: each is a compiled region, and a
     region must never hold a plan block inside it (that block's hooks would be traced into its
     graph); a few larger regions also compile faster and fuse more than many small ones."""
-    check_compile_available(options)
-    names = [name for name, _ in find_blocks(model, blocks)]
-    check_compile_composes(model, names, options, None, device)
-    apply_compile(model, names, options)
+    names = compile_blocks(model, options, device, blocks)
     try:
         measured = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=names,
                                  memory_bytes=memory_bytes, selective=False)

@@ -121,6 +121,19 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
     object.__setattr__(model, STATE_ATTRIBUTE, compiled)
 
 
+def compile_blocks(model: nn.Module, options: dict, device: torch.device, blocks=None) -> list[str]:
+    """Compile ``model``'s blocks (the block policy's, or ``blocks=``) in place, after checking that
+    torch.compile runs here and composes with the model; the names compiled. Without a plan: a
+    profiling step's, a pipeline stage's, or the trainer's when nothing is planned."""
+    from oomless.profile.blocks import find_blocks      # profile imports this module's checks
+
+    check_compile_available(options)
+    names = [name for name, _ in find_blocks(model, blocks)]
+    check_compile_composes(model, names, options, None, device)
+    apply_compile(model, names, options)
+    return names
+
+
 def remove_compile(model: nn.Module) -> None:
     """Back to eager: each block oomless compiled calls its own ``_call_impl`` again."""
     for module, marker in getattr(model, STATE_ATTRIBUTE, None) or []:

@@ -30,8 +30,7 @@ from oomless.parallel import join_process_group, leave_process_group, make_strat
 from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.blocks import find_blocks
-from oomless.runtime.compile import apply_compile, compile_options
+from oomless.runtime.compile import compile_blocks, compile_options
 from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
@@ -228,7 +227,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                 if config.precision != "fp32":
                     apply_precision(model, config.precision, optimizer)
                 if config.compile and not layout.pipelined:     # a pipeline compiles its stages' blocks
-                    apply_compile(model, [name for name, _ in find_blocks(model)], compile_options(config.compile))
+                    compile_blocks(model, compile_options(config.compile), device)
             if step != start_step:
                 load_loss_scale_state(model, loss_scale)
             resume_now = step == start_step and resumable
