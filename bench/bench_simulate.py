@@ -26,6 +26,11 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   the ranks of a training step do not reach a collective together. They become the cluster's
   ``intra_node`` link (efficiency 1, backend gloo, no overlap: the ranks' threads fill the cores,
   so gloo's reductions and copies take turns with compute).
+- FSDP2's own work around each collective (`_fsdp_collective_seconds`): a step of 16 tiny
+  Linear units each under ``fully_shard`` against the same step unsharded, per collective, less
+  what the fitted link gives such a collective; the cluster's ``fsdp_host_seconds``. Measured at
+  2 ranks it was about three times the link's latency: at 35 units a step, fsdp x2 had been
+  predicted 0.6-0.76 of its measured step without it.
 - Memory bandwidth (the optimizer step's roofline): a streaming copy, by rank 0 alone.
 - The device registered (`oomless.register_device`): the machine's memory / N, that bandwidth.
 
@@ -183,6 +188,40 @@ def _collective_after_compute(settings: dict) -> float:
     return max(statistics.median(followed) - statistics.median(alone), 0.0)
 
 
+FSDP_UNITS, FSDP_WIDTH = 16, 64     # the FSDP calibration's model: 16 Linear(64, 64) units
+
+
+def _fsdp_collective_seconds(settings: dict) -> float:
+    """Seconds one FSDP2 collective (an all-gather or a reduce-scatter of one unit) adds to a step
+    on these ranks: a step of ``FSDP_UNITS`` tiny Linear units each under ``fully_shard`` (an all-gather
+    before each forward and each backward, a reduce-scatter after each backward) against the same
+    step unsharded, every rank at once after a barrier, divided by the collectives. The units' bytes
+    are small, so this is FSDP2's work around each collective (copies in and out, its hooks) and the
+    latency; medians."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    local = nn.Sequential(*[nn.Linear(FSDP_WIDTH, FSDP_WIDTH) for _ in range(FSDP_UNITS)])
+    sharded = copy.deepcopy(local)
+    for unit in sharded:
+        fully_shard(unit)
+    fully_shard(sharded)
+    inputs = torch.randn(4, FSDP_WIDTH)
+    times = {"local": [], "sharded": []}
+    for repeat in range(settings["repeats"] + 2):
+        for name, model in (("local", local), ("sharded", sharded)):
+            dist.barrier()
+            started = time.perf_counter()
+            model(inputs).sum().backward()
+            if repeat >= 2:
+                times[name].append(time.perf_counter() - started)
+    added = statistics.median(times["sharded"]) - statistics.median(times["local"])
+    return max(added, 0.0) / (3 * FSDP_UNITS)
+
+
 def _memory_bandwidth(threads: int, megabytes: int = 64, repeats: int = 5) -> float:
     """Bytes per second of a streaming copy (read + write) on this process's threads."""
     source, target = torch.ones(megabytes * 2**18), torch.empty(megabytes * 2**18)
@@ -249,7 +288,8 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
         return measured
     return {**measured,
             "all_reduce_seconds": _time_all_reduce(rank, world_size, settings),
-            "all_reduce_after_compute_seconds": _collective_after_compute(settings)}
+            "all_reduce_after_compute_seconds": _collective_after_compute(settings),
+            "fsdp_collective_seconds": _fsdp_collective_seconds(settings)}
 
 
 def _build(settings: dict, batch: int, first_item: int):
@@ -390,8 +430,14 @@ def calibrate(world_size: int, settings: dict) -> dict:
         seconds = {int(size): max(rank["all_reduce_seconds"][size] for rank in measured)
                    for size in measured[0]["all_reduce_seconds"]}
         after_compute = statistics.median(rank["all_reduce_after_compute_seconds"] for rank in measured)
-        record.update(all_reduce_seconds=seconds, all_reduce_after_compute_seconds=after_compute,
-                      link=fit_ring(seconds, world_size, after_compute))
+        link = fit_ring(seconds, world_size, after_compute)
+        # Every rank waits for the slowest here too; what the link's formula already counts is not FSDP's.
+        fsdp = max(rank["fsdp_collective_seconds"] for rank in measured)
+        unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
+        on_the_link = ((world_size - 1) / world_size * unit_bytes / link["bytes_per_second"]
+                       + (world_size - 1) * link["latency_seconds"])
+        record.update(all_reduce_seconds=seconds, all_reduce_after_compute_seconds=after_compute, link=link,
+                      fsdp_collective_seconds=fsdp, fsdp_host_seconds=max(fsdp - on_the_link, 0.0))
     return record
 
 
@@ -429,7 +475,8 @@ def predict(calibration: dict, settings: dict):
     cluster = {"backend": "gloo", "overlap": False, "cores_per_node": os.cpu_count() or 1,
                "threads_per_rank": calibration["threads"]}
     if "link" in calibration:
-        cluster.update(intra_node=calibration["link"], efficiency=1.0)
+        cluster.update(intra_node=calibration["link"], efficiency=1.0,
+                       fsdp_host_seconds=calibration.get("fsdp_host_seconds", 0.0))
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
                             gpus=calibration["world_size"], cluster=cluster,
                             profile=Profile.from_json(calibration["profile"]))

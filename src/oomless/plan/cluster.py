@@ -38,6 +38,10 @@ well are not modelled). The profile a simulation is given is one rank's step wit
 (bench/bench_simulate.py profiles rank 0 while the other ranks wait). Data-parallel ranks compute
 together throughout the step; a pipeline's ranks idle in its bubble, so fewer share the cores
 (`plan.layouts`).
+
+``"fsdp_host_seconds"``: seconds of FSDP2's own work around each all-gather and reduce-scatter (its
+hooks, the copies into and out of the flat buffers) on the cores compute runs on; default 0 (on a
+GPU the host runs ahead of the kernels). bench/bench_simulate.py measures it for gloo on CPU.
 """
 
 import json
@@ -94,6 +98,7 @@ class Cluster:
     overlap: bool = True        # collectives run beside compute (module docstring)
     cores_per_node: int | None = None   # CPU hosts: the cores a node's ranks share (module docstring)
     threads_per_rank: int = 1
+    fsdp_host_seconds: float = 0.0      # per FSDP2 all-gather or reduce-scatter (module docstring)
 
     @property
     def gpus(self) -> int:
@@ -115,7 +120,8 @@ class Cluster:
                 "gpus_per_node": self.gpus_per_node,
                 "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
                 "efficiency": self.efficiency, "backend": self.backend, "overlap": self.overlap,
-                "cores_per_node": self.cores_per_node, "threads_per_rank": self.threads_per_rank}
+                "cores_per_node": self.cores_per_node, "threads_per_rank": self.threads_per_rank,
+                "fsdp_host_seconds": self.fsdp_host_seconds}
 
     def summary(self) -> str:
         inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
@@ -174,10 +180,10 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
             raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
     settings = {**settings, **(overrides or {})}
     unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend", "overlap",
-                                      "cores_per_node", "threads_per_rank"})
+                                      "cores_per_node", "threads_per_rank", "fsdp_host_seconds"})
     if unknown:
         raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency, "
-                         "backend, overlap, cores_per_node, threads_per_rank")
+                         "backend, overlap, cores_per_node, threads_per_rank, fsdp_host_seconds")
     backend = settings.get("backend", "nccl")
     if backend not in BACKENDS:
         raise InputError(f"cluster backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -194,8 +200,12 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InputError(f"cluster {key} must be a positive integer, got {value!r} (cores_per_node: the cores a "
                              "CPU node's ranks share; leave it out for GPUs)")
+    fsdp_host = settings.get("fsdp_host_seconds", 0.0)
+    if not isinstance(fsdp_host, (int, float)) or isinstance(fsdp_host, bool) or not fsdp_host >= 0:
+        raise InputError(f"cluster fsdp_host_seconds must be a number of seconds >= 0, got {fsdp_host!r}")
     if "intra_node" in settings:
         intra = _link_from(settings["intra_node"], intra, "intra_node")
     if "inter_node" in settings:
         inter = _link_from(settings["inter_node"], inter, "inter_node")
-    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap, cores, threads)
+    return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap, cores, threads,
+                   float(fsdp_host))

@@ -17,8 +17,9 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
 - **fsdp** (FSDP2 ``fully_shard`` per block, ZeRO-3): parameters, gradients and optimizer state
   sharded over all N ranks; each block's parameters all-gathered before its forward and again
   before its backward (one block prefetched ahead, resharded after forward), its gradients
-  reduce-scattered after its backward. Static bytes per rank: the shards plus two blocks'
-  unsharded parameters and gradients (the one running and the one in flight); `make_plan` plans
+  reduce-scattered after its backward, each collective taking FSDP2's own work around it
+  (`Cluster.fsdp_host_seconds`) besides the link's time. Static bytes per rank: the shards plus two
+  blocks' unsharded parameters and gradients (the one running and the one in flight); `make_plan` plans
   the activations on top. All-gathers and reduce-scatters share one stream (the link). Parameters
   move in their stored dtype (FSDP2 without a MixedPrecisionPolicy; with param_dtype=bf16 the
   all-gathers would move half the bytes of fp32 weights). Every oomless block is one FSDP unit.
@@ -285,9 +286,11 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
     count = len(blocks)
     gathered = [0.0] * count
 
+    host = cluster.fsdp_host_seconds if n > 1 else 0.0    # FSDP2's work around each collective
+
     def gather(i: int, ready: float, kind: str) -> None:
         if 0 <= i < count:
-            gathered[i] = link.run(ready, all_gather_seconds(cluster, group, parameters[i]),
+            gathered[i] = link.run(ready, all_gather_seconds(cluster, group, parameters[i]) + host,
                                    f"all-gather {kind} {blocks[i].name}") if parameters[i] else ready
 
     gather(0, 0.0, "F")
@@ -302,7 +305,8 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
         gather(i - 1, start, "B")
         done = compute.run(start, backward[i], f"B {blocks[i].name}")
         if gradients[i]:
-            link.run(done, reduce_scatter_seconds(cluster, group, gradients[i]), f"reduce-scatter {blocks[i].name}")
+            link.run(done, reduce_scatter_seconds(cluster, group, gradients[i]) + host,
+                     f"reduce-scatter {blocks[i].name}")
     update = optimizer_seconds(cluster, profile.parameter_bytes / n, profile.gradient_bytes / n,
                                profile.optimizer_state_bytes / n)
     return _finish_step("fsdp", n, samples_per_rank, plan, minimum, sum(static_breakdown(sharded).values()),
