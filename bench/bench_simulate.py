@@ -28,9 +28,8 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   so gloo's reductions and copies take turns with compute).
 - FSDP2's own work around each collective (`_fsdp_collective_seconds`): a step of 16 tiny
   Linear units each under ``fully_shard`` against the same step unsharded, per collective, less
-  what the fitted link gives such a collective; the cluster's ``fsdp_host_seconds``. Measured at
-  2 ranks it was about three times the link's latency: at 35 units a step, fsdp x2 had been
-  predicted 0.6-0.76 of its measured step without it.
+  what the fitted link gives such a collective; the cluster's ``fsdp_host_seconds`` (without it,
+  fsdp x2 had been predicted 0.6-0.76 of its measured step: 35 units, 105 collectives a step).
 - Memory bandwidth (the optimizer step's roofline): a streaming copy, by rank 0 alone.
 - The device registered (`oomless.register_device`): the machine's memory / N, that bandwidth.
 
