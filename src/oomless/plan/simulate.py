@@ -157,23 +157,29 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
     """(forward phase per block, the loss, backward phase per block). A recomputed block's backward
     re-runs its forward first, so it holds the larger of the two. Where the step starts without
     gradients, each phase's bytes are less those not made yet (`gradients_absent_bytes`; negative
-    where that is more than the phase's own: room static memory counted for them)."""
+    where that is more than the phase's own: room static memory counted for them), and where the
+    plan moves static bytes during the step, less those not on the device in that phase
+    (`BlockProfile.forward_static_absent_bytes`, set by `plan.static_phases`)."""
     forward, backward = [], []
     before_backward = gradients_absent_bytes(profile, 0)
     for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
         # Where a block is kept or recomputed, its own tensors are on the ledger as what the plan
         # holds: the profiling step's peak, which had them swapped, does not describe it.
         swapped = decision == "swap"
-        forward.append(Phase(i, forward_other_bytes(profile, block) - before_backward,
-                             _less(block.forward_peak_bytes, before_backward) if swapped else None))
-        absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
+        forward_absent = before_backward + block.forward_static_absent_bytes
+        forward.append(Phase(i, forward_other_bytes(profile, block) - forward_absent,
+                             _less(block.forward_peak_bytes, forward_absent) if swapped else None))
+        gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
+        absent = gradients_absent + block.backward_static_absent_bytes
         other = backward_other_bytes(profile, block) - absent
         if decision in RECOMPUTING:
             # The recompute re-runs the forward in backward, where the gradients so far exist.
-            other = max(other, forward[-1].other + before_backward - absent)
+            other = max(other, forward_other_bytes(profile, block) - gradients_absent
+                        - block.recompute_static_absent_bytes)
         backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward"))
-    return forward, Phase(-1, loss_other_bytes(profile) - before_backward,
-                          _less(profile.loss_peak_bytes, before_backward), "loss"), backward
+    loss_absent = before_backward + profile.loss_static_absent_bytes
+    return forward, Phase(-1, loss_other_bytes(profile) - loss_absent,
+                          _less(profile.loss_peak_bytes, loss_absent), "loss"), backward
 
 
 SWAPPED, HELD, AHEAD = 0, 1, 2

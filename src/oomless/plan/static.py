@@ -49,6 +49,7 @@ from torch import nn
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import Plan, StaticPart
+from oomless.plan.static_phases import with_phase_static
 from oomless.profile.profile import Profile
 from oomless.runtime.optimizer_slices import NOT_SLICEABLE, OptimizerSlice
 from oomless.runtime.tiers import mapped_files_rates
@@ -274,7 +275,7 @@ class _Candidates:
     """The activation plan and the added seconds of each placement, made on demand."""
 
     def __init__(self, profile, model, optimizer, request, plan_activations):
-        self.profile, self.optimizer, self.request = profile, optimizer, request
+        self.profile, self.model, self.optimizer, self.request = profile, model, optimizer, request
         self.plan_activations = plan_activations
         accumulating = request.accumulation_steps > 1
         # What the device holds with nothing moved: all of it, or this rank's shard under FSDP.
@@ -304,6 +305,9 @@ class _Candidates:
             seen = device_view(self.profile, *self.device_bytes(placement))
             if not gradients_made_in_backward(self.request):
                 seen = dataclasses.replace(seen, gradients_from_backward=False)
+            # What moves during the step is not on the device in every phase (`plan.static_phases`).
+            seen = with_phase_static(seen, self.profile, self.model, placement.update_in_backward,
+                                     placement.offload_optimizer_state, placement.offload_parameters)
             try:
                 self.results[placement] = self.plan_activations(seen)
             except PlanError as refused:

@@ -50,6 +50,26 @@ class BlockProfile:
     # starts with none (parameters' gradients are made in backward, the later blocks' first); None
     # where not measured.
     backward_gradient_bytes: int | None = None
+    # The trainable parameters (names in the model) whose gradients were accumulated while this
+    # block's backward ran in the profiling step, in that order: where the update in backward steps
+    # them, and so which gradients, optimizer state and parameters a placement that moves them holds
+    # in this phase (`plan.static.phase_static_bytes`). Empty where not measured.
+    backward_gradient_names: list[str] = field(default_factory=list)
+    # The backward's other / peak bytes (as above) in stretches: before the first of those gradients
+    # was accumulated, between each and the next, after the last (one more than the names). Where
+    # the update in backward steps a module, what is on the device changes: the stretches let the
+    # planner add each its own (`plan.static_phases`). Empty where not measured.
+    backward_other_by_stretch: list[int] = field(default_factory=list)
+    backward_peak_by_stretch: list[int] = field(default_factory=list)
+    # Static bytes counted in the profile's parameter, gradient and optimizer-state bytes that are not
+    # on the device while this block's forward / backward runs (negative: more are), beyond the
+    # gradients not made yet (`plan.simulate.gradients_absent_bytes`): set on the profile as the
+    # device sees it under a placement that moves static bytes during the step (`plan.static`); 0
+    # in a measured profile.
+    forward_static_absent_bytes: int = 0
+    backward_static_absent_bytes: int = 0
+    # The same for a recompute of the block's forward at the start of its backward.
+    recompute_static_absent_bytes: int = 0
     # Selective recompute (runtime/selective.py), measured in the sizing step; None where not measured
     # (the planner then does not offer it): bytes of the outputs of its costly ops (kept from forward
     # to backward), the part of those its backward does not save anyway (freed after the recompute),
@@ -122,6 +142,11 @@ class Profile:
     # a small 3D U-Net), measured from a warm baseline as a rank starts (bench/bench_simulate.py).
     # Every rank holds its own; simulate adds it to each layout's peak per rank. 0: not measured.
     process_held_bytes: int = 0
+    # The trainable parameters whose gradients were accumulated between the end of the forward and
+    # the first block's backward (used by the loss only), and the static bytes absent then (see
+    # `BlockProfile.backward_gradient_names` and `BlockProfile.forward_static_absent_bytes`).
+    loss_gradient_names: list[str] = field(default_factory=list)
+    loss_static_absent_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:

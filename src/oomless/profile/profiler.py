@@ -80,7 +80,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     # whose block times must not pay for readings, reads only at phase changes: its highest reading
     # checks the plan's prediction.
     recorder = Recorder(names, device, base_bytes, parameters=model.parameters(),
-                        every_ledger_change=decisions is None)
+                        every_ledger_change=decisions is None,
+                        parameter_names={id(parameter): name for name, parameter in model.named_parameters()})
     install_plan(model, measuring, device, recorder=recorder)
     state = installed_state(model)
     tier = state.tier
@@ -315,4 +316,5 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
         loss_other_bytes=recorder.loss_other_bytes,
         loss_peak_bytes=recorder.loss_peak_bytes,
         output_freed_bytes=recorder.output_freed_bytes,
+        loss_gradient_names=recorder.loss_gradient_names,
     )

@@ -38,7 +38,7 @@ class Recorder:
     times are not paid for them)."""
 
     def __init__(self, names: list[str], device: torch.device, base_bytes: int, parameters=(),
-                 every_ledger_change: bool = True):
+                 every_ledger_change: bool = True, parameter_names: dict | None = None):
         self.names = names
         self.device = device
         self.tier_stall_source = lambda: 0.0
@@ -73,6 +73,10 @@ class Recorder:
         self.ledger_bytes = 0
         self.base_bytes = base_bytes
         self.gradient_bytes = 0
+        # Which phase each gradient was accumulated in (`BlockProfile.backward_gradient_names`):
+        # {id(parameter): its name in the model}; the gradients of unnamed parameters are not placed.
+        self.parameter_names = parameter_names or {}
+        self.loss_gradient_names: list[str] = []
         self.loss_other_bytes = 0
         self.loss_peak_bytes = 0
         self.highest_above_static_bytes = 0
@@ -95,8 +99,22 @@ class Recorder:
 
     def _gradient_done(self, parameter: torch.Tensor) -> None:
         if id(parameter) not in self._counted_gradients and parameter.grad is not None:
+            name = self.parameter_names.get(id(parameter))
+            if name is not None and self.every_ledger_change:
+                # A stretch of the phase ends at each accumulation: the update in backward would step
+                # here, and what the placements hold differs on either side (`plan.static_phases`).
+                self._read_interval()
             self._counted_gradients.add(id(parameter))
             self.gradient_bytes += parameter.grad.untyped_storage().nbytes()
+            if name is not None and self.phase is not None:
+                kind, index = self.phase
+                if kind == "backward":
+                    block = self.blocks[index]
+                    block.backward_gradient_names.append(name)
+                    for stretches in (block.backward_other_by_stretch, block.backward_peak_by_stretch):
+                        stretches.extend([0] * (len(block.backward_gradient_names) + 1 - len(stretches)))
+                elif kind == "loss":
+                    self.loss_gradient_names.append(name)
 
     def tier_stall(self) -> float:
         """Seconds waited on the swap tier so far: taken out of measured backward times."""
@@ -135,6 +153,11 @@ class Recorder:
             block = self.blocks[index]
             block.backward_other_bytes = max(block.backward_other_bytes or 0, other)
             block.backward_peak_bytes = max(block.backward_peak_bytes or 0, above_static)
+            if not block.backward_other_by_stretch:
+                block.backward_other_by_stretch.append(0)
+                block.backward_peak_by_stretch.append(0)
+            block.backward_other_by_stretch[-1] = max(block.backward_other_by_stretch[-1], other)
+            block.backward_peak_by_stretch[-1] = max(block.backward_peak_by_stretch[-1], above_static)
             block.backward_gradient_bytes = max(block.backward_gradient_bytes or 0, self.gradient_bytes)
 
     def _enter(self, phase: tuple[str, int] | None) -> None:

@@ -47,6 +47,11 @@ def static_tier(device: torch.device):
     return MappedFiles()
 
 
+# State tensors under this many bytes (Adam's step counter, a LayerNorm's moments) stay on the device:
+# moving them costs more than they free. The planner counts them there (`plan.static_phases`).
+MIN_OFFLOAD_BYTES = 64 * 1024
+
+
 @dataclass
 class _OutEntry:
     ticket: object                  # the tier's ticket; with mapped files, the state tensor's file
@@ -60,7 +65,7 @@ class OffloadedState:
     """The state of ``parameters`` in ``optimizer.state``, kept in a tier between their steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], device: torch.device,
-                 min_offload_bytes: int = 64 * 1024, units: dict[nn.Parameter, tuple] | None = None, tier=None):
+                 min_offload_bytes: int = MIN_OFFLOAD_BYTES, units: dict[nn.Parameter, tuple] | None = None, tier=None):
         self.optimizer = optimizer
         self.parameters = list(parameters)
         self.device = device

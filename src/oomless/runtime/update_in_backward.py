@@ -56,7 +56,7 @@ from torch import nn
 
 from oomless.errors import ApplyError, InputError
 from oomless.runtime.offload_parameters import OffloadedParameters
-from oomless.runtime.offload_state import OffloadedState
+from oomless.runtime.offload_state import MIN_OFFLOAD_BYTES, OffloadedState
 from oomless.runtime.optimizer_slices import OptimizerSlice, check_sliceable, group_index_of
 
 STATE_ATTRIBUTE = "_oomless_update_in_backward"
@@ -91,7 +91,7 @@ class UpdateInBackward:
     in backward only, each written out after its update)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1,
-                 in_backward: bool = True, offload_state: bool = False, min_offload_bytes: int = 64 * 1024,
+                 in_backward: bool = True, offload_state: bool = False, min_offload_bytes: int = MIN_OFFLOAD_BYTES,
                  offload_blocks: list[tuple[str, nn.Module]] | None = None):
         check_sliceable(optimizer)
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -217,7 +217,7 @@ class UpdateInBackward:
 
 def apply_update_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1,
                              in_backward: bool = True, offload_state: bool = False,
-                             min_offload_bytes: int = 64 * 1024,
+                             min_offload_bytes: int = MIN_OFFLOAD_BYTES,
                              offload_blocks: list[tuple[str, nn.Module]] | None = None) -> UpdateInBackward:
     """Step ``optimizer`` per parameter during ``model``'s backward (see the module docstring)."""
     if getattr(model, STATE_ATTRIBUTE, None) is not None:
