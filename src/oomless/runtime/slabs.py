@@ -45,8 +45,13 @@ normalisation statistics aggregated over the whole volume:
   checkpointing; `FUSED_NORMALISED_RELU = False` takes the ReLU and normalisation back through
   autograd; `STORE_NORMALISATION_INPUTS = False` computes every node again from the graph's inputs:
   a pass of every op before it per normalisation, forward and backward.)
+Under torch.autocast (precision="bf16"/"fp16") each op runs in the dtype autocast gives it, forward
+and backward (`runtime.slab_autocast`): convolutions in the autocast dtype with weights cast once per
+pass, normalisations as torch's kernels run them (statistics and gradient sums in float32, results
+rounded once), each stored node in its own dtype.
 Not bit-equal to the unsplit ops: the statistics and the weight gradients are sums over the whole
-volume taken in another order (the tests bound the difference, about 1e-6 relative in float32).
+volume taken in another order (the tests bound the difference, about 1e-6 relative in float32; under
+bf16 a few bf16 roundings of partial sums, tests/test_split_precision.py).
 """
 
 import contextlib
@@ -1006,7 +1011,8 @@ class _Backward:
         if node.kind != "conv" or source not in self.stored:
             return False
         weight = node.module.weight
-        return id(weight) in self.parameter_index and self.weights.get(id(weight), weight).dtype == self.stored[source].dtype
+        return (id(weight) in self.parameter_index
+                and self.weights.get(id(weight), weight).dtype == self.stored[source].dtype)
 
     def _after_normalised_relu(self, target: int, relu: int, low: int, high: int, surrogate, norm: int,
                                read: int) -> None:

@@ -14,6 +14,9 @@ class becomes a subclass of it whose ``forward`` runs the chain in slabs, parame
 stay as they are, and `remove_split` gives the module its class back. (Hooks cannot replace what a
 forward computes, only add to it, so this one transform swaps the class, as FSDP2 does.)
 Its child modules are not called while it is split: a chain is a plan block or lies inside one.
+Under the plan's precision (bf16, fp16) a split chain computes each op in the dtype autocast gives
+it (`runtime.slab_autocast`); with compile, or for a target device, splitting is refused
+(`check_split_composes`).
 """
 
 import torch
