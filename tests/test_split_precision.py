@@ -290,3 +290,26 @@ def test_a_failing_low_precision_kernel_is_refused_before_any_step(monkeypatch):
         oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, precision="fp16", split=True)
     assert not steps
     slab_autocast.check_slabs_run_in.cache_clear()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_under_autocast_the_planner_splits_only_when_asked(monkeypatch, precision):
+    """split=None under bf16/fp16 refuses a budget below the smallest unsplit plan instead of
+    splitting by itself: at its smallest budget a bf16 split step measured ~3 % over it on CPU
+    (tests/test_floor.py). At fp32 the planner still tries splitting (the control)."""
+    import oomless.api
+
+    tried = []
+
+    def refuse(model, error, plan_profile, profile_split):
+        tried.append(error.minimum_bytes)
+        raise error
+
+    model, inputs, loss_fn = _unet()
+    with pytest.raises(oomless.PlanError) as unsplit:
+        oomless.plan(model, inputs, "1KiB", loss_fn=loss_fn, precision=precision, split=False)
+    below = unsplit.value.minimum_bytes // 2     # above the static bytes, below the smallest plan
+    monkeypatch.setattr(oomless.api, "plan_splitting_the_floor", refuse)
+    with pytest.raises(oomless.PlanError):
+        oomless.plan(model, inputs, below, loss_fn=loss_fn, precision=precision)
+    assert bool(tried) == (precision == "fp32")
