@@ -14,7 +14,9 @@ small size (library start-up is not the step's memory): on CPU the process's res
 to return freed memory), on CUDA ``torch.cuda.max_memory_allocated``. Everything after the baseline
 counts: the model, the optimizer's state, planning (its profiling steps) and ``steps`` training steps.
 ``"report_floor": true`` also reports the smallest budget oomless plans for (``floor_bytes``);
-``"split"`` is passed to `oomless.plan` (default None: the planner splits chains where it must).
+``"over_floor": 1.1`` plans ``"memory": "floor"`` at that multiple of it;
+``"split"`` and ``"precision"`` are passed to `oomless.plan` (default None: the planner splits chains
+where it must; fp32).
 Used by bench/bench_max_size.py and tests/test_floor.py.
 """
 
@@ -193,7 +195,8 @@ def run(config: dict) -> dict:
         arguments = {"loss_fn": loss_fn, "optimizer": optimizer, "precision": precision, "split": config.get("split")}
         if memory == "floor":
             # The smallest budget oomless plans for, as a user reads it from PlanError, then plans at it.
-            memory = result["memory_bytes"] = result["floor_bytes"] = _floor(model, inputs, arguments)
+            result["floor_bytes"] = _floor(model, inputs, arguments)
+            memory = result["memory_bytes"] = int(result["floor_bytes"] * config.get("over_floor", 1.0))
         try:
             plan = oomless.plan(model, inputs, memory, **arguments)
         except PlanError as error:

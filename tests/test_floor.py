@@ -84,3 +84,36 @@ def test_the_smallest_budget_predicts_the_gpt2_step_it_measures():
     assert "refused" not in planned, planned.get("refused")
     assert planned["peak_bytes"] <= planned["memory_bytes"]
     assert planned["predicted_peak_bytes"] <= 1.1 * planned["peak_bytes"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
+def test_a_bf16_step_with_every_chain_in_slabs_trains_within_its_plan():
+    """``precision="bf16", split=True`` (the outer level streamed, the chains below it split, each op in
+    the dtype autocast gives it) planned for the 3D U-Net at 1.15x the smallest budget it names, then
+    three steps (planning included) within that budget in resident memory. Measured: named 70.0 MiB
+    (fp32 with split=True: 87.0); at 1.1x, planned for 77.0, predicted 73.3-73.8, peak 75.6-76.2 MiB
+    (one run of five, beside other jobs, went over). The prediction is 2-3 MiB (3 %) under the
+    measured peak, where fp32's is above it (fp32 at its own floor: predicted 86.5, measured 84.0 of
+    87.0); at the named budget itself the bf16 step went 2.2 MiB over (72.2 of 70.0).
+    Measured cause (peak RSS between marks at every block, slab graph and backward node, in training
+    and in the profiling steps): the step's phases are profiled right (the peak is the decoder's
+    backward in slabs, the profile's loss phase, within 1.5 MiB of training's; Adam's state and
+    the absent gradients are static bytes); what no plan counts is 3.9 MiB the bf16 checks leave
+    resident before the profile takes its baseline (check_precision's probe 1.1 MiB,
+    check_slabs_run_in's 2.8; 3.1 MiB of them libtorch's code pages). The profile's baseline above
+    static bytes is 4.1 MiB under bf16, 0.1 under fp32 (no probe). Running the slab probe only where
+    a split step fails lowered the measured peak (named 72.0, predicted 71.2, measured 71.0), but the
+    first profiling step then kept 13.7 MiB (10.5 anonymous, not freed heap, about 6 more than fp32's:
+    kernels for the slabs' shapes; 3.2 code pages), at profile.profiler's COLD_START_SHARE line (a
+    quarter of its 54.6 MiB rise): in 2 runs of 3 it was taken for a fresh process's start-up and
+    left out (named 58.0, measured 70.4-70.7). With the probe the first step keeps 11-12.6 MiB, 1-2
+    under that line: the bf16 floor stands on it too."""
+    config = {**MODELS["unet3d"], "mode": "oomless", "memory": "floor", "over_floor": 1.15, "precision": "bf16",
+              "split": True, "steps": 3}
+    planned = _child(config)
+    print(f"unet3d bf16 split=True: named {planned['floor_bytes'] / MiB:.1f} MiB, planned for "
+          f"{planned['memory_bytes'] / MiB:.1f}, measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
+          f"(predicted {planned.get('predicted_peak_bytes', 0) / MiB:.1f}), split {planned.get('split')}")
+    assert "refused" not in planned, planned.get("refused")
+    assert "" in planned["split"]
+    assert planned["peak_bytes"] <= planned["memory_bytes"]

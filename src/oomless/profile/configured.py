@@ -25,7 +25,8 @@ def profile_configured(model: nn.Module, example_inputs, loss_fn, optimizer, blo
                        memory_bytes: int | None, precision: str, compile_with: dict | None,
                        split: dict[str, int] | None = None) -> Profile:
     if split:
-        check_split_composes(target, precision, compile_with)
+        check_split_composes(target, precision, compile_with,
+                             None if target is not None else check_inputs_device(model, example_inputs))
         apply_split(model, split, blocks=[name for name, _ in find_blocks(model, blocks)])
         try:
             measured = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,

@@ -45,10 +45,16 @@ normalisation statistics aggregated over the whole volume:
   checkpointing; `FUSED_NORMALISED_RELU = False` takes the ReLU and normalisation back through
   autograd; `STORE_NORMALISATION_INPUTS = False` computes every node again from the graph's inputs:
   a pass of every op before it per normalisation, forward and backward.)
+Under torch.autocast (precision="bf16"/"fp16") each op runs in the dtype autocast gives it, forward
+and backward (`runtime.slab_autocast`): convolutions in the autocast dtype with weights cast once per
+pass, normalisations as torch's kernels run them (statistics and gradient sums in float32, results
+rounded once), each stored node in its own dtype.
 Not bit-equal to the unsplit ops: the statistics and the weight gradients are sums over the whole
-volume taken in another order (the tests bound the difference, about 1e-6 relative in float32).
+volume taken in another order (the tests bound the difference, about 1e-6 relative in float32; under
+bf16 a few bf16 roundings of partial sums, tests/test_split_precision.py).
 """
 
+import contextlib
 import math
 import operator
 import weakref
@@ -61,6 +67,8 @@ import torch.nn.functional as F
 
 from oomless.errors import InputError
 from oomless.runtime.rows import AXIS, row_store
+from oomless.runtime.slab_autocast import (SlabAutocast, accumulation_dtype, normalised_dtype, rounded_statistics,
+                                           statistics_rounded_to)
 
 # Each normalisation's input is kept off the device (`runtime.rows`) once computed, and the gradient
 # reaching it beside it: each op runs once in forward and once (forward and backward) in backward,
@@ -332,13 +340,15 @@ class SlabGraph:
         return need
 
     def run(self, target: int, low: int, high: int, depths: list[int], given: dict[int, tuple[torch.Tensor, int]],
-            statistics: dict[int, tuple[torch.Tensor, torch.Tensor]], scratch: "_Scratch | None" = None) -> torch.Tensor:
+            statistics: dict[int, tuple[torch.Tensor, torch.Tensor]], scratch: "_Scratch | None" = None,
+            weights: dict | None = None) -> torch.Tensor:
         """Rows [low, high) of node ``target``'s output. ``given`` maps each input node, and any other
         node read rather than computed, to a tensor holding its rows from an offset on (the rows
         needed are taken by narrowing); ``statistics`` holds (mean, variance) of each normalisation
         node the target depends on. With ``scratch`` (and no gradient recorded), a convolution of
         ReLU(normalisation(x)) read by nothing else computes its input into a reused buffer, zero
-        padding included (`_normalised_relu_into`)."""
+        padding included (`_normalised_relu_into`). ``weights``: {id(parameter): the tensor to use
+        instead} (the copies autocast would make, `SlabAutocast.cast_weights`)."""
         need = self.rows_needed(target, low, high, depths, given)
         computed = [index for index in need if index not in given or index == target]
         left = {index: sum(1 for user in computed if index in self.nodes[user].inputs) for index in need}
@@ -370,19 +380,20 @@ class SlabGraph:
                 y = rows(source, first, last)
                 scale, shift = _scale_and_shift(self.nodes[norm].module, y, *statistics[norm])
                 padded, _ = _normalised_relu_into(scratch, f"fused {index}", y, scale, shift,
-                                                  (first - (low - node.halo), high + node.halo - last))
+                                                  (first - (low - node.halo), high + node.halo - last),
+                                                  normalised_dtype(self.nodes[norm].module, y))
                 del y
-                value = _convolve(node, padded, (0, 0))
+                value = _convolve(node, padded, (0, 0), weights)
                 del padded
             elif node.kind == "conv":
                 source = node.inputs[0]
                 first, last = max(0, low - node.halo), min(depths[source], high + node.halo)
                 value = _convolve(node, rows(source, first, last),
-                                  (first - (low - node.halo), high + node.halo - last))
+                                  (first - (low - node.halo), high + node.halo - last), weights)
             elif node.kind == "up":
                 source = node.inputs[0]
                 first, last = low // node.scale, -(-high // node.scale)
-                value = _upsample(node, rows(source, first, last)).narrow(
+                value = _upsample(node, rows(source, first, last), weights).narrow(
                     AXIS, low - first * node.scale, high - low)
             elif node.kind == "down":      # forward, not the module's call: its hooks are for when it runs whole
                 value = node.module.forward(rows(node.inputs[0], low * node.scale, high * node.scale))
@@ -437,18 +448,27 @@ def _shares_storage(value: torch.Tensor, given: dict) -> bool:
     return any(tensor.untyped_storage().data_ptr() == pointer for tensor, _ in given.values())
 
 
-def _convolve(node: _Node, x: torch.Tensor, zero_rows: tuple[int, int]) -> torch.Tensor:
+def _weight_and_bias(module: nn.Module, weights: dict | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``module``'s weight and bias, or their copies in ``weights`` ({id(parameter): copy})."""
+    weight, bias = module.weight, module.bias
+    if weights:
+        weight, bias = weights.get(id(weight), weight), bias if bias is None else weights.get(id(bias), bias)
+    return weight, bias
+
+
+def _convolve(node: _Node, x: torch.Tensor, zero_rows: tuple[int, int], weights: dict | None = None) -> torch.Tensor:
     """A convolution with its zero padding along AXIS given explicitly (only where the slab meets the volume's end)."""
     if any(zero_rows):
         x = F.pad(x, (0, 0) * (x.dim() - AXIS - 1) + zero_rows)
     conv = node.module
     padding = (0,) + tuple(conv.padding[1:])
-    return node.function(x, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+    return node.function(x, *_weight_and_bias(conv, weights), conv.stride, padding, conv.dilation, conv.groups)
 
 
-def _upsample(node: _Node, x: torch.Tensor) -> torch.Tensor:
+def _upsample(node: _Node, x: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
     up = node.module
-    return node.function(x, up.weight, up.bias, up.stride, up.padding, up.output_padding, up.groups, up.dilation)
+    return node.function(x, *_weight_and_bias(up, weights), up.stride, up.padding, up.output_padding, up.groups,
+                         up.dilation)
 
 
 def _grouped(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -472,8 +492,15 @@ def _per_channel(norm: nn.Module, statistic: torch.Tensor, x: torch.Tensor) -> t
 def _scale_and_shift(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor,
                      variance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift) with ``norm(x) = x * scale + shift``: scale = weight / sqrt(variance + eps),
-    shift = bias - mean * scale, each (N or 1, C, 1, ...)."""
-    scale = _per_channel(norm, torch.rsqrt(variance + norm.eps), x)
+    shift = bias - mean * scale, each (N or 1, C, 1, ...). Where torch keeps the statistics in
+    ``x``'s dtype (`statistics_rounded_to`), 1/sqrt(variance + eps) is rounded to it as well (its
+    gradient taken as if it were not, as torch's backward formula takes it)."""
+    inverse_deviation = torch.rsqrt(variance + norm.eps)
+    rounded = statistics_rounded_to(norm, x)
+    if rounded is not None:
+        inverse_deviation = inverse_deviation + (inverse_deviation.to(rounded).to(variance.dtype)
+                                                 - inverse_deviation).detach()
+    scale = _per_channel(norm, inverse_deviation, x)
     shift = -_per_channel(norm, mean, x) * scale
     if getattr(norm, "weight", None) is not None:
         shape = (1, -1) + (1,) * (x.dim() - 2)
@@ -484,21 +511,33 @@ def _scale_and_shift(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor,
 
 def _normalise(norm: nn.Module, x: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
     """``x`` normalised as ``x * scale + shift`` (`_scale_and_shift`), the form PyTorch's own CPU batch
-    norm computes: one op over the slab, which saves only ``x`` for backward."""
+    norm computes: one op over the slab, which saves only ``x`` for backward. In the dtype torch's
+    normalisation runs in under the autocast now on (`normalised_dtype`: ``x`` cast to it first, as
+    autocast casts it); a bf16/fp16 ``x`` is normalised in float32 (scale and shift are) and the
+    result rounded to its dtype, as the kernels do."""
+    x = x.to(normalised_dtype(norm, x))
     scale, shift = _scale_and_shift(norm, x, mean, variance)
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
         return _ScaleShift.apply(x, scale, shift)
-    return torch.addcmul(shift, x, scale)
+    return _scaled_and_shifted(x, scale, shift)
+
+
+def _scaled_and_shifted(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out=None) -> torch.Tensor:
+    """``x * scale + shift`` in ``x``'s dtype (into ``out``), computed in the wider of the dtypes."""
+    if out is None and x.dtype != torch.promote_types(x.dtype, scale.dtype):
+        out = torch.empty_like(x)
+    return torch.addcmul(shift, x, scale) if out is None else torch.addcmul(shift, x, scale, out=out)
 
 
 def _normalised_relu_into(scratch: "_Scratch", name: str, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                          zero_rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ReLU(y * scale + shift) with ``zero_rows`` rows of zeros before and after it along AXIS, its
-    rows of ``y`` as a view of it), written into the buffer ``name`` of ``scratch``: a convolution's
-    input with its padding, without the normalised, activated and padded copies of the slab."""
+                          zero_rows: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ReLU(y * scale + shift) in ``dtype`` (the normalisation's, `normalised_dtype`) with
+    ``zero_rows`` rows of zeros before and after it along AXIS, its rows of ``y`` as a view of it),
+    written into the buffer ``name`` of ``scratch``: a convolution's input with its padding, without
+    the normalised, activated and padded copies of the slab."""
     rows = y.shape[AXIS] + sum(zero_rows)
     shape = y.shape[:AXIS] + (rows,) + y.shape[AXIS + 1:]
-    padded = scratch.get(name, shape, rows, y.dtype).view(shape)
+    padded = scratch.get(name, shape, rows, dtype).view(shape)
     x = padded.narrow(AXIS, zero_rows[0], y.shape[AXIS])
     for start, count in ((0, zero_rows[0]), (rows - zero_rows[1], zero_rows[1])):
         if count:
@@ -518,30 +557,38 @@ class _ScaleShift(torch.autograd.Function):
     def forward(ctx, x, scale, shift):
         ctx.save_for_backward(x, scale)
         ctx.shift_shape = shift.shape
-        return torch.addcmul(shift, x, scale)
+        return _scaled_and_shifted(x, scale, shift)
 
     @staticmethod
     def backward(ctx, grad):
         x, scale = ctx.saved_tensors
-        grad_x = grad * scale if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * scale if grad.dtype == scale.dtype else torch.mul(grad, scale, out=torch.empty_like(x))
         grad_scale = _sum_to(_products_summed(grad, x), scale.shape) if ctx.needs_input_grad[1] else None
-        grad_shift = None
-        if ctx.needs_input_grad[2]:
-            grad_shift = _sum_to(grad.sum(tuple(range(2, grad.dim())), keepdim=True), ctx.shift_shape)
+        grad_shift = _sum_to(_summed(grad), ctx.shift_shape) if ctx.needs_input_grad[2] else None
         return grad_x, grad_scale, grad_shift
+
+
+def _summed(a: torch.Tensor) -> torch.Tensor:
+    """``a`` summed over the spatial dims (N, C, 1, ...), in float32 at least (bf16/fp16 sums over a
+    slab are not rounded to their dtype before the slabs are added)."""
+    return a.sum(tuple(range(2, a.dim())), keepdim=True, dtype=accumulation_dtype(a.dtype))
 
 
 def _products_summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(a * b) summed over the spatial dims, per sample and channel (N, C, 1, ...), as one dot
     product per (sample, channel) where each one's values are contiguous (no product tensor is made;
-    a slab narrowed along AXIS is such a view)."""
+    a slab narrowed along AXIS is such a view). In float32 at least: bf16/fp16 planes are widened
+    one plane at a time (a dot of bf16 vectors would round each slab's sum to bf16)."""
     kept = a.shape[:2] + (1,) * (a.dim() - 2)
     planes_a, planes_b = _as_planes(a), _as_planes(b)
+    dtype = accumulation_dtype(torch.promote_types(a.dtype, b.dtype))
     if planes_a is None or planes_b is None or a.dtype != b.dtype:
-        return (a * b).sum(tuple(range(2, a.dim())), keepdim=True)
+        return _summed(a.to(dtype) * b.to(dtype))
     # One BLAS dot per plane: on this project's CPU 8x faster than (a * b).sum() and 17-34x faster
     # than torch.einsum or torch.bmm, which take the batched matrix product's path.
-    return torch.stack([torch.dot(x, y) for x, y in zip(planes_a, planes_b)]).reshape(kept)
+    return torch.stack([torch.dot(x.to(dtype), y.to(dtype)) for x, y in zip(planes_a, planes_b)]).reshape(kept)
 
 
 def _as_planes(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -595,7 +642,7 @@ def _given(graph: SlabGraph, xs) -> dict[int, tuple[torch.Tensor, int]]:
 
 
 def _slab_of(graph: SlabGraph, target: int, low: int, high: int, depths: list[int], xs, stored: dict,
-             statistics: dict, scratch: "_Scratch | None" = None) -> torch.Tensor:
+             statistics: dict, scratch: "_Scratch | None" = None, weights: dict | None = None) -> torch.Tensor:
     """Rows [low, high) of node ``target``'s output: read where it is stored, else computed from the
     graph's inputs and the stored nodes (each read as far as the rows need). With ``scratch`` the
     stored nodes are read into its buffers (`SlabGraph.run`): the slab returned may be a view of one,
@@ -609,13 +656,14 @@ def _slab_of(graph: SlabGraph, target: int, low: int, high: int, depths: list[in
         store = stored[node]
         out = None if scratch is None else scratch.get(f"read {node}", store.shape, last - first, store.dtype)
         given[node] = (store.read(first, last, out=out), first)
-    return graph.run(target, low, high, depths, given, statistics, scratch)
+    return graph.run(target, low, high, depths, given, statistics, scratch, weights)
 
 
 def _statistics(graph: SlabGraph, xs, depths: list[int], count: int, stored: dict | None,
-                known: dict) -> tuple[dict, dict]:
-    """(mean, biased variance) of each normalisation's input over the whole volume, in the input's
-    dtype, and how many values each statistic is taken over, by normalisation node; those ``known``
+                known: dict, weights: dict | None = None) -> tuple[dict, dict]:
+    """(mean, biased variance) of each normalisation's input over the whole volume, in
+    `accumulation_dtype` of the input's dtype (float32 for bf16/fp16, as torch's kernels take them),
+    and how many values each statistic is taken over, by normalisation node; those ``known``
     ({node: ((mean, variance), count)}, taken by another graph) are not taken again. With ``stored``
     (a dict), each normalisation's input is kept there once computed (`runtime.rows`), so that later
     ones start from it instead of computing it again."""
@@ -629,7 +677,8 @@ def _statistics(graph: SlabGraph, xs, depths: list[int], count: int, stored: dic
         store, moments = None, []      # (values, mean, biased variance) of each slab
         scratch = _Scratch(xs[0].device)
         for low, high in slab_bounds(depths[source], count):
-            slab = _slab_of(graph, source, low, high, depths, xs, stored or {}, statistics, scratch)
+            slab = _slab_of(graph, source, low, high, depths, xs, stored or {}, statistics, scratch, weights)
+            dtype, rounded = slab.dtype, statistics_rounded_to(norm, slab)
             if keep:
                 if store is None:
                     shape = slab.shape[:AXIS] + (depths[source],) + slab.shape[AXIS + 1:]
@@ -646,9 +695,12 @@ def _statistics(graph: SlabGraph, xs, depths: list[int], count: int, stored: dic
         # Chan et al.'s combination: each slab's squared deviations about its own mean, plus its
         # count times its mean's squared deviation from the whole volume's.
         variance = sum(n * (v + (m - mean).square()) for n, m, v in moments) / values
+        if rounded is not None:
+            mean, variance = rounded_statistics(mean, variance, values, rounded)
         if not graph.nodes[index].recomputed:
             _update_running_statistics(norm, mean, variance, values)
-        statistics[index] = (mean.to(xs[0].dtype), variance.to(xs[0].dtype))
+        dtype = accumulation_dtype(dtype)
+        statistics[index] = (mean.to(dtype), variance.to(dtype))
         counts[index] = values
     return statistics, counts
 
@@ -695,6 +747,7 @@ class _Forward:
     keeping: SharedNodes | None     # what this graph kept for a later one
     reading: SharedNodes | None     # what this graph read of an earlier one's
     shared: set                     # the nodes (stored, or normalisations) read from ``reading``
+    autocast: SlabAutocast          # autocast as the forward ran under it: the backward runs the same
 
 
 class _SlabbedGraph(torch.autograd.Function):
@@ -713,14 +766,19 @@ class _SlabbedGraph(torch.autograd.Function):
             known = {index: reading.statistics[graph.nodes[index].key] for index in graph.norms
                      if graph.nodes[index].key is not None and graph.nodes[index].key in reading.statistics}
         shared = set(stored) | set(known)
-        statistics, counts = _statistics(graph, xs, depths, count, stored if STORE_NORMALISATION_INPUTS else None, known)
-        output, scratch = None, _Scratch(xs[0].device)
-        for low, high in slab_bounds(depths[graph.output], count):
-            slab = _slab_of(graph, graph.output, low, high, depths, xs, stored, statistics, scratch)
-            if output is None:
-                output = slab.new_empty(slab.shape[:AXIS] + (depths[graph.output],) + slab.shape[AXIS + 1:])
-            output.narrow(AXIS, low, high - low).copy_(slab)
-            del slab
+        autocast = SlabAutocast.current(xs[0].device)
+        with autocast.ops():
+            weights = autocast.cast_weights(graph)
+            statistics, counts = _statistics(graph, xs, depths, count, stored if STORE_NORMALISATION_INPUTS else None,
+                                             known, weights)
+            output, scratch = None, _Scratch(xs[0].device)
+            for low, high in slab_bounds(depths[graph.output], count):
+                slab = _slab_of(graph, graph.output, low, high, depths, xs, stored, statistics, scratch, weights)
+                if output is None:
+                    output = slab.new_empty(slab.shape[:AXIS] + (depths[graph.output],) + slab.shape[AXIS + 1:])
+                output.narrow(AXIS, low, high - low).copy_(slab)
+                del slab
+            del weights, scratch
         if keeping is not None:
             for index, store in stored.items():
                 if graph.nodes[index].key is not None:
@@ -732,7 +790,7 @@ class _SlabbedGraph(torch.autograd.Function):
             for index in set(stored) - shared:
                 stored[index].close()
             stored = {index: stored[index] for index in shared if index in stored}
-        ctx.made = _Forward(graph, count, depths, statistics, counts, stored, keeping, reading, shared)
+        ctx.made = _Forward(graph, count, depths, statistics, counts, stored, keeping, reading, shared, autocast)
         ctx.inputs = inputs
         ctx.save_for_backward(*xs, *parameters)
         return output
@@ -762,24 +820,56 @@ def backward_in_slabs(forward, xs, parameters, wanted: list[bool], trained: list
     has given it its gradient (through the normalised values, and through the statistics, d mean/dx =
     1/n, d var/dx = 2 (x - mean)/n); a stored one is recomputed only from the stored nodes and inputs
     before it, and its gradient is kept beside it."""
-    backward = _Backward(forward, xs, parameters, wanted, trained)
-    graph, stored = backward.graph, backward.stored
-    for low, high in slab_bounds(backward.depths[graph.output], backward.count):
-        backward.slab(graph.output, low, high, through_output)
-    # Last first: a node's gradient is complete once every op after it has given its part.
-    for source in sorted({graph.nodes[index].inputs[0] for index in graph.norms} | stored.keys(), reverse=True):
-        if source not in backward.left_to_earlier:
-            backward.node(source)
+    with forward.autocast.ops(), _parameters_as_leaves(forward.graph, parameters) as leaves:
+        # Each op in the dtype it had in forward; the gradients taken of ``leaves``, not of the parameters.
+        backward = _Backward(forward, xs, leaves, wanted, trained)
+        graph, stored = backward.graph, backward.stored
+        for low, high in slab_bounds(backward.depths[graph.output], backward.count):
+            backward.slab(graph.output, low, high, through_output)
+        # Last first: a node's gradient is complete once every op after it has given its part.
+        for source in sorted({graph.nodes[index].inputs[0] for index in graph.norms} | stored.keys(), reverse=True):
+            if source not in backward.left_to_earlier:
+                backward.node(source)
+        grad_inputs, grad_parameters = backward.grad_inputs, backward.grad_parameters
+        del backward
     # The graph's own stores go now, not with the autograd graph (which a caller may keep, with the
     # output, into the next step); a second backward (retain_graph) computes those nodes again.
     for index, store in forward.stored.items():
         if index not in forward.shared:
             store.close()
-    return backward.grad_inputs, backward.grad_parameters
+    return grad_inputs, grad_parameters
+
+
+@contextlib.contextmanager
+def _parameters_as_leaves(graph: SlabGraph, parameters):
+    """``parameters`` (the graph's, as saved) replaced in their modules, while backward runs in
+    slabs, by detached aliases (the same storage), which it takes its gradients of (yields them in
+    the same order); the sums are returned through the graph's autograd function as usual. Taken of
+    the parameters themselves, each ``torch.autograd.grad`` per slab would run their tensor hooks,
+    which must run once per backward on the whole gradient: fp16's loss scaler divides by the scale
+    there (`runtime.precision`), and would divide by it again for every slab. The swap is what
+    ``torch.func.functional_call`` does; the modules get their parameters back however backward ends.
+    (The graph's own, in the order it passed them to its function: those saved may come back from
+    saved-tensor hooks as other tensor objects of the same parameters.)"""
+    parameters = graph.parameters()
+    aliases = {id(parameter): parameter.detach().requires_grad_(parameter.requires_grad) for parameter in parameters}
+    owners = []
+    for node in graph.nodes:
+        if isinstance(node.module, nn.Module):
+            for module in node.module.modules():
+                owners += [(module, name, parameter) for name, parameter in module._parameters.items()
+                           if parameter is not None and id(parameter) in aliases]
+    try:
+        for module, name, parameter in owners:
+            module._parameters[name] = aliases[id(parameter)]
+        yield [aliases[id(parameter)] for parameter in parameters]
+    finally:
+        for module, name, parameter in owners:
+            module._parameters[name] = parameter
 
 
 class _Scratch:
-    """Flat buffers by name, reused for slabs of a few sizes (each grows to the largest asked for)."""
+    """Flat buffers by name and dtype, reused for slabs of a few sizes (each grows to the largest asked for)."""
 
     def __init__(self, device: torch.device):
         self.device, self.buffers = device, {}
@@ -787,10 +877,13 @@ class _Scratch:
     def get(self, name: str, shape: tuple[int, ...], rows: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor of ``rows`` rows along AXIS of a tensor of ``shape``, over the named buffer."""
         count = math.prod(shape) // shape[AXIS] * rows
-        buffer = self.buffers.get(name)
-        if buffer is None or buffer.numel() < count or buffer.dtype != dtype:
-            self.buffers[name] = buffer = None      # the old one goes first
-            self.buffers[name] = buffer = torch.empty(count, dtype=dtype, device=self.device)
+        # By dtype too: under autocast one name serves values of two dtypes (a graph's fp32 input, its
+        # bf16 nodes), which would otherwise take turns reallocating it.
+        key = (name, dtype)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < count:
+            self.buffers[key] = buffer = None       # the old one goes first
+            self.buffers[key] = buffer = torch.empty(count, dtype=dtype, device=self.device)
         return buffer[:count]
 
 
@@ -808,6 +901,10 @@ class _Backward:
         self.grad_parameters = [torch.zeros_like(parameter) if i in trained else None
                                 for i, parameter in enumerate(parameters)]
         self.parameter_index = {id(parameter): i for i, parameter in enumerate(graph.parameters())}
+        # Under autocast, the convolutions' weights in its dtype, cast once for the whole backward;
+        # each records its cast, so that a weight's gradient reaches its fp32 parameter through it.
+        with torch.enable_grad():
+            self.weights = forward.autocast.cast_weights(graph)
         # Buffers reused slab after slab and node after node (new tensors would each be page-faulted
         # in under a low mmap threshold), each as large as the largest slab asked of it.
         self.scratch = _Scratch(xs[0].device)
@@ -833,7 +930,10 @@ class _Backward:
                 if node.key in keeping.grad_statistics and index in self.grad_statistics:
                     self.grad_statistics[index] = keeping.grad_statistics.pop(node.key)
         # Each stored node's gradient store, made once (a whole volume of pinned memory beside a GPU):
-        # the one a later graph left it, the earlier graph's it is handed to, or a new one.
+        # the one a later graph left it, the earlier graph's it is handed to, or a new one. A sum (of
+        # the ops reading the node, then its normalisations' terms), kept in `accumulation_dtype`:
+        # for a bf16/fp16 node in float32, rounded to the node's dtype once, where it is used, as
+        # torch's normalisation backward rounds its input's gradient once.
         self.grad_stored = {}
         for index, store in self.stored.items():
             key = graph.nodes[index].key
@@ -841,10 +941,10 @@ class _Backward:
                 self.grad_stored[index] = keeping.grad_stored.pop(key)
             elif index in self.left_to_earlier:
                 if key not in reading.grad_stored:
-                    reading.grad_stored[key] = row_store(store.shape, store.dtype, xs[0].device)
+                    reading.grad_stored[key] = row_store(store.shape, accumulation_dtype(store.dtype), xs[0].device)
                 self.grad_stored[index] = reading.grad_stored[key]
             else:
-                self.grad_stored[index] = row_store(store.shape, store.dtype, xs[0].device)
+                self.grad_stored[index] = row_store(store.shape, accumulation_dtype(store.dtype), xs[0].device)
 
     def _run(self, target: int, low: int, high: int, read_target: bool = False):
         """(rows [low, high) of node ``target``'s output computed with autograd recording, the slabs
@@ -870,7 +970,7 @@ class _Backward:
             given[node] = (slab, first)
         statistics = {index: tuple(s.detach().requires_grad_() for s in pair)
                       for index, pair in self.forward.statistics.items()}
-        return graph.run(target, low, high, self.depths, given, statistics), slabs, statistics
+        return graph.run(target, low, high, self.depths, given, statistics, weights=self.weights), slabs, statistics
 
     def _take_back(self, out: torch.Tensor, gradient, slabs: list, statistics: dict) -> None:
         """Backpropagate ``gradient`` (None: ``out`` is a scalar) from ``out`` to the leaves of `_run` and
@@ -906,10 +1006,13 @@ class _Backward:
 
     def _convolved(self, source: int) -> bool:
         """Whether stored node ``source`` is a convolution's output that `_convolution` can take back
-        without computing it again (its input and weight of one dtype, as without autocast)."""
+        without computing it again (a parameter as its weight, in the dtype the convolution ran in)."""
         node = self.graph.nodes[source]
-        return (node.kind == "conv" and source in self.stored and node.module.weight.dtype == self.stored[source].dtype
-                and id(node.module.weight) in self.parameter_index)
+        if node.kind != "conv" or source not in self.stored:
+            return False
+        weight = node.module.weight
+        return (id(weight) in self.parameter_index
+                and self.weights.get(id(weight), weight).dtype == self.stored[source].dtype)
 
     def _after_normalised_relu(self, target: int, relu: int, low: int, high: int, surrogate, norm: int,
                                read: int) -> None:
@@ -922,7 +1025,8 @@ class _Backward:
         _, x, scale, shift, mean, variance = self._normalised_relu_rows(norm, y, (0, 0))
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
-            out = leaf if relu == target else self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {})
+            out = leaf if relu == target else self.graph.run(target, low, high, self.depths, {relu: (leaf, first)}, {},
+                                                             weights=self.weights)
             reached = surrogate(out, low, high)
             del out
             out, gradient = reached if isinstance(reached, tuple) else (reached, None)
@@ -960,7 +1064,11 @@ class _Backward:
         input's goes on back (`_normalised_relu_back` where the input is ReLU(normalisation(a node
         read)), else through autograd). An input concatenated along channels (a decoder's upsampled
         input and skip) is taken part by part, each with its slice of the weight (each input
-        channel's gradients are sums over the output channels alone): the concatenation is never made."""
+        channel's gradients are sums over the output channels alone): the concatenation is never made.
+        Under autocast the call gets what autocast gave the convolution: its input, weight (the copy
+        cast once per backward) and output gradient in the autocast dtype; the input's gradient is
+        then taken to its own dtype and the weight's added into the float32 sums, as autocast's cast
+        passes each back."""
         node = self.graph.nodes[source]
         conv, before = node.module, node.inputs[0]
         first, last = max(0, low - node.halo), min(self.depths[before], high + node.halo)
@@ -969,6 +1077,8 @@ class _Backward:
         if self.graph.nodes[before].kind == "cat" and before not in self.read and conv.groups == 1:
             parts = list(self.graph.nodes[before].inputs)
         weight, bias = self.parameter_index[id(conv.weight)], self.parameter_index.get(id(conv.bias))
+        cast = self.weights.get(id(conv.weight), conv.weight).detach()
+        gradient = gradient.to(cast.dtype)
         channel = 0
         for position, part in enumerate(parts):
             fused = self._relu_of_normalised(part) if FUSED_NORMALISED_RELU else None
@@ -983,7 +1093,7 @@ class _Backward:
                 if any(zero_rows):
                     padded = F.pad(padded, (0, 0) * (padded.dim() - AXIS - 1) + zero_rows)
             channels = padded.shape[1]
-            weights = conv.weight.detach()
+            padded, weights = padded.to(cast.dtype), cast
             if len(parts) > 1:
                 weights = weights[:, channel:channel + channels]
             with_bias = conv.bias is not None and position == 0      # once, not once per part
@@ -1002,7 +1112,7 @@ class _Backward:
                 if grad_bias is not None:
                     self.grad_parameters[bias].add_(grad_bias)
                 if grad_x is not None:
-                    grad_x = _rows_of(grad_x, zero_rows[0], last - first)
+                    grad_x = _rows_of(grad_x, zero_rows[0], last - first).to(x.dtype)
                     if fused is not None:
                         self._normalised_relu_back(norm, read, first, grad_x, x, y, scale, shift, mean, variance)
                     else:
@@ -1025,7 +1135,8 @@ class _Backward:
         mean, variance = (s.detach().requires_grad_() for s in self.forward.statistics[norm])
         with torch.enable_grad():
             scale, shift = _scale_and_shift(self.graph.nodes[norm].module, y, mean, variance)
-        padded, x = _normalised_relu_into(self.scratch, "x", y, scale.detach(), shift.detach(), zero_rows)
+        padded, x = _normalised_relu_into(self.scratch, "x", y, scale.detach(), shift.detach(), zero_rows,
+                                          normalised_dtype(self.graph.nodes[norm].module, y))
         return padded, x, scale, shift, mean, variance
 
     def _normalised_relu_back(self, norm: int, read: int, first: int, grad_x: torch.Tensor, x: torch.Tensor,
@@ -1039,7 +1150,7 @@ class _Backward:
         else:
             grad_x = torch.ops.aten.threshold_backward(grad_x, x, 0)
         grad_scale = _sum_to(_products_summed(grad_x, y), scale.shape)
-        grad_shift = _sum_to(grad_x.sum(tuple(range(2, grad_x.dim())), keepdim=True), shift.shape)
+        grad_shift = _sum_to(_summed(grad_x), shift.shape)
         module = self.graph.nodes[norm].module
         # Its parameters as trained (a parametrized weight's original, not the weight it makes).
         parameters = [self.parameter_index[id(p)] for p in module.parameters()
@@ -1052,7 +1163,10 @@ class _Backward:
         for index, grad in zip(parameters, grads[2:]):
             if grad is not None:
                 self.grad_parameters[index].add_(grad)
-        grad_y = grad_x.mul_(scale.detach())
+        if read in self.stored and self.grad_stored[read].dtype != grad_x.dtype:
+            grad_y = grad_x * scale.detach()        # into a float32 sum: not rounded to grad_x's dtype first
+        else:
+            grad_y = grad_x.mul_(scale.detach())
         if read in self.stored:
             self.grad_stored[read].add(first, grad_y)
         else:
@@ -1093,7 +1207,8 @@ class _Backward:
 
         def gradient_at(values: torch.Tensor, low: int, high: int, out: torch.Tensor | None = None) -> torch.Tensor:
             with torch.no_grad():
-                gradient = kept.read(low, high, out=out) if kept is not None else torch.zeros_like(values)
+                gradient = (kept.read(low, high, out=out) if kept is not None
+                            else torch.zeros_like(values, dtype=accumulation_dtype(values.dtype)))
                 for norm, mean, grad_mean, grad_variance in terms:
                     grouped, _ = _grouped(norm, gradient)
                     values_grouped, _ = _grouped(norm, values)
@@ -1107,14 +1222,15 @@ class _Backward:
                 if terms or kept is None:
                     # Into the buffer the convolution's input is read into next: these values are done with by then.
                     values = store.read(low, high, out=self.scratch.get("y", store.shape, high - low, store.dtype))
-                out = None if kept is None else self.scratch.get("gradient", store.shape, high - low, store.dtype)
+                out = None if kept is None else self.scratch.get("gradient", store.shape, high - low, kept.dtype)
                 gradient = gradient_at(values, low, high, out)
                 del values
                 self._convolution(source, low, high, gradient)
                 del gradient
         else:
             for low, high in slab_bounds(self.depths[source], self.count):
-                self.slab(source, low, high, lambda out, low, high: (out, gradient_at(out.detach(), low, high)))
+                self.slab(source, low, high,
+                          lambda out, low, high: (out, gradient_at(out.detach(), low, high).to(out.dtype)))
         if kept is not None:
             self.grad_stored.pop(source).close()
 

@@ -14,12 +14,17 @@ class becomes a subclass of it whose ``forward`` runs the chain in slabs, parame
 stay as they are, and `remove_split` gives the module its class back. (Hooks cannot replace what a
 forward computes, only add to it, so this one transform swaps the class, as FSDP2 does.)
 Its child modules are not called while it is split: a chain is a plan block or lies inside one.
+Under the plan's precision (bf16, fp16) a split chain computes each op in the dtype autocast gives
+it (`runtime.slab_autocast`); with compile, or for a target device, splitting is refused
+(`check_split_composes`).
 """
 
 import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
+from oomless.runtime.precision import autocast_dtype
+from oomless.runtime.slab_autocast import check_slabs_run_in
 from oomless.runtime.slabs import AXIS, SlabGraph, run_in_slabs
 from oomless.runtime.stream import STATE_ATTRIBUTE as STREAM_STATE
 from oomless.runtime.stream import STREAM, apply_stream, is_streamed, outer_level, outer_modules, remove_stream
@@ -123,17 +128,19 @@ def apply_split(model: nn.Module, split: dict[str, int], blocks: list[str] | Non
         module.__class__ = _split_class(type(module))
 
 
-def check_split_composes(target, precision: str, compile_with: dict | None) -> None:
-    """`InputError` for what splitting does not (yet) compose with, with what works instead."""
+def check_split_composes(target, precision: str, compile_with: dict | None, device: torch.device | None = None) -> None:
+    """`InputError` for what splitting does not (yet) compose with, with what works instead. Under
+    ``precision`` "bf16" or "fp16" the slabs run each op in the dtype autocast gives it
+    (`runtime.slab_autocast`): refused only where this PyTorch build lacks a kernel for that on ``device``."""
     if target is not None:
         raise InputError("split= cannot be planned for a target device (its slabs' working memory is measured, "
                          "not estimated); plan for the target with split=False")
-    if precision != "fp32":
-        raise InputError(f"split= with precision={precision!r}: the slabbed chain computes its normalisations in "
-                         "the input's dtype, not as autocast does; use precision='fp32' with split, or split=False")
     if compile_with is not None:
         raise InputError("split= with compile=True: a chain computed in slabs runs its ops one slab at a time, "
                          "outside any compiled graph; use one or the other")
+    dtype = autocast_dtype(precision)
+    if dtype is not None and device is not None and device.type != "meta":
+        check_slabs_run_in(device.type, precision, dtype)
 
 
 def remove_split(model: nn.Module) -> None:
