@@ -83,6 +83,7 @@ if str(BENCH_DIRECTORY) not in sys.path:    # imported from its path rather than
 from common import provenance, result_path, write_result  # noqa: E402  (bench/common.py)
 
 from oomless.errors import InputError  # noqa: E402
+from oomless.plan.collectives import ring_all_gather_seconds  # noqa: E402
 
 SIZES = {"full": dict(size=16, base_channels=8, depth=3, global_batch=32),
          "quick": dict(size=8, base_channels=2, depth=2, global_batch=4)}
@@ -433,8 +434,8 @@ def calibrate(world_size: int, settings: dict) -> dict:
         # Every rank waits for the slowest here too; what the link's formula already counts is not FSDP's.
         fsdp = max(rank["fsdp_collective_seconds"] for rank in measured)
         unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
-        on_the_link = ((world_size - 1) / world_size * unit_bytes / link["bytes_per_second"]
-                       + (world_size - 1) * link["latency_seconds"])
+        on_the_link = ring_all_gather_seconds(unit_bytes, world_size, link["bytes_per_second"],
+                                              link["latency_seconds"])
         record.update(all_reduce_seconds=seconds, all_reduce_after_compute_seconds=after_compute, link=link,
                       fsdp_collective_seconds=fsdp, fsdp_host_seconds=max(fsdp - on_the_link, 0.0))
     return record

@@ -179,6 +179,8 @@ def test_ranks_sharing_cores_slow_by_the_busy_ranks_threads_over_the_cores():
         make_cluster("h100", 2, overrides={"cores_per_node": 0})
     with pytest.raises(oomless.InputError, match="threads_per_rank must be a positive integer"):
         make_cluster("h100", 2, overrides={"threads_per_rank": 1.5})
+    with pytest.raises(oomless.InputError, match="threads_per_rank must be a positive integer"):
+        make_cluster("h100", 2, overrides={"cores_per_node": 2, "threads_per_rank": None})
 
 
 def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_waits():

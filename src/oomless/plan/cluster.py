@@ -197,7 +197,8 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
     cores = settings.get("cores_per_node")
     threads = settings.get("threads_per_rank", 1)
     for key, value in (("cores_per_node", cores), ("threads_per_rank", threads)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if (value is not None or key == "threads_per_rank") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InputError(f"cluster {key} must be a positive integer, got {value!r} (cores_per_node: the cores a "
                              "CPU node's ranks share; leave it out for GPUs)")
     fsdp_host = settings.get("fsdp_host_seconds", 0.0)
