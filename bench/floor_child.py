@@ -15,6 +15,7 @@ to return freed memory), on CUDA ``torch.cuda.max_memory_allocated``. Everything
 counts: the model, the optimizer's state, planning (its profiling steps) and ``steps`` training steps.
 ``"report_floor": true`` also reports the smallest budget oomless plans for (``floor_bytes``);
 ``"over_floor": 1.1`` plans ``"memory": "floor"`` at that multiple of it;
+``"fused_head": true`` trains GPT-2 without its head, the loss through `oomless.linear_cross_entropy`;
 ``"split"`` and ``"precision"`` are passed to `oomless.plan` (default None: the planner splits chains
 where it must; fp32).
 Used by bench/bench_max_size.py and tests/test_floor.py.
@@ -90,6 +91,12 @@ def build(config: dict, device: torch.device, small: bool = False):
                               use_cache=False)  # training: no KV cache (recompute would append to it)
         model = GPT2LMHeadModel(settings)
         tokens = torch.randint(0, settings.vocab_size, (batch, length), device=device)
+        if config.get("fused_head"):
+            # The model without its head (the head's weight is the tied embedding, a parameter of the
+            # body): oomless.linear_cross_entropy makes the logits a chunk of rows at a time.
+            body = model.transformer.to(device)
+            return body, tokens, lambda out: oomless.linear_cross_entropy(out.last_hidden_state[:, :-1],
+                                                                          body.wte.weight, tokens[:, 1:])
         loss = (lambda *pair: oomless.loss_in_slabs(F.cross_entropy, *pair)) if config.get("loss_in_slabs") \
             else F.cross_entropy
         return (model.to(device), tokens,

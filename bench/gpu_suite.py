@@ -17,6 +17,7 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     max_size          bench/bench_max_size.py, if present: the largest model trained within the memory
     dp_world_1        bench/bench_dp.py --world-size 1 (NCCL)
     dp_world_2        bench/bench_dp.py --world-size 2, where two GPUs exist
+    linear_loss       bench/bench_linear_loss.py: GPT-2's head and loss in bf16, whole against in chunks
 
 Needs only what a PyTorch machine has (torch with CUDA, numpy, pytest, rich, safetensors): it runs
 from the source tree (``PYTHONPATH=src``), installs nothing. Each piece has a time limit; one that
@@ -48,7 +49,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "max_size": 80,
-                       "dp_world_1": 30, "dp_world_2": 30, "fit_precision": 120}
+                       "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 40, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_precision.py"]
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started
@@ -125,6 +126,13 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
             piece["skip"] = (f"needs {world_size} GPUs (NCCL puts each rank on its own GPU); "
                              f"this machine has {device['device_count']}")
         pieces.append(piece)
+    # GPT-2's head and loss over 16 x 1024 tokens in bf16: the logits 3.3 GB in fp32, whole or in chunks.
+    pieces.append({"name": "linear_loss", "writes": ["linear-loss.json"],
+                   "command": [python, "bench/bench_linear_loss.py", "--device", device_name,
+                               "--out", str(out / "linear-loss.json")]
+                   + (["--rows", "16384", "--precision", "bf16", "--chunk-rows", "default,256,1024,4096"] if cuda else
+                      ["--rows", "256", "--width", "16", "--classes", "1000", "--steps", "1", "--threads", "1",
+                       "--chunk-rows", "default"])})
     # Last: inductor compiles the transformer's block first (tens of seconds on a GPU). The dry run
     # checks the bf16 variants only: compiling on CI's CPU takes a minute more.
     pieces.append({"name": "fit_precision", "writes": ["fit-precision.json"],

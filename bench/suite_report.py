@@ -19,6 +19,8 @@ TARGETS = {
     "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
     "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
     "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
+    "linear_loss": "the fused head and loss's peak a small share of plain's (no logits whole), its step time "
+                   "within 10 % of plain's at the default chunk (issue 15, item 2)",
     "fit_precision": "keep_bf16 and keep_compiled within 3 % of their references (plain_bf16, plain_compiled); "
                      "plan_50_bf16's activation peak about half the fp32 plan_50's (issue 11)",
 }
@@ -87,13 +89,22 @@ def _max_size(out: Path, files: list[str]) -> dict:
     return found
 
 
+def _linear_loss(out: Path) -> dict:
+    result = _read(out, "linear-loss.json")
+    return {row["method"] if row["method"] == "plain" else f"fused, chunk rows {row['chunk_rows'] or 'default'}":
+            {"peak_MiB": round(row["peak_rise_bytes"] / 2**20, 1), "median_step_ms": round(1e3 * row["median_step_seconds"], 2),
+             **({"peak_vs_plain": round(row["peak_vs_plain"], 3), "time_vs_plain": round(row["time_vs_plain"], 3)}
+                if "peak_vs_plain" in row else {})}
+            for row in result["results"] if "error" not in row}
+
+
 def highlights(record: dict, out: Path) -> dict:
     """The numbers to read first from ``record``'s piece (empty when it wrote nothing)."""
     if not record["files"]:
         return {}
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
-                  "swap_trace": _swap_trace,
+                  "swap_trace": _swap_trace, "linear_loss": _linear_loss,
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
     try:

@@ -8,6 +8,7 @@ from oomless.errors import ApplyError, InputError, OomlessError, PlanError, Size
 from oomless.models.vision import make_torchvision_importable
 from oomless.plan.devices import Device, register_device
 from oomless.plan.plan import BlockPlan, Plan
+from oomless.runtime.linear_loss import linear_cross_entropy
 from oomless.runtime.loss_slabs import loss_in_slabs
 from oomless.sizes import format_bytes, parse_bytes
 
@@ -15,7 +16,8 @@ from oomless.sizes import format_bytes, parse_bytes
 # CPU-only torch its C++ extension does not load, and `import torchvision` fails without this.
 make_torchvision_importable()
 
-__all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "loss_in_slabs", "installed_plan",
+__all__ = ["profile", "plan", "simulate", "apply", "remove", "fit", "stats", "sum_of_outputs", "loss_in_slabs", "linear_cross_entropy",
+           "installed_plan",
            "Plan", "BlockPlan",
            "Device", "register_device",
            "OomlessError", "PlanError", "SizeError", "ApplyError", "InputError", "parse_bytes", "format_bytes"]
