@@ -167,30 +167,39 @@ def test_the_logits_are_never_whole():
     assert fused < 0.5 * logits_bytes, (fused, plain)
 
 
-# Hugging Face GPT-2 planned without its head: the loss reads the states and the tied embedding.
+# Hugging Face causal LMs planned without their head (`base_model`): the loss reads the states and
+# the head's weight, GPT-2's tied to its embedding (a parameter of the body), Llama's its own.
 
 
-def _gpt2_without_head():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _causal_lm(name: str):
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=3000, n_positions=64,
-                                       use_cache=False))
-    assert model.get_output_embeddings().weight is model.transformer.wte.weight   # tied: the body holds it
-    tokens = torch.randint(0, 3000, (2, 48))
-    return model.transformer, tokens
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=3000, n_positions=64,
+                                           use_cache=False))
+        assert model.get_output_embeddings().weight is model.transformer.wte.weight
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=3000,
+                                             max_position_embeddings=64, use_cache=False))
+        assert not any(p is model.lm_head.weight for p in model.base_model.parameters())   # untied
+    return model, torch.randint(0, 3000, (2, 48))
 
 
-def _loss_of(body, tokens):
-    return lambda out: oomless.linear_cross_entropy(out.last_hidden_state[:, :-1], body.wte.weight, tokens[:, 1:])
+def _loss_of(model, tokens):
+    head = model.get_output_embeddings()
+    return lambda out: oomless.linear_cross_entropy(out.last_hidden_state[:, :-1], head.weight, tokens[:, 1:])
 
 
-def _train(body, tokens, steps: int = 2) -> list[float]:
-    optimizer = torch.optim.AdamW(body.parameters(), lr=1e-3)
+def _train(model, tokens, steps: int = 2) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(100 + step)       # the same dropout masks on both sides
-        loss = _loss_of(body, tokens)(body(tokens))
+        loss = _loss_of(model, tokens)(model.base_model(tokens))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -198,21 +207,22 @@ def _train(body, tokens, steps: int = 2) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", ["keep", "swap", "recompute", "floor"])
-def test_gpt2_without_its_head_trains_under_a_plan_as_in_plain_pytorch(kind):
-    pytest.importorskip("transformers")
-    body, tokens = _gpt2_without_head()
-    reference = copy.deepcopy(body)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_causal_lm_without_its_head_trains_under_a_plan_as_in_plain_pytorch(name, kind):
+    model, tokens = _causal_lm(name)
+    reference = copy.deepcopy(model)
     reference_losses = _train(reference, tokens)
-    profile = oomless.profile(body, tokens, loss_fn=_loss_of(body, tokens))
+    body, loss_fn = model.base_model, _loss_of(model, tokens)
+    profile = oomless.profile(body, tokens, loss_fn=loss_fn)
     if kind == "floor":
-        plan = oomless.plan(body, tokens, smallest_memory(profile, min_swap_bytes=0), loss_fn=_loss_of(body, tokens),
+        plan = oomless.plan(body, tokens, smallest_memory(profile, min_swap_bytes=0), loss_fn=loss_fn,
                             profile=profile, min_swap_bytes=0)
     else:
-        roomy = oomless.plan(body, tokens, "1TiB", loss_fn=_loss_of(body, tokens), profile=profile, min_swap_bytes=0)
+        roomy = oomless.plan(body, tokens, "1TiB", loss_fn=loss_fn, profile=profile, min_swap_bytes=0)
         plan = roomy.with_decisions(dict.fromkeys(roomy.decisions, kind))
     oomless.apply(body, plan)
-    assert _train(body, tokens) == reference_losses
-    for (name, expected), actual in zip(reference.named_parameters(), body.parameters()):
+    assert _train(model, tokens) == reference_losses
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(expected, actual), name
         assert torch.equal(expected.grad, actual.grad), name
 
@@ -223,11 +233,8 @@ def test_gpt2_without_its_head_trains_as_with_its_logits():
     each gradient by its own size, and the keys' bias has a gradient of zero in exact arithmetic
     (softmax ignores a shift shared by every key), so rounding noise moves it by lr-sized steps on
     either side (3.7e-4 relative after two steps)."""
-    pytest.importorskip("transformers")
-    body, tokens = _gpt2_without_head()
-    from transformers import GPT2LMHeadModel
-    whole = GPT2LMHeadModel(body.config)
-    whole.transformer.load_state_dict(body.state_dict())
+    model, tokens = _causal_lm("gpt2")
+    whole = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-3)
     losses, first_gradients = [], None
     for step in range(2):
@@ -236,12 +243,12 @@ def test_gpt2_without_its_head_trains_as_with_its_logits():
         logits = whole(tokens).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        first_gradients = first_gradients or [p.grad.clone() for p in whole.transformer.parameters()]
+        first_gradients = first_gradients or [p.grad.clone() for p in whole.parameters()]
         optimizer.step()
         losses.append(loss.item())
-    fused = copy.deepcopy(body)
+    fused = copy.deepcopy(model)
     torch.manual_seed(100)
-    _loss_of(fused, tokens)(fused(tokens)).backward()
-    for (name, _), expected, actual in zip(whole.transformer.named_parameters(), first_gradients, fused.parameters()):
+    _loss_of(fused, tokens)(fused.base_model(tokens)).backward()
+    for (name, _), expected, actual in zip(whole.named_parameters(), first_gradients, fused.parameters()):
         assert _relative(actual.grad, expected) < 1e-5, name
-    assert _train(body, tokens) == pytest.approx(losses, rel=1e-6)
+    assert _train(model, tokens) == pytest.approx(losses, rel=1e-6)
