@@ -252,3 +252,41 @@ def test_gpt2_without_its_head_trains_as_with_its_logits():
     for (name, _), expected, actual in zip(whole.named_parameters(), first_gradients, fused.parameters()):
         assert _relative(actual.grad, expected) < 1e-5, name
     assert _train(model, tokens) == pytest.approx(losses, rel=1e-6)
+
+
+class _Body(torch.nn.Module):
+    """An embedding and two transformer layers: a language model without its head."""
+
+    def __init__(self, classes: int = 8000, width: int = 64):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(classes, width)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(width, 4, 2 * width, batch_first=True)
+                                          for _ in range(2))
+
+    def forward(self, tokens):
+        states = self.embedding(tokens)
+        for layer in self.layers:
+            states = layer(states)
+        return states
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_profiled_for_a_target_on_meta_tensors_without_the_logits(precision):
+    """Planning for a GPU on meta tensors runs the fused loss too: the logits' cross-entropy saves
+    its log-probabilities (fp32 under bf16 autocast as well) outside every block, the fused loss
+    nothing logits-sized, and the plain step's predicted peak drops by more than the logits' bytes."""
+    with torch.device("meta"):
+        body = _Body()
+    tokens = torch.zeros(4, 256, dtype=torch.long, device="meta")
+    fused = lambda out: oomless.linear_cross_entropy(out[:, :-1], body.embedding.weight, tokens[:, 1:])  # noqa: E731
+    whole = lambda out: F.cross_entropy(F.linear(out[:, :-1], body.embedding.weight).flatten(0, 1),    # noqa: E731
+                                        tokens[:, 1:].flatten())
+    logits_bytes = 4 * 255 * 8000 * 4
+    saved, peaks = {}, {}
+    for name, loss_fn in (("fused", fused), ("whole", whole)):
+        saved[name] = oomless.profile(body, tokens, loss_fn=loss_fn, target="h100",
+                                      precision=precision).unassigned_saved_bytes
+        peaks[name] = oomless.plan(body, tokens, "64GiB", loss_fn=loss_fn, target="h100",
+                                   precision=precision).plain_peak_bytes
+    assert saved["whole"] >= logits_bytes and saved["fused"] < logits_bytes / 8, saved
+    assert peaks["whole"] - peaks["fused"] > logits_bytes, peaks

@@ -28,6 +28,8 @@ autocast dtype and the softmax in fp32, as autocast runs ``linear`` and ``cross_
 chunk's weight gradient is added in fp32, where plain autocast rounds the whole sum to bf16 once.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -107,11 +109,17 @@ def _check_classes(target: torch.Tensor, classes: int, ignore_index: int) -> Non
                          f"classes (0..{classes - 1}); mark rows without a target with ignore_index={ignore_index}")
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; never for devices it does not know (meta tensors of
+    a target's profile, whose precision `profile.fake_autocast` applies around this function)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` computes in here: autocast's where it is on (linear is
     one of its low-precision ops on every device), else the wider of the two."""
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type) and weight.dtype == torch.float32:
+    if _autocast_on(device_type) and weight.dtype == torch.float32:
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(hidden.dtype, weight.dtype)
 
@@ -165,7 +173,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         # Autocast stays out of the chunks: their products are cast by hand above, and the softmax runs
         # in fp32 as autocast runs cross_entropy.
-        with torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False) if torch.amp.is_autocast_available(
+                hidden.device.type) else contextlib.nullcontext():
             for start in range(0, states.shape[0], chunk_rows):
                 rows = states[start:start + chunk_rows].to(dtype)
                 chunk = slice(start, start + chunk_rows)
@@ -188,7 +197,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.with_gradients = with_gradients
         loss = total * scale if reduction == "mean" else total
         # In the logits' dtype, as F.cross_entropy returns it; fp32 under autocast, which runs it in fp32.
-        return loss if torch.is_autocast_enabled(hidden.device.type) else loss.to(dtype)
+        return loss if _autocast_on(hidden.device.type) else loss.to(dtype)
 
     @staticmethod
     @once_differentiable
