@@ -105,6 +105,16 @@ def test_only_what_needs_a_gradient_gets_one_and_no_grad_makes_none():
     assert evaluated.grad_fn is None and abs(evaluated.item() - expected.item()) < 1e-5
 
 
+def test_every_target_ignored_gives_pytorchs_nan_loss_and_zero_gradients():
+    hidden, weight, _, target = _tensors(False)
+    ignored = torch.full_like(target, -100)
+    expected = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), ignored.flatten())
+    fused = oomless.linear_cross_entropy(hidden, weight, ignored)
+    assert torch.isnan(expected) and torch.isnan(fused)
+    for actual, wanted in zip(_gradients(fused, (hidden, weight)), _gradients(expected, (hidden, weight))):
+        assert torch.equal(actual, wanted) and not actual.any()
+
+
 def test_a_second_backward_is_refused_with_what_to_do():
     hidden, weight, _, target = _tensors(False)
     loss = oomless.linear_cross_entropy(hidden, weight, target)

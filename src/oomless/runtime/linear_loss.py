@@ -148,7 +148,9 @@ def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, scale:
     gradient.scatter_add_(1, indices, torch.full_like(picked, label_smoothing - 1.0).unsqueeze(1))
     if label_smoothing:
         gradient.sub_(label_smoothing / classes)
-    gradient.mul_((kept.to(torch.float32) * scale).unsqueeze(1))
+    # Rows not counted get 0, not 0 x scale: with every row ignored a mean's scale is inf (the loss
+    # nan, as PyTorch's), and its gradients are zero, as PyTorch's.
+    gradient.mul_(torch.where(kept, scale, 0.0).unsqueeze(1))
     return total, gradient.to(rows.dtype)
 
 
@@ -212,7 +214,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         results = []
         for gradient, dtype in ((grad_states, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype)):
             if gradient is not None:
-                gradient = gradient.mul_(factor) if gradient.is_floating_point() else gradient
+                gradient = gradient.mul_(factor)
                 if dtype is not None and gradient.dtype != dtype:
                     gradient = gradient.to(dtype)
             results.append(gradient)
