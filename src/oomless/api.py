@@ -95,7 +95,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     ``precision`` "bf16" or "fp16" profiles, plans and (once applied) trains the step under
     ``torch.autocast`` for that dtype, fp16 with loss scaling (`oomless.runtime.precision`).
     ``compile`` True (or a dict of torch.compile options) compiles each block in place, profiled
-    compiled and composed with the plan (`oomless.runtime.compile`).
+    compiled and composed with the plan (`oomless.runtime.compile`); chains split into slabs run
+    eagerly, the other blocks compiled.
 
     ``split`` computes chains of convolutions, normalisations and pointwise ops (a U-Net stage, a
     decoder stage, a head) in slabs along the first spatial axis, so that one stage's backward holds
@@ -163,11 +164,11 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
 
     def profile_split(chains: dict[str, int]) -> Profile:
         return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype, memory_bytes,
-                                  precision, None, chains)
+                                  precision, options, chains)
 
     # Under bf16/fp16 only where asked for (split=True or a dict): at its smallest budget a bf16 split
     # step measured ~2 MiB (3 %) over the named budget on CPU (tests/test_floor.py says why).
-    may_split = (split is None and decisions is None and target is None and precision == "fp32" and not options
+    may_split = (split is None and decisions is None and target is None and precision == "fp32"
                  and can_measure_again)
     try:
         try:
@@ -299,16 +300,20 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         raise ApplyError("this plan updates the parameters in backward or keeps optimizer state or parameters "
                          "off the device: pass the optimizer it steps, oomless.apply(model, plan, optimizer=optimizer)")
     device = model_device(model)
-    if installed_state(model) is None:     # else install_plan's own error says so
-        check_can_apply(model, plan.precision, optimizer, device)
-        if plan.compile is not None:
-            check_compile_available(plan.compile)
-            check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)
+    if installed_state(model) is not None:
+        # Before splitting or compiling: undoing a failed apply would undo the installed plan's too.
+        raise ApplyError("oomless is already applied to this model; call oomless.remove(model) "
+                         "before applying another plan")
+    check_can_apply(model, plan.precision, optimizer, device)
     if plan.compile is not None:
-        apply_compile(model, plan.decisions, plan.compile)   # first: the plan's hooks then know to run eagerly
+        check_compile_available(plan.compile)
+        check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)
     try:
         if plan.split:
             apply_split(model, plan.split, blocks=list(plan.decisions))
+        # After splitting (split chains stay eager), before the plan's hooks (they then know to run eagerly).
+        if plan.compile is not None:
+            apply_compile(model, plan.decisions, plan.compile)
         install_plan(model, plan, device)
     except Exception:
         remove_split(model)

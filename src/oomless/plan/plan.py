@@ -42,6 +42,7 @@ class StaticPart:
 
 
 STREAMED = "the outer level, streamed"     # how split={"": slabs} (runtime/stream.py) reads
+STREAM_KEY = ""                            # runtime.stream.STREAM, not imported: a plan is plain data
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Plan:
         if self.static_parts:
             breakdown = ", ".join(part.describe() for part in self.static_parts)
         lines = [
-            f"precision {self.precision}{'' if self.compile is None else ', blocks compiled'}; " +
+            f"precision {self.precision}{self._compiled_blocks()}; " +
             f"static {format_bytes(self.static_bytes)} ({breakdown}); reserve {format_bytes(self.reserve_bytes)}; "
             f"activation budget {format_bytes(self.activation_budget)}",
             f"predicted peak {format_bytes(self.predicted_peak_bytes)} "
@@ -148,3 +149,15 @@ class Plan:
              if self.split else [])
         lines += [f"note: {note}" for note in self.notes]
         return buffer.getvalue() + "\n".join(lines)
+
+    def _compiled_blocks(self) -> str:
+        """What runs compiled: chains in slabs run eagerly (runtime/compile.py says why)."""
+        if self.compile is None:
+            return ""
+        eager = [name for name in self.split if name in self.decisions]
+        if STREAM_KEY in self.split:
+            eager.append(f"{STREAMED} (the blocks below it compiled)")
+        inside = [name for name in self.split if name != STREAM_KEY and name not in self.decisions]
+        return (", blocks compiled" + (f"; in slabs, run eagerly: {', '.join(eager)}" if eager else "")
+                + (f"; in slabs inside compiled blocks, run eagerly between their compiled parts: {', '.join(inside)}"
+                   if inside else ""))

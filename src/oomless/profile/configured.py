@@ -3,9 +3,9 @@
 `oomless.plan` and `oomless.profile` call `profile_configured`: on a target device, the meta-tensor
 profile (`profile.fake`) with autocast's casting policy emulated; otherwise the real step
 (`profile.profiler`) with the model's forward under the precision's autocast hooks
-(`runtime.precision`) and, with compile, each block compiled in place (`runtime.compile`), or with
-chains split into slabs (`runtime.split`), so the saved bytes and times measured are those of the
-step that will train.
+(`runtime.precision`), with chains split into slabs (`runtime.split`) and, with compile, each block
+compiled in place (`runtime.compile`; split chains run eagerly), so the saved bytes and times
+measured are those of the step that will train.
 """
 
 import torch.nn as nn
@@ -25,8 +25,9 @@ def profile_configured(model: nn.Module, example_inputs, loss_fn, optimizer, blo
                        memory_bytes: int | None, precision: str, compile_with: dict | None,
                        split: dict[str, int] | None = None) -> Profile:
     if split:
-        check_split_composes(target, precision, compile_with,
+        check_split_composes(target, precision,
                              None if target is not None else check_inputs_device(model, example_inputs))
+        # Split first: compiling then leaves the split chains eager, as `oomless.apply` does.
         apply_split(model, split, blocks=[name for name, _ in find_blocks(model, blocks)])
         try:
             measured = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,

@@ -23,6 +23,13 @@ Why this composes with the plan, from torch 2.13's source and issue threads:
   a compiled region): backward calls the compiled forward again, with the RNG state restored.
 - Compiling changes what a block saves (inductor's partitioner recomputes cheap ops in its
   backward instead of saving their outputs), so the profile is taken of the compiled step.
+- Chains computed in slabs (`runtime.split`, the streamed outer level of `runtime.stream`) run
+  eagerly: their slab engine is custom autograd functions, a Python loop over slabs and saved-tensor
+  hooks, which dynamo should not trace. A block that is a split chain is left uncompiled (compiled,
+  it would run nothing but the disabled chain); a split chain inside a compiled block is a graph
+  break (`SplitChain.forward` is ``torch.compiler.disable``d), the block's other ops compiled before
+  and after it; the streamed outer level is the model's own forward, never a block, and calls the
+  blocks below it compiled. Split before compiling: `apply_compile` sees which blocks are split.
 
 Combinations refused, each with what works instead (`check_compile_composes`):
 - compiled autograd (``torch._dynamo.config.compiled_autograd``) unpacks every saved tensor when
@@ -39,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
+from oomless.runtime.split import is_split
 
 STATE_ATTRIBUTE = "_oomless_compiled"
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -103,7 +111,8 @@ def _traced_forward_marker(module, args):
 
 
 def apply_compile(model: nn.Module, block_names, options: dict) -> None:
-    """Compile each named block of ``model`` in place (`nn.Module.compile`); `remove_compile` undoes it.
+    """Compile each named block of ``model`` in place (`nn.Module.compile`), but for the blocks split
+    into slabs, which run eagerly (module docstring); `remove_compile` undoes it.
 
     Each compiled block also gets a no-op forward pre-hook: dynamo traces the ``forward`` of a
     torch.nn class (Linear, Conv3d, Sequential: torch's own files, which it skips) only when the
@@ -115,7 +124,7 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
     compiled = []
     for name in block_names:
         module = modules[name]
-        if module._compiled_call_impl is None:
+        if module._compiled_call_impl is None and not is_split(module):
             module.compile(**options)
             compiled.append((module, module.register_forward_pre_hook(_traced_forward_marker)))
     object.__setattr__(model, STATE_ATTRIBUTE, compiled)
@@ -123,8 +132,9 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
 
 def compile_blocks(model: nn.Module, options: dict, device: torch.device, blocks=None) -> list[str]:
     """Compile ``model``'s blocks (the block policy's, or ``blocks=``) in place, after checking that
-    torch.compile runs here and composes with the model; the names compiled. Without a plan: a
-    profiling step's, a pipeline stage's, or the trainer's when nothing is planned."""
+    torch.compile runs here and composes with the model; the blocks' names (those split into slabs
+    among them run eagerly). Without a plan: a profiling step's, a pipeline stage's, or the
+    trainer's when nothing is planned."""
     from oomless.profile.blocks import find_blocks      # profile imports this module's checks
 
     check_compile_available(options)

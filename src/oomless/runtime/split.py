@@ -15,8 +15,12 @@ stay as they are, and `remove_split` gives the module its class back. (Hooks can
 forward computes, only add to it, so this one transform swaps the class, as FSDP2 does.)
 Its child modules are not called while it is split: a chain is a plan block or lies inside one.
 Under the plan's precision (bf16, fp16) a split chain computes each op in the dtype autocast gives
-it (`runtime.slab_autocast`); with compile, or for a target device, splitting is refused
-(`check_split_composes`).
+it (`runtime.slab_autocast`). With compile, a split chain runs eagerly: its slab engine (custom
+autograd functions, a Python loop over slabs, saved-tensor hooks, rows kept in files) is nothing for
+dynamo to trace, so `SplitChain.forward` is kept out of it (``torch.compiler.disable``). A block that
+is a split chain is not compiled (`runtime.compile`); in a compiled block that holds one, dynamo
+compiles the ops before and after the chain and runs the chain eagerly between them (a graph
+break). For a target device splitting is refused (`check_split_composes`).
 """
 
 import torch
@@ -36,6 +40,9 @@ STATE_ATTRIBUTE = "_oomless_split"
 class SplitChain:
     """Mixed into a chain's class by `apply_split`: its forward computes the chain in slabs."""
 
+    # Never traced: inside a compiled block, dynamo would otherwise inline the slab engine (or fail on
+    # its Python); disabled, it graph-breaks around the chain, which runs eagerly (module docstring).
+    @torch.compiler.disable(reason="oomless computes this chain in slabs, eagerly")
     def forward(self, *inputs, **keywords) -> torch.Tensor:
         slabs, graph = getattr(self, STATE_ATTRIBUTE)
         if (keywords or len(inputs) != len(graph.inputs)
@@ -128,16 +135,14 @@ def apply_split(model: nn.Module, split: dict[str, int], blocks: list[str] | Non
         module.__class__ = _split_class(type(module))
 
 
-def check_split_composes(target, precision: str, compile_with: dict | None, device: torch.device | None = None) -> None:
+def check_split_composes(target, precision: str, device: torch.device | None = None) -> None:
     """`InputError` for what splitting does not (yet) compose with, with what works instead. Under
     ``precision`` "bf16" or "fp16" the slabs run each op in the dtype autocast gives it
-    (`runtime.slab_autocast`): refused only where this PyTorch build lacks a kernel for that on ``device``."""
+    (`runtime.slab_autocast`): refused only where this PyTorch build lacks a kernel for that on ``device``.
+    Compile composes: split chains run eagerly, the other blocks compiled (module docstring)."""
     if target is not None:
         raise InputError("split= cannot be planned for a target device (its slabs' working memory is measured, "
                          "not estimated); plan for the target with split=False")
-    if compile_with is not None:
-        raise InputError("split= with compile=True: a chain computed in slabs runs its ops one slab at a time, "
-                         "outside any compiled graph; use one or the other")
     dtype = autocast_dtype(precision)
     if dtype is not None and device is not None and device.type != "meta":
         check_slabs_run_in(device.type, precision, dtype)

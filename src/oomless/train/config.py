@@ -101,9 +101,9 @@ class TrainConfig:
         autocast_dtype(self.precision)          # raises InputError naming the choices
         if self.split not in SPLIT_CHOICES:
             raise InputError(f"split must be one of {', '.join(SPLIT_CHOICES)}, got {self.split!r}")
-        if self.split == "all" and (self.compile or self.memory is None):
-            raise InputError("--split all needs --memory and works without --compile (chains in slabs run "
-                             "outside compiled graphs); use --split auto or off")
+        if self.split == "all" and self.memory is None:
+            raise InputError("--split all needs --memory (chains are split by the plan for a budget); add "
+                             "--memory or use --split off")
         if self.split == "all" and self.parallel.mode != "none":
             raise InputError(f"--split all is for one process: under --parallel {self.parallel.mode} BatchNorm takes "
                              "global-batch statistics, which chains in slabs do not compute yet; use --split off")
