@@ -191,3 +191,26 @@ def test_a_torch_nn_block_without_plan_hooks_is_really_compiled(fresh_dynamo):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     remove_compile(model)
     assert not model[0]._forward_pre_hooks and model[0]._compiled_call_impl is None
+
+
+def test_more_blocks_of_one_class_than_dynamos_recompile_limit_all_run_compiled(fresh_dynamo):
+    """Twelve Linear blocks of twelve shapes share Linear.forward's code: each needs a graph of its
+    own, and past dynamo's recompile_limit (8) the rest would silently run eagerly (a 3D U-Net's
+    convolutions did). oomless raises the limit to one graph per block (plus a margin), and a
+    backend given as a callable (as torch.compile takes it) is accepted."""
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    widths = [8 + 4 * index for index in range(13)]
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    inputs = torch.randn(2, widths[0])
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=lambda out: out.square().mean(), compile={"backend": counting})
+    oomless.apply(model, plan)
+    model(inputs).square().mean().backward()
+    assert len(plan.decisions) == 12 and len(graphs) >= 12, (len(plan.decisions), len(graphs))
+    assert torch._dynamo.config.recompile_limit >= 12
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] == frames["total"], dict(frames)

@@ -40,6 +40,7 @@ Combinations refused, each with what works instead (`check_compile_composes`):
   replays into static buffers that a swapped or recomputed tensor does not come back into.
 """
 
+import collections
 import functools
 
 import torch
@@ -49,6 +50,9 @@ from oomless.errors import ApplyError, InputError
 from oomless.runtime.split import is_split
 
 STATE_ATTRIBUTE = "_oomless_compiled"
+# Graphs allowed per shared forward beyond one per block (dynamo's default limit, for other variants:
+# grad mode, a dynamic-shape graph after a size changes).
+RECOMPILE_MARGIN = 8
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
@@ -64,7 +68,7 @@ def compile_options(compile) -> dict | None:
 
 
 @functools.cache
-def _probe(backend: str) -> str | None:
+def _probe(backend) -> str | None:
     """Why torch.compile with ``backend`` cannot run here (None when it can): compiles one tiny function."""
     try:
         torch._dynamo.eval_frame.check_if_dynamo_supported()
@@ -77,7 +81,9 @@ def _probe(backend: str) -> str | None:
 
 def check_compile_available(options: dict) -> None:
     """`InputError` before any step if torch.compile cannot run on this Python / platform / build."""
-    reason = _probe(str(options.get("backend", "inductor")))
+    # A backend is a registered name or, as torch.compile takes it, a callable (probed as itself).
+    backend = options.get("backend", "inductor")
+    reason = _probe(backend if callable(backend) else str(backend))
     if reason is not None:
         raise InputError(f"compile=True: torch.compile is not available here ({reason}); train without it "
                          "(compile=False, no --compile): plans and results are the same, only slower")
@@ -128,6 +134,23 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
             module.compile(**options)
             compiled.append((module, module.register_forward_pre_hook(_traced_forward_marker)))
     object.__setattr__(model, STATE_ATTRIBUTE, compiled)
+    allow_a_graph_per_block([module for module, _ in compiled])
+
+
+def allow_a_graph_per_block(modules: list[nn.Module]) -> None:
+    """Raise dynamo's recompile limits so that every block can have a graph of its own.
+
+    Dynamo keeps its compiled graphs per code object, and blocks of one class share their
+    ``forward``'s: where their shapes or constants differ (a 3D U-Net's convolutions, one per
+    channel count), each needs its own graph, and past ``recompile_limit`` (8 in torch 2.13) the
+    rest run eagerly with only a logged warning. The limits are process-wide: raised, never lowered."""
+    sharing = collections.Counter(getattr(type(module).forward, "__code__", None) for module in modules)
+    needed = max(sharing.values(), default=0) + RECOMPILE_MARGIN
+    config = torch._dynamo.config
+    if needed > config.recompile_limit:
+        config.recompile_limit = needed
+    if needed > config.accumulated_recompile_limit:
+        config.accumulated_recompile_limit = needed
 
 
 def compile_blocks(model: nn.Module, options: dict, device: torch.device, blocks=None) -> list[str]:
