@@ -148,10 +148,11 @@ def test_a_two_by_two_hybrid_under_bf16_and_fp16_equals_one_process(tmp_path):
     _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
 
 
-def test_traced_stages_of_gpt2_and_monai_unet_under_bf16_equal_one_process(tmp_path):
+def test_traced_stages_of_gpt2_and_monai_unet_under_bf16_and_compile_equal_one_process(tmp_path):
     """Models traced with torch.export (`oomless.parallel.traced`): their blocks' ATen ops dispatch
     through autocast as the model's own calls do. GPT-2's tied embedding and head sit on two ranks
-    (1e-6); MONAI's UNet, two tensors crossing the cut, bitwise."""
+    (1e-6); MONAI's UNet, two tensors crossing the cut, bitwise. Compiled (``--compile`` on traced
+    stages: each block a graph module of ATen calls, compiled in place), the same."""
     pytest.importorskip("transformers")
     pytest.importorskip("monai")
     gpt2, unet = build("gpt2")[1], build("monai-unet")[1]
@@ -159,6 +160,7 @@ def test_traced_stages_of_gpt2_and_monai_unet_under_bf16_equal_one_process(tmp_p
                  microbatches=1, schedule="gpipe", precision="bf16", exact=False),
             dict(name="monai-bf16", kind="monai-unet", cuts=[0, unet.index("model_1_submodule_1"), len(unet.blocks)],
                  microbatches=1, schedule="gpipe", precision="bf16", exact=True)]
+    jobs += [dict(job, name=f"{job['name']}-compiled", compile=COMPILE) for job in jobs]
     _check(run_pipeline_jobs(2, jobs, tmp_path), jobs)
 
 
