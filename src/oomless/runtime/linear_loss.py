@@ -126,10 +126,12 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
-def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, scale: torch.Tensor | None):
-    """The summed loss of ``rows`` and, where ``scale`` is given, the loss's gradient with respect to
-    their logits (times ``scale``, in the products' dtype): softmax - (1 - e) one-hot - e / V on the
-    rows counted, made in place in the logits' own buffer."""
+def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, with_gradient: bool):
+    """The summed loss of ``rows`` and, where ``with_gradient``, the summed loss's gradient with
+    respect to their logits (in the products' dtype): softmax - (1 - e) one-hot - e / V on the rows
+    counted, 0 on the others, made in place in the logits' own buffer. Not divided by a mean's count
+    here: entries up to 1 in fp16 keep their digits, where p / count (p ~ 1 / V) would fall below
+    fp16's smallest subnormal before a loss scale could lift it; backward applies both factors."""
     classes = weight.shape[0]
     indices = labels.clamp(0, classes - 1).long().unsqueeze(1)     # ignored rows' are masked below
     logits = F.linear(rows, weight, bias).float()
@@ -144,15 +146,13 @@ def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, scale:
     if label_smoothing:
         losses = (1.0 - label_smoothing) * losses + label_smoothing * (normaliser - average)
     total = torch.where(kept, losses, 0.0).sum()
-    if scale is None:
+    if not with_gradient:
         return total, None
     gradient = exponentials.div_(sums.unsqueeze(1))
     gradient.scatter_add_(1, indices, torch.full_like(picked, label_smoothing - 1.0).unsqueeze(1))
     if label_smoothing:
         gradient.sub_(label_smoothing / classes)
-    # Rows not counted get 0, not 0 x scale: with every row ignored a mean's scale is inf (the loss
-    # nan, as PyTorch's), and its gradients are zero, as PyTorch's.
-    gradient.mul_(torch.where(kept, scale, 0.0).unsqueeze(1))
+    gradient.mul_(kept.unsqueeze(1))            # rows not counted: no gradient
     return total, gradient.to(rows.dtype)
 
 
@@ -167,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias_cast = None if bias is None else bias.to(dtype)
         counted = target != ignore_index
         count = counted.sum()
-        # The loss's gradient with respect to each row's loss, before backward's own factor.
+        # A mean's divisor, applied to the loss here and to the gradients in backward.
         scale = 1.0 / count.to(torch.float32) if reduction == "mean" else torch.ones((), device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         needs = ctx.needs_input_grad
@@ -183,7 +183,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows = states[start:start + chunk_rows].to(dtype)
                 chunk = slice(start, start + chunk_rows)
                 chunk_total, gradient = _chunk_loss(rows, target[chunk], counted[chunk], weight_cast, bias_cast,
-                                                    label_smoothing, scale if with_gradients else None)
+                                                    label_smoothing, with_gradients)
                 total += chunk_total
                 if gradient is None:
                     continue
@@ -199,6 +199,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.gradients = (grad_states, grad_weight, grad_bias)
         ctx.shapes_dtypes = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
         ctx.with_gradients = with_gradients
+        # Backward's factor beyond its own gradient: a mean's 1 / count, 0 with every row ignored (the
+        # loss nan, as PyTorch's, and the gradients zero, as PyTorch's; 0 x inf would give nan).
+        ctx.factor = torch.where(count > 0, scale, 0.0) if reduction == "mean" else scale
         loss = total * scale if reduction == "mean" else total
         # In the logits' dtype, as F.cross_entropy returns it; fp32 under autocast, which runs it in fp32.
         return loss if _autocast_on(hidden.device.type) else loss.to(dtype)
@@ -212,7 +215,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_states, grad_weight, grad_bias = ctx.gradients
         ctx.gradients = None     # freed as backward hands them on
         hidden_shape, weight_dtype, bias_dtype = ctx.shapes_dtypes
-        factor = grad_loss.to(torch.float32)
+        factor = grad_loss.to(torch.float32) * ctx.factor
         results = []
         for gradient, dtype in ((grad_states, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype)):
             if gradient is not None:
