@@ -49,7 +49,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "max_size": 80,
-                       "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 40, "fit_precision": 120}
+                       "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_precision.py"]
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started

@@ -324,3 +324,49 @@ def test_profiled_for_a_target_on_meta_tensors_without_the_logits(precision):
                                    precision=precision).plain_peak_bytes
     assert saved["whole"] >= logits_bytes and saved["fused"] < logits_bytes / 8, saved
     assert peaks["whole"] - peaks["fused"] > logits_bytes, peaks
+
+
+def test_a_head_weight_the_loss_reads_stays_on_the_device_and_refuses_fp16():
+    """GPT-2's tied head weight is read by the loss, outside every block: offloaded with the blocks'
+    parameters it would be gone when the loss reads it (the step failed), and under fp16 the loss
+    scale, applied at the model's outputs, would not reach its share of the gradient. The planner
+    keeps parameters on the device (forcing it off is refused, saying why); fp16 is refused."""
+    model, tokens = _causal_lm("gpt2")
+    body, loss_fn = model.base_model, _loss_of(model, tokens)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(InputError, match="the loss function reads wte.weight itself"):
+        oomless.plan(body, tokens, "1GiB", loss_fn=loss_fn, optimizer=optimizer, offload_parameters=True)
+    with pytest.raises(InputError, match="precision='fp16'.*wte.weight"):
+        oomless.plan(body, tokens, "1GiB", loss_fn=loss_fn, optimizer=optimizer, precision="fp16")
+    reference = copy.deepcopy(model)
+    reference_losses = _train(reference, tokens)
+    plan = oomless.plan(body, tokens, "1GiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                        offload_optimizer_state=True)
+    assert plan.update_in_backward and plan.offload_optimizer_state and not plan.offload_parameters
+    oomless.apply(body, plan, optimizer=optimizer)
+    losses = []
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss = loss_fn(body(tokens))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses == reference_losses
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(expected, actual), name
+
+
+def test_compute_dtype_outside_autocast_runs_as_autocast_does():
+    """Under oomless's precision="bf16" the loss runs outside autocast (the model's outputs in fp32):
+    compute_dtype=torch.bfloat16 runs the head's products in bf16 there, bit for bit as autocast."""
+    hidden, weight, bias_, target = _tensors(True, shape=(4, 64), width=64, classes=2000)
+    tensors = (hidden, weight, bias_)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = oomless.linear_cross_entropy(hidden, weight, target, bias_, chunk_rows=50)
+    outside = oomless.linear_cross_entropy(hidden, weight, target, bias_, chunk_rows=50, compute_dtype=torch.bfloat16)
+    assert outside.dtype == torch.float32 and torch.equal(inside, outside)
+    for first, second in zip(_gradients(inside, tensors), _gradients(outside, tensors)):
+        assert torch.equal(first, second)
+    with pytest.raises(InputError, match="compute_dtype"):
+        oomless.linear_cross_entropy(hidden, weight, target, compute_dtype=torch.int8)

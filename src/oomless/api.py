@@ -15,7 +15,7 @@ from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
 from oomless.profile.rss import give_back_free_heap
-from oomless.profile.tensors import model_device, tensors_in
+from oomless.profile.tensors import model_device, parameters_held_by, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
                                      remove_compile)
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
@@ -122,11 +122,19 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                              "its loss scaler must see every gradient before any update and steps the optimizer "
                              "itself; leave them None (or False), or use precision='bf16'")
         update_in_backward = offload_optimizer_state = offload_parameters = False
-    request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
-                            accumulation_steps, shard_over)
-    request.check()
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
                                   profile, dtype, target, solver)
+    loss_parameters = tuple(parameters_held_by(loss_fn, model))
+    trainable_read = [name for name in loss_parameters if model.get_parameter(name).requires_grad]
+    if precision == "fp16" and trainable_read:
+        # The loss scale is applied where the model's outputs leave it (`runtime.precision`): a
+        # parameter the loss reads itself gets its share of the gradient unscaled, then divided by it.
+        raise InputError(f"precision='fp16': the loss function reads the model's {', '.join(trainable_read[:3])} "
+                         "itself (a tied head's weight in oomless.linear_cross_entropy?), whose gradient the loss "
+                         "scale would not reach; use precision='bf16' (no loss scale), or read it inside the model")
+    request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
+                            accumulation_steps, shard_over, loss_parameters)
+    request.check()
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) before planning again")
     if profile is not None and profile.precision != precision:

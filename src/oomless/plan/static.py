@@ -79,6 +79,7 @@ class StaticRequest:
     max_grad_norm: float | None = None           # the loop clips by global norm
     accumulation_steps: int = 1                  # micro-batches per optimizer step
     shard_over: int = 1                          # ranks sharing the static bytes (FSDP2); 1: not sharded
+    loss_parameters: tuple[str, ...] = ()        # the model's parameters the loss function reads itself
 
     def check(self) -> None:
         if not isinstance(self.shard_over, int) or isinstance(self.shard_over, bool) or self.shard_over < 1:
@@ -355,7 +356,9 @@ def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, re
     in_backward_blocker = sharded_blocker or why_not_in_backward(optimizer, request.max_grad_norm)
     parameters_blocker = in_backward_blocker or (
         "they are written out after their update in backward, which gradient accumulation delays"
-        if request.accumulation_steps > 1 else None)
+        if request.accumulation_steps > 1 else None) or (
+        f"the loss function reads {', '.join(request.loss_parameters[:3])} itself (a tied head's weight?), "
+        "outside the blocks that bring parameters back" if request.loss_parameters else None)
     if request.update_in_backward is False and request.offload_parameters is True:
         raise InputError("offload_parameters=True needs the update in backward (each parameter is written out "
                          "after its update); drop update_in_backward=False")

@@ -16,6 +16,13 @@ def tensors_in(value) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def parameters_held_by(function, model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters that ``function`` holds (`tensors_held_by`): a loss that reads a
+    parameter itself, such as a language model's tied head weight in `oomless.linear_cross_entropy`."""
+    held = {id(tensor) for tensor in tensors_held_by(function)} if function is not None else set()
+    return [name for name, parameter in model.named_parameters() if id(parameter) in held]
+
+
 def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
     """Tensors a callable holds, such as the targets a loss function closes over
     (``lambda out: F.cross_entropy(out, labels)``): its closure's cells and default arguments, a

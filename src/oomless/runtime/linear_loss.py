@@ -17,9 +17,12 @@ states' and the weight's gradients and freed. Backward only scales those gradien
 own gradient: no product is computed twice, and nothing logits-sized is saved or made whole.
 
 Memory: one chunk's logits (about ``CHUNK_BYTES`` in fp32, `default_chunk_rows`) at a time, their
-gradient made in place, plus the hidden states' gradient (their size) and the weight's (the head's
-parameter size, which the plain step also makes when backward starts). Made in the loss's forward
-instead, they are held until backward starts, which follows at once in a training step.
+gradient made in place, plus the hidden states' gradient (their size) and the weight's, summed in
+fp32 (the head's parameter size for fp32 weights, which the plain step also makes when backward
+starts; twice it, plus a low-precision product per chunk and a copy back, for bf16/fp16 weights).
+Made in the loss's forward instead, they are held until backward starts, which follows at once in a
+training step; a loss computed with gradients enabled but never backpropagated (an evaluation loop
+without ``torch.no_grad``) pays for them all the same.
 
 Equal to ``F.cross_entropy(F.linear(hidden, weight, bias), target)`` to float rounding, not bit for
 bit: the weight's gradient sums over rows chunk by chunk, in another order than one product does
@@ -47,14 +50,18 @@ CHUNK_ROWS_MULTIPLE = 64
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                         label_smoothing: float = 0.0, chunk_rows: int | None = None) -> torch.Tensor:
+                         label_smoothing: float = 0.0, chunk_rows: int | None = None,
+                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits whole
     (module docstring).
 
     ``hidden`` (..., D) the states the head reads; ``weight`` (V, D) and ``bias`` (V,) the head's;
     ``target`` (...) class indices of any integer dtype, ``ignore_index`` where no loss is taken.
     ``reduction`` "mean" (over the targets not ignored) or "sum"; ``label_smoothing`` as PyTorch's.
-    ``chunk_rows``: rows per chunk (default: about ``CHUNK_BYTES`` of fp32 logits each)."""
+    ``chunk_rows``: rows per chunk (default: about ``CHUNK_BYTES`` of fp32 logits each).
+    ``compute_dtype`` (e.g. torch.bfloat16): the products' dtype, as autocast of that dtype would run
+    them, where the loss runs outside autocast (under `oomless.fit(..., precision="bf16")` the model's
+    outputs come back in fp32 and the loss runs in fp32); default: autocast's, else the inputs'."""
     _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows)
     _check_classes(target, weight.shape[0], ignore_index)
     rows = hidden.shape[:-1].numel()
@@ -62,8 +69,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         chunk_rows = default_chunk_rows(weight.shape[0])
     tensors = (hidden, weight) + (() if bias is None else (bias,))
     with_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"linear_cross_entropy: compute_dtype must be torch.float32, bfloat16 or float16, "
+                         f"got {compute_dtype!r}")
     return _LinearCrossEntropy.apply(hidden, weight, bias, target.reshape(rows), ignore_index, reduction,
-                                     label_smoothing, min(chunk_rows, max(rows, 1)), with_gradients)
+                                     label_smoothing, min(chunk_rows, max(rows, 1)), with_gradients, compute_dtype)
 
 
 def default_chunk_rows(classes: int) -> int:
@@ -159,8 +169,8 @@ def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, with_g
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, label_smoothing, chunk_rows,
-                with_gradients):
-        dtype = _compute_dtype(hidden, weight)
+                with_gradients, compute_dtype):
+        dtype = compute_dtype or _compute_dtype(hidden, weight)
         states = hidden.reshape(-1, hidden.shape[-1])
         # Cast once, as autocast's weight cache does, not once per chunk.
         weight_cast = weight.to(dtype)
@@ -203,8 +213,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # loss nan, as PyTorch's, and the gradients zero, as PyTorch's; 0 x inf would give nan).
         ctx.factor = torch.where(count > 0, scale, 0.0) if reduction == "mean" else scale
         loss = total * scale if reduction == "mean" else total
-        # In the logits' dtype, as F.cross_entropy returns it; fp32 under autocast, which runs it in fp32.
-        return loss if _autocast_on(hidden.device.type) else loss.to(dtype)
+        # In the logits' dtype, as F.cross_entropy returns it; fp32 under autocast (or compute_dtype), as
+        # autocast runs cross_entropy.
+        return loss if _autocast_on(hidden.device.type) or compute_dtype is not None else loss.to(dtype)
 
     @staticmethod
     @once_differentiable
@@ -224,4 +235,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     gradient = gradient.to(dtype)
             results.append(gradient)
         grad_hidden = None if results[0] is None else results[0].reshape(hidden_shape)
-        return grad_hidden, results[1], results[2], None, None, None, None, None, None
+        return grad_hidden, results[1], results[2], None, None, None, None, None, None, None
