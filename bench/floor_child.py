@@ -95,8 +95,9 @@ def build(config: dict, device: torch.device, small: bool = False):
             # The model without its head (the head's weight is the tied embedding, a parameter of the
             # body): oomless.linear_cross_entropy makes the logits a chunk of rows at a time.
             body = model.transformer.to(device)
+            head = model.get_output_embeddings()    # holds the tied weight only (the loss reads no other)
             return body, tokens, lambda out: oomless.linear_cross_entropy(out.last_hidden_state[:, :-1],
-                                                                          body.wte.weight, tokens[:, 1:])
+                                                                          head.weight, tokens[:, 1:])
         loss = (lambda *pair: oomless.loss_in_slabs(F.cross_entropy, *pair)) if config.get("loss_in_slabs") \
             else F.cross_entropy
         return (model.to(device), tokens,
