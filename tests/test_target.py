@@ -109,3 +109,26 @@ def test_big_models_are_planned_for_an_h100_in_a_small_process(name):
     assert numbers["predicted_peak_bytes"] <= numbers["memory_bytes"]
     # The plan is for a step far bigger than this process ever was.
     assert numbers["peak_rss_bytes"] < 1.5 * GiB < numbers["plain_peak_bytes"] / 20
+
+
+def test_a_model_reading_a_value_on_meta_tensors_is_told_why_and_what_works():
+    """Meta tensors hold no values: a forward that reads one on the host (as Hugging Face GPT-2's
+    mask code checks its position ids) cannot be planned for a target; the error says so and what
+    works, instead of torch's "Tensor.item() cannot be called on meta tensors"."""
+
+    class ReadsAValue(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+                if (x > 0).all():       # a Python branch on a tensor's values
+                    x = x - 1
+            return x
+
+    with torch.device("meta"):
+        model = ReadsAValue()
+    with pytest.raises(oomless.InputError, match="meta tensors, which hold no values.*no target="):
+        oomless.plan(model, torch.zeros(4, 8, device="meta"), "1GiB", target="h100")

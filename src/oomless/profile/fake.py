@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
+from oomless.errors import InputError
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
 from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_autocast import FakeAutocast
@@ -69,6 +70,13 @@ class _Roofline(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            # A value read on the host (.item(), bool(), a Python branch on a tensor): meta tensors
+            # hold none, and torch's own message does not say why they are here.
+            raise InputError("planning for a target runs the step on meta tensors, which hold no values, and the "
+                             "model (or loss) reads a tensor's value in Python (.item(), bool(), `if tensor...`; "
+                             "Hugging Face transformers' mask code checks its inputs so); plan on a real device "
+                             "instead (no target=), or make that code path read no values")
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
         if name in _FREE or getattr(func, "is_view", False):
