@@ -71,6 +71,11 @@ def _what_limits(profile: Profile, timeline: Timeline) -> tuple[str | None, str]
     """(block, why) of the smallest plan's peak: the block whose saved tensors fill most of the
     device then (copies out that cannot keep up), else the phase that runs then."""
     kind, index = timeline.peak_phase
+    if kind == "optimizer step":
+        return None, (f"the optimizer's step after backward sets it: "
+                      f"{format_bytes(profile.optimizer_step_other_bytes)} beyond the static bytes (its temporaries, "
+                      "the state it brings in) with every gradient on the device; the update in backward "
+                      "(update_in_backward=True) steps one module at a time, fused=True makes no temporaries")
     holders = timeline.peak_holders or {}
     holder = max(holders, key=holders.get, default=None)
     if index >= 0:

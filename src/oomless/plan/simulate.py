@@ -412,7 +412,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             ledger -= held
         if next_prefetch >= 0:
             prefetch(now, i)
-    enter(now, Phase(-1, 0, None, "end"))
+    # After backward the optimizer's step (`plan.optimizer_step`), the ledger empty by then.
+    enter(now, Phase(-1, profile.optimizer_step_other_bytes, None, "optimizer step"))
     peak, peak_seconds, total_peak, curve, peak_phase, up_to_peak = _sweep(events, keep_curve,
                                                                             least_other_bytes(profile))
     if holders:

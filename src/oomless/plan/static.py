@@ -49,6 +49,7 @@ from torch import nn
 
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import Plan, StaticPart
+from oomless.plan.optimizer_step import optimizer_step_other_bytes
 from oomless.plan.static_phases import with_phase_static
 from oomless.profile.profile import Profile
 from oomless.runtime.optimizer_slices import NOT_SLICEABLE, OptimizerSlice
@@ -309,6 +310,11 @@ class _Candidates:
             # What moves during the step is not on the device in every phase (`plan.static_phases`).
             seen = with_phase_static(seen, self.profile, self.model, placement.update_in_backward,
                                      placement.offload_optimizer_state, placement.offload_parameters)
+            if not placement.update_in_backward:
+                # The user's optimizer.step() after backward, with every gradient on the device.
+                seen = dataclasses.replace(seen, optimizer_step_other_bytes=optimizer_step_other_bytes(
+                    self.optimizer, self.profile, placement.offload_optimizer_state, seen.optimizer_state_bytes,
+                    self.request.shard_over))
             try:
                 self.results[placement] = self.plan_activations(seen)
             except PlanError as refused:

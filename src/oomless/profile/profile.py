@@ -147,6 +147,10 @@ class Profile:
     # `BlockProfile.backward_gradient_names` and `BlockProfile.forward_static_absent_bytes`).
     loss_gradient_names: list[str] = field(default_factory=list)
     loss_static_absent_bytes: int = 0
+    # What the optimizer's step after backward holds beyond static bytes (its temporaries; with its
+    # state off the device, the state it brings in less the state counted): set by the planner for a
+    # placement (`plan.optimizer_step`), 0 as measured.
+    optimizer_step_other_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
