@@ -370,3 +370,27 @@ def test_compute_dtype_outside_autocast_runs_as_autocast_does():
         assert torch.equal(first, second)
     with pytest.raises(InputError, match="compute_dtype"):
         oomless.linear_cross_entropy(hidden, weight, target, compute_dtype=torch.int8)
+
+
+def test_the_plan_command_plans_a_language_models_next_token_loss_and_its_head_fused(capsys):
+    """``oomless plan`` plans a language model's real loss by default (cross-entropy of each token's
+    logits against the next token: it keeps the log-probabilities, two logits-sized tensors more than
+    the sum of the logits planned before), and ``--loss fused-next-token`` the Hugging Face model
+    without its head, the logits never whole."""
+    from oomless.cli.main import main
+
+    pytest.importorskip("transformers")
+    common = ["plan", "hf:gpt2", "--input-shape", "4,128", "--memory", "8GiB", "--json", "--model-arg", "n_layer=2",
+              "--model-arg", "n_embd=64", "--model-arg", "n_head=4", "--model-arg", "vocab_size=8000"]
+    peaks = {}
+    for loss in ("sum", "auto", "next-token", "fused-next-token"):
+        assert main([*common, "--loss", loss]) == 0
+        peaks[loss] = oomless.Plan.from_json(capsys.readouterr().out).plain_peak_bytes
+    logits_bytes = 4 * 128 * 8000 * 4
+    assert abs(peaks["auto"] - peaks["next-token"]) < logits_bytes / 4, peaks     # two profiles: a little noise
+    assert peaks["next-token"] - peaks["sum"] > logits_bytes, peaks
+    assert peaks["next-token"] - peaks["fused-next-token"] > 1.5 * logits_bytes, peaks
+    assert main(["plan", "unet3d", "--memory", "1GiB", "--loss", "next-token"]) == 2
+    assert "--loss next-token is for language models" in capsys.readouterr().err
+    assert main(["plan", "transformer", "--memory", "1GiB", "--loss", "fused-next-token"]) == 2
+    assert "hf:" in capsys.readouterr().err

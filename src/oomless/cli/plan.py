@@ -4,6 +4,8 @@
     oomless plan transformer --batch 8 --memory 512MiB --json --model-arg depth=12
     oomless plan my_package.nets:make_net --input-shape 4,3,224,224 --memory 20GiB --target h100
     oomless plan unet3d --input-shape 1,1,256,256,256 --memory 80GiB --target h100 --plot plan.png
+    oomless plan hf:gpt2 --input-shape 8,512 --memory 2GiB --loss fused-next-token \
+        --model-arg n_layer=4 --model-arg n_embd=256 --model-arg n_head=4
     oomless plan transformer --input-shape 8,2048 --memory 80GiB --target h100 --dtype bf16 \
         --model-arg vocab_size=50257 --model-arg dim=2048 --model-arg depth=18 --model-arg heads=16 \
         --model-arg max_len=2048
@@ -72,12 +74,57 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", choices=("auto", "all", "off"), default="auto",
                         help="compute chains (U-Net stages) in slabs along depth: auto (where no plan fits without; "
                              "default), all, off")
+    parser.add_argument("--loss", choices=LOSSES, default="auto",
+                        help="the loss planned: sum (of the outputs), next-token (cross-entropy of each token's "
+                             "logits against the next token), fused-next-token (hf: models; the model without its "
+                             "head, oomless.linear_cross_entropy); auto (default): next-token for transformer and "
+                             "hf: models, else sum")
     parser.add_argument("--solver", choices=("auto", "greedy", "exact"), default="auto",
                         help="plan search (default %(default)s: exact up to 300 blocks, and greedy)")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write memory over one step, plain PyTorch vs the plan, with the budget line")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
+
+
+LOSSES = ("auto", "sum", "next-token", "fused-next-token")
+
+
+def _is_language_model(model_name: str) -> bool:
+    return model_name == "transformer" or model_name.startswith("hf:")
+
+
+def check_loss(loss: str, model_name: str) -> None:
+    if loss == "next-token" and not _is_language_model(model_name):
+        raise InputError(f"--loss next-token is for language models (transformer, hf:...), not {model_name!r}; "
+                         "use --loss sum")
+    if loss == "fused-next-token" and not model_name.startswith("hf:"):
+        raise InputError(f"--loss fused-next-token plans a Hugging Face causal LM without its head (hf:...), not "
+                         f"{model_name!r}; use --loss next-token")
+
+
+def planned_step(loss: str, model_name: str, model, example):
+    """(the module planned, its loss function) for ``--loss``: a language model's next-token
+    cross-entropy (the logits of positions 0..T-2 against tokens 1..T-1), or with the head fused,
+    the Hugging Face model's ``base_model`` and `oomless.linear_cross_entropy` over its states and
+    the head's weight; else the sum of the outputs (registered models return logits, not a loss)."""
+    import torch.nn.functional as F
+
+    import oomless
+
+    if loss == "auto":
+        loss = "next-token" if _is_language_model(model_name) else "sum"
+    if loss == "sum":
+        return model, oomless.sum_of_outputs
+    if loss == "fused-next-token":
+        head = model.get_output_embeddings()
+        return model.base_model, lambda out: oomless.linear_cross_entropy(
+            out.last_hidden_state[:, :-1], head.weight, example[:, 1:])
+
+    def next_token(out):
+        logits = getattr(out, "logits", out)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), example[:, 1:].flatten())
+    return model, next_token
 
 
 def check_model_runs(model, example, model_name: str) -> None:
@@ -107,6 +154,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from oomless.sizes import parse_bytes
 
     parse_bytes(args.memory)
+    check_loss(args.loss, args.model)
     for flag, value in (("--batch", args.batch), ("--size", args.size)):
         if value is not None and value <= 0:
             raise InputError(f"{flag} must be positive, got {value}")
@@ -144,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
                                 **model_kwargs).to(device)
     check_model_runs(model, example, args.model)
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
-    # A registered model returns logits, not a loss: plan the backward of their sum, as a loss would.
-    plan_kwargs = {"memory": args.memory, "target": args.target, "loss_fn": oomless.sum_of_outputs,
+    optimizer = optimizer(model.parameters(), lr=1e-3) if optimizer else None   # the whole model's, a head too
+    model, loss_fn = planned_step(args.loss, args.model, model, example)
+    plan_kwargs = {"memory": args.memory, "target": args.target, "loss_fn": loss_fn,
                    "precision": args.precision, "split": {"auto": None, "all": True, "off": False}[args.split],
-                   "optimizer": optimizer(model.parameters(), lr=1e-3) if optimizer else None}
+                   "optimizer": optimizer}
     if args.blocks:
         plan_kwargs["blocks"] = args.blocks
     if args.dtype is not None:

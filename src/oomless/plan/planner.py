@@ -90,7 +90,8 @@ def _what_limits(profile: Profile, timeline: Timeline) -> tuple[str | None, str]
     if index < 0:
         return None, (f"the loss sets it: the model's output, the loss's own tensors and their gradients "
                       f"({format_bytes(working)}; a loss computed in slabs, oomless.loss_in_slabs, makes none "
-                      f"of its per-element tensors whole)")
+                      f"of its per-element tensors whole; a language model's head and loss in chunks, "
+                      f"oomless.linear_cross_entropy, never makes its logits whole)")
     return block.name, (f"block {block.name}'s {kind} sets it: {format_bytes(working)} of working memory beyond "
                         f"saved tensors (held tensors, gradients in flight, op workspaces), with saved tensors "
                         f"brought back one at a time as it needs them (its largest "
