@@ -114,7 +114,8 @@ def main() -> None:
             row["peak_vs_plain"] = row["peak_rise_bytes"] / plain["peak_rise_bytes"]
             row["time_vs_plain"] = row["median_step_seconds"] / plain["median_step_seconds"]
     record = {"provenance": provenance(args.device), "config": base, "logits_bytes": args.rows * args.classes * 4,
-              "default_chunk_rows": default_chunk_rows(args.classes), "results": results}
+              "default_chunk_rows": default_chunk_rows(args.classes, low_precision=args.precision != "fp32"),
+              "results": results}
     write_result(out, record)
 
 

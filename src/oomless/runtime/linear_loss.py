@@ -46,6 +46,11 @@ from oomless.errors import InputError
 # and 391 MiB against plain's 2388 (bench/results/linear-loss-cpu-2026-11-26.json).
 CHUNK_BYTES = 32 * 2**20
 CHUNK_ROWS_MULTIPLE = 64
+# Under bf16/fp16 each chunk's weight gradient is a low-precision product of the weight's size added
+# to the fp32 sum, which costs more per chunk: chunks this many times larger. On the CPU machine, bf16,
+# GPT-2's head over 4096 rows: 128 rows 2.25x plain's time, 512 rows 0.92x, 1024 rows 0.78x, holding
+# 470, 506 and 556 MiB against plain's 2439 (the fp32 sum and the weight's casts dominate).
+LOW_PRECISION_CHUNK_FACTOR = 4
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -66,7 +71,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     _check_classes(target, weight.shape[0], ignore_index)
     rows = hidden.shape[:-1].numel()
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(weight.shape[0])
+        dtype = compute_dtype or _compute_dtype(hidden, weight)
+        chunk_rows = default_chunk_rows(weight.shape[0], low_precision=dtype != torch.float32)
     tensors = (hidden, weight) + (() if bias is None else (bias,))
     with_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if compute_dtype is not None and compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -76,10 +82,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                                      label_smoothing, min(chunk_rows, max(rows, 1)), with_gradients, compute_dtype)
 
 
-def default_chunk_rows(classes: int) -> int:
+def default_chunk_rows(classes: int, low_precision: bool = False) -> int:
     """Rows per chunk for a head of ``classes`` outputs: about ``CHUNK_BYTES`` of fp32 logits (GPT-2's
-    50,257 classes: 128 rows, 25 MiB; Llama 3's 128,256: 64 rows, 31 MiB)."""
-    rows = CHUNK_BYTES // (4 * classes)
+    50,257 classes: 128 rows, 25 MiB; Llama 3's 128,256: 64 rows, 31 MiB), ``LOW_PRECISION_CHUNK_FACTOR``
+    times that where the products run in bf16/fp16 (GPT-2's: 640 rows)."""
+    rows = CHUNK_BYTES * (LOW_PRECISION_CHUNK_FACTOR if low_precision else 1) // (4 * classes)
     return max(rows - rows % CHUNK_ROWS_MULTIPLE, CHUNK_ROWS_MULTIPLE)
 
 
