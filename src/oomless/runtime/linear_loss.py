@@ -67,19 +67,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``compute_dtype`` (e.g. torch.bfloat16): the products' dtype, as autocast of that dtype would run
     them, where the loss runs outside autocast (under `oomless.fit(..., precision="bf16")` the model's
     outputs come back in fp32 and the loss runs in fp32); default: autocast's, else the inputs'."""
-    _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows)
+    _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows, compute_dtype)
     _check_classes(target, weight.shape[0], ignore_index)
     rows = hidden.shape[:-1].numel()
+    dtype = compute_dtype or _compute_dtype(hidden, weight)
     if chunk_rows is None:
-        dtype = compute_dtype or _compute_dtype(hidden, weight)
         chunk_rows = default_chunk_rows(weight.shape[0], low_precision=dtype != torch.float32)
+    # The loss in the logits' dtype, as F.cross_entropy returns it; fp32 where autocast (or
+    # compute_dtype) sets the products' dtype, as autocast runs cross_entropy in fp32.
+    loss_dtype = torch.float32 if compute_dtype is not None or _autocast_on(hidden.device.type) else dtype
     tensors = (hidden, weight) + (() if bias is None else (bias,))
     with_gradients = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise InputError(f"linear_cross_entropy: compute_dtype must be torch.float32, bfloat16 or float16, "
-                         f"got {compute_dtype!r}")
     return _LinearCrossEntropy.apply(hidden, weight, bias, target.reshape(rows), ignore_index, reduction,
-                                     label_smoothing, min(chunk_rows, max(rows, 1)), with_gradients, compute_dtype)
+                                     label_smoothing, min(chunk_rows, max(rows, 1)), with_gradients, dtype,
+                                     loss_dtype)
 
 
 def default_chunk_rows(classes: int, low_precision: bool = False) -> int:
@@ -90,7 +91,7 @@ def default_chunk_rows(classes: int, low_precision: bool = False) -> int:
     return max(rows - rows % CHUNK_ROWS_MULTIPLE, CHUNK_ROWS_MULTIPLE)
 
 
-def _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows) -> None:
+def _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows, compute_dtype) -> None:
     if reduction not in ("mean", "sum"):
         raise InputError(f"linear_cross_entropy takes reduction 'mean' or 'sum', not {reduction!r}; for "
                          "per-token losses compute the logits yourself (they are what this avoids)")
@@ -114,6 +115,9 @@ def _check(hidden, weight, target, bias, reduction, label_smoothing, chunk_rows)
         raise InputError(f"linear_cross_entropy: label_smoothing must be within [0, 1], got {label_smoothing}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise InputError(f"linear_cross_entropy: chunk_rows must be a positive int, got {chunk_rows!r}")
+    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"linear_cross_entropy: compute_dtype must be torch.float32, bfloat16 or float16, "
+                         f"got {compute_dtype!r}")
 
 
 def _check_classes(target: torch.Tensor, classes: int, ignore_index: int) -> None:
@@ -176,8 +180,7 @@ def _chunk_loss(rows, labels, kept, weight, bias, label_smoothing: float, with_g
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, label_smoothing, chunk_rows,
-                with_gradients, compute_dtype):
-        dtype = compute_dtype or _compute_dtype(hidden, weight)
+                with_gradients, dtype, loss_dtype):
         states = hidden.reshape(-1, hidden.shape[-1])
         # Cast once, as autocast's weight cache does, not once per chunk.
         weight_cast = weight.to(dtype)
@@ -215,19 +218,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del gradient        # before the next chunk's logits are made: one chunk at a time
         ctx.gradients = (grad_states, grad_weight, grad_bias)
         ctx.shapes_dtypes = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
-        ctx.with_gradients = with_gradients
         # Backward's factor beyond its own gradient: a mean's 1 / count, 0 with every row ignored (the
         # loss nan, as PyTorch's, and the gradients zero, as PyTorch's; 0 x inf would give nan).
         ctx.factor = torch.where(count > 0, scale, 0.0) if reduction == "mean" else scale
         loss = total * scale if reduction == "mean" else total
-        # In the logits' dtype, as F.cross_entropy returns it; fp32 under autocast (or compute_dtype), as
-        # autocast runs cross_entropy.
-        return loss if _autocast_on(hidden.device.type) or compute_dtype is not None else loss.to(dtype)
+        return loss.to(loss_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        if not ctx.with_gradients or ctx.gradients is None:
+        if ctx.gradients is None:
             raise RuntimeError("linear_cross_entropy's gradients were made in its forward and are used once; "
                                "call it again for another backward (retain_graph does not keep them)")
         grad_states, grad_weight, grad_bias = ctx.gradients
@@ -242,4 +242,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     gradient = gradient.to(dtype)
             results.append(gradient)
         grad_hidden = None if results[0] is None else results[0].reshape(hidden_shape)
-        return grad_hidden, results[1], results[2], None, None, None, None, None, None, None
+        return grad_hidden, results[1], results[2], None, None, None, None, None, None, None, None
