@@ -41,15 +41,17 @@ def _temporary_copies(optimizer, group: dict, foreach: bool) -> tuple[int, int]:
     return 0, 0
 
 
+def _trainable(optimizer) -> list:
+    return [parameter for group in optimizer.param_groups for parameter in group["params"] if parameter.requires_grad]
+
+
 def step_temporary_bytes(optimizer, profile: Profile, one_parameter_at_a_time: bool, shard_over: int = 1) -> int:
     """The most bytes ``optimizer``'s step after backward makes beyond its state at once (module
     docstring), in the profile's bytes (a target's dtype applies); sharded over ``shard_over`` ranks
     (FSDP2 steps each rank's shards), a rank's."""
     if optimizer is None:
         return 0
-    trainable = [parameter for group in optimizer.param_groups for parameter in group["params"]
-                 if parameter.requires_grad]
-    elements = sum(parameter.numel() for parameter in trainable)
+    elements = sum(parameter.numel() for parameter in _trainable(optimizer))
     if not elements:
         return 0
     per_element = profile.gradient_bytes / elements / shard_over
@@ -76,8 +78,7 @@ def optimizer_step_other_bytes(optimizer, profile: Profile, offload_state: bool,
     the static bytes count more than the step holds). ``profile``: as measured (every static byte)."""
     other = step_temporary_bytes(optimizer, profile, offload_state, shard_over)
     if offload_state and optimizer is not None:
-        trainable = [parameter for group in optimizer.param_groups for parameter in group["params"]
-                     if parameter.requires_grad]
+        trainable = _trainable(optimizer)
         elements = sum(parameter.numel() for parameter in trainable)
         if elements:
             largest_two = sorted((parameter.numel() for parameter in trainable), reverse=True)[:2]

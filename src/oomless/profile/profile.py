@@ -53,7 +53,7 @@ class BlockProfile:
     # The trainable parameters (names in the model) whose gradients were accumulated while this
     # block's backward ran in the profiling step, in that order: where the update in backward steps
     # them, and so which gradients, optimizer state and parameters a placement that moves them holds
-    # in this phase (`plan.static.phase_static_bytes`). Empty where not measured.
+    # in this phase (`plan.static_phases.phase_static_absent`). Empty where not measured.
     backward_gradient_names: list[str] = field(default_factory=list)
     # The backward's other / peak bytes (as above) in stretches: before the first of those gradients
     # was accumulated, between each and the next, after the last (one more than the names). Where
