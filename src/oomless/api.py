@@ -10,7 +10,8 @@ from oomless.arguments import check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
-from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting_the_floor
+from oomless.plan.splitting import (can_split_at, plan_splitting_near_the_floor, plan_splitting_the_floor,
+                                   unsplit_floor_estimate)
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
@@ -147,23 +148,6 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     # Splitting measures the step again, split: with the caller's own profile and no loss_fn, the
     # step it measured (its loss) is not known here, and the refusal stands.
     can_measure_again = profile is None or loss_fn is not None
-    step_key = None
-    if profile is None:
-        step_key = _step_key(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, precision, options,
-                             split, request)
-        refused = _REFUSED.pop(model, None)
-        if refused is not None and refused[0] == step_key and memory_bytes >= refused[1]:
-            profile = refused[2]            # the budget a PlanError named, given back: the same measurements
-        else:
-            profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
-                                         memory_bytes, precision, options, chosen_split)
-    if decisions is not None:
-        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
-        missing = [block.name for block in profile.blocks if block.name not in decisions]
-        if unknown or missing:
-            raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
-                             f"unknown values {unknown}, blocks without one {missing[:5]}")
-
     def plan_profile(measured: Profile, budget: int = memory_bytes) -> Plan:
         return plan_with_static_decisions(
             measured, model, optimizer, request,
@@ -178,25 +162,81 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     # step measured ~2 MiB (3 %) over the named budget on CPU (tests/test_floor.py says why).
     may_split = (split is None and decisions is None and target is None and precision == "fp32"
                  and can_measure_again)
-    try:
+    step_key = None
+    estimate = None     # the smallest budget without splitting, estimated where over the budget
+    if profile is None:
+        step_key = _step_key(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, precision, options,
+                             split, request)
+        refused = _REFUSED.pop(model, None)
+        if refused is not None and refused[0] == step_key and memory_bytes >= refused[1]:
+            profile = refused[2]            # the budget a PlanError named, given back: the same measurements
+            chosen_split = profile.split    # with the chains split as they were measured, where they were
+        else:
+            if may_split and split_candidates(model):
+                estimate = _unsplit_floor_over(memory_bytes, model, example_inputs, optimizer, blocks, dtype,
+                                               plan_profile)
+            if estimate is None:
+                profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
+                                             memory_bytes, precision, options, chosen_split)
+    if decisions is not None:
+        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
+        missing = [block.name for block in profile.blocks if block.name not in decisions]
+        if unknown or missing:
+            raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
+                             f"unknown values {unknown}, blocks without one {missing[:5]}")
+
+    def plan_measured(measured: Profile) -> Plan:
         try:
-            made = plan_profile(profile)
+            return plan_profile(measured)
         except PlanError as error:
             if not may_split:
                 raise
             if error.limiting_block is None:
                 raise   # static bytes alone exceed the budget (or the loss sets the floor): no split lowers that
-            made = plan_splitting_the_floor(model, error, plan_profile, profile_split)
+            return plan_splitting_the_floor(model, error, plan_profile, profile_split)
+
+    try:
+        if estimate is not None:
+            # Even the estimate is over the budget: the step is measured split from the start.
+            try:
+                made = plan_splitting_the_floor(model, estimate, plan_profile, profile_split, estimated=True)
+            except PlanError as split_refused:
+                if (split_refused.minimum_bytes or 0) < (estimate.minimum_bytes or 0):
+                    raise   # below even the estimate of the unsplit floor: the lowest there is
+                # The estimate is a lower bound: measured unsplit, the step's own floor may be below the
+                # split ones' (slabs cost halos and kept inputs: the 3D U-Net at 48^3 was 70 MiB
+                # unsplit, 76 streamed). Measured as without the estimate, the split steps again after
+                # it, so the last profile counts what the earlier ones left behind.
+                try:
+                    profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
+                                                 memory_bytes, precision, options, chosen_split)
+                except torch.OutOfMemoryError:
+                    raise split_refused from None   # the device could not even measure the step unsplit
+                made = plan_measured(profile)
         else:
-            if may_split and split_candidates(model):
+            made = plan_measured(profile)
+            if not made.split and may_split and split_candidates(model):
                 made = plan_splitting_near_the_floor(model, made, profile, plan_profile, profile_split)
     except PlanError as error:
-        if step_key is not None and error.minimum_bytes is not None:
-            _REFUSED[model] = (step_key, error.minimum_bytes, profile)
+        named_by = error.profile or profile
+        if step_key is not None and error.minimum_bytes is not None and named_by is not None:
+            _REFUSED[model] = (step_key, error.minimum_bytes, named_by)
         raise
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
     return made
+
+
+def _unsplit_floor_over(memory_bytes: int, model, example_inputs, optimizer, blocks, dtype,
+                        plan_profile) -> PlanError | None:
+    """`plan.splitting.unsplit_floor_estimate`'s refusal of ``memory_bytes``, where it names a block;
+    None where a plan fits the estimate, where splitting cannot lower the floor it names, or where the
+    model cannot run on meta tensors (the step is then measured unsplit, as without the estimate)."""
+    try:
+        estimate = unsplit_floor_estimate(model, example_inputs, optimizer, blocks, dtype, memory_bytes, plan_profile)
+    except Exception:   # an estimate only: a model or loss that meta tensors cannot run is measured instead
+        return None
+    return estimate if estimate is not None and can_split_at(model, estimate.floor_block) else None
 
 
 def _split_request(model: nn.Module, split) -> dict[str, int]:

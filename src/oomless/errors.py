@@ -25,6 +25,9 @@ class PlanError(OomlessError):
         self.minimum_bytes = minimum_bytes
         self.limiting_block = limiting_block
         self.floor_block = floor_block if floor_block is not None else limiting_block
+        # The profile the refused plans were made from, where it is not the one `plan` measured first
+        # (a step measured with chains split, `plan.splitting`): what it plans from when given back.
+        self.profile = None
 
     def kept(self) -> "PlanError":
         """This refusal as a value to keep (a candidate's result, the floor a search probes): without

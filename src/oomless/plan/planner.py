@@ -42,7 +42,7 @@ def _transient_bytes(block) -> int:
 # The reserve is measured (`profile.recorder`), exactly, at each change of the ledger; what varies
 # between two profiles of the same step on CPU (heap pages glibc keeps, page granularity) is carried
 # by this share of it on top, or by what the profiler's rehearsal of a plan held over its prediction,
-# whichever is more. Profiles with estimated bytes (meta tensors) carry 20 %.
+# whichever is more. Profiles with estimated or meta-traced bytes (no kernels' workspaces) carry 20 %.
 MEASURED_MARGIN = 0.05
 ESTIMATED_MARGIN = 0.2
 
@@ -56,8 +56,9 @@ def _worst_other_bytes(profile: Profile) -> int:
 
 
 def _margin_bytes(profile: Profile) -> int:
-    measured = all(block.forward_other_bytes is not None and block.backward_other_bytes is not None
-                   for block in profile.blocks) and profile.loss_other_bytes is not None
+    measured = (all(block.forward_other_bytes is not None and block.backward_other_bytes is not None
+                    for block in profile.blocks) and profile.loss_other_bytes is not None
+                and not profile.memory_traced)
     share = int(_worst_other_bytes(profile) * (MEASURED_MARGIN if measured else ESTIMATED_MARGIN))
     return max(share, profile.rehearsal_excess_bytes)
 

@@ -18,11 +18,13 @@ Per block, the same numbers the real profiler measures:
   (`torch.utils.flop_counter`), counted for matmuls, convolutions and attention, the ops that use
   tensor cores; every other op is bandwidth-bound. Roofline: Williams, Waterman, Patterson,
   "Roofline: an insightful visual performance model", CACM 52(4), 2009.
-Transient bytes are left unmeasured (None): the planner estimates them from output and largest
-saved sizes.
+- working memory ("other" and peak bytes per phase, as the real profiler's all-swap step measures
+  them): the meta storages alive after each op (`profile.fake_memory`), without kernels' workspaces
+  or the allocator's rounding, for which the planner keeps its larger margin.
 """
 
 import time
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -36,6 +38,7 @@ from oomless.errors import InputError
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
 from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_autocast import FakeAutocast
+from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.tensors import alive_bytes, tensors_in
@@ -62,10 +65,11 @@ class _Roofline(TorchDispatchMode):
     """Adds each aten op's roofline seconds to the phase that is running (a block's forward or
     backward, the loss, or nothing)."""
 
-    def __init__(self, device: Device, charge):
+    def __init__(self, device: Device, charge, made):
         super().__init__()
         self.device = device
         self.charge = charge
+        self.made = made    # told every op's outputs, for the working memory
         self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -78,6 +82,7 @@ class _Roofline(TorchDispatchMode):
                              "Hugging Face transformers' mask code checks its inputs so); plan on a real device "
                              "instead (no target=), or make that code path read no values")
         out = func(*args, **kwargs)
+        self.made(out)
         name = func._overloadpacket.__name__
         if name in _FREE or getattr(func, "is_view", False):
             return out
@@ -104,14 +109,29 @@ class _FakeRecorder:
         self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
         self.order: list[int] = []
         self.resident = resident
+        self.memory = MetaMemory(set(resident))
+        self.peaks = PhasePeaks()
+        self.phase: tuple | None = None     # as `PhasePeaks` names them
         self.forward_block: int | None = None
         self.backward_block: int | None = None
         self.in_backward = False
         self.loss_seconds = 0.0
         self.unassigned_saved_bytes = 0
-        self.saved_storages: dict[int, StorageWeakRef] = {}
+        # {storage key: (weak reference, its number in the order saved, bytes)} of the storages saved
+        # in the forward, and {that number: the tensor brought back for backward while alive}.
+        self.saved_storages: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        self.fetched: dict[int, weakref.ref] = {}
         self.live_outputs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def made(self, out) -> None:
+        """After each op: its outputs counted, and the memory alive now read for the running phase."""
+        self.memory.made(tensors_in(out))
+        self.peaks.read(self.phase, self.memory.reading())
+
+    def accumulated(self, parameter: torch.Tensor) -> None:
+        if parameter.grad is not None:
+            self.memory.accumulated(parameter.grad)
 
     def charge(self, seconds: float) -> None:
         if self.in_backward:
@@ -130,12 +150,15 @@ class _FakeRecorder:
         key = _storage_key(tensor)
         if key in self.resident:
             return tensor
+        described = (tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
         seen = self.saved_storages.get(key)
-        if seen is not None and not seen.expired():
-            return tensor  # a storage already saved in this forward: counted once, by its first saver
+        if seen is not None and not seen[0].expired():
+            # A storage already saved in this forward: counted once, by its first saver, and, as the
+            # runtime swaps a storage once for all its saves, brought back once for all of them.
+            return (seen[1], seen[2], *described)
         storage = tensor.untyped_storage()
-        self.saved_storages[key] = StorageWeakRef(storage)
         num_bytes = storage.nbytes()
+        self.saved_storages[key] = (StorageWeakRef(storage), len(self.saved_storages), num_bytes)
         if self.forward_block is None:
             self.unassigned_saved_bytes += num_bytes
         else:
@@ -144,15 +167,19 @@ class _FakeRecorder:
             block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
         # Keep only the description, as the profiling runtime's swap does: the saved tensor must
         # not keep its storage (and so the held-bytes tracking) alive until backward.
-        return (num_bytes, tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+        return (len(self.saved_storages) - 1, num_bytes, *described)
 
-    @staticmethod
-    def unpack(packed):
+    def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        num_bytes, dtype, offset, shape, stride = packed
-        storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta").untyped_storage()
-        return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
+        uid, num_bytes, dtype, offset, shape, stride = packed
+        back = self.fetched.get(uid)
+        storage = back() if back is not None else None
+        if storage is None:
+            storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta")
+            self.fetched[uid] = weakref.ref(storage)
+            self.memory.fetch(storage)   # brought back for backward: the ledger's while backward uses it
+        return torch.empty(0, dtype=dtype, device="meta").set_(storage.untyped_storage(), offset, shape, stride)
 
     def _track(self, live: dict, tensors) -> None:
         for tensor in tensors:
@@ -169,6 +196,7 @@ class _FakeRecorder:
             block.input_bytes += _distinct_bytes(tensors_in((args, kwargs)))
             block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
+            self.phase = ("forward", index)
         return hook
 
     def post_hook(self, index: int):
@@ -187,6 +215,7 @@ class _FakeRecorder:
     def _backward_mark(self, index: int):
         def hook(grad):
             self.backward_block = index
+            self.phase = ("backward", index)
             self._track(self.live_gradients, [grad])
             block = self.blocks[index]
             block.held_backward_bytes = max(block.held_backward_bytes, alive_bytes(self.live_gradients))
@@ -240,8 +269,9 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
 
     def step(found):
         recorder = _FakeRecorder([name for name, _ in found], resident)
-        roofline = _Roofline(device, recorder.charge)
-        handles = []
+        roofline = _Roofline(device, recorder.charge, recorder.made)
+        handles = [p.register_post_accumulate_grad_hook(recorder.accumulated)
+                   for p in parameters if p.requires_grad]
         try:
             for index, (_, module) in enumerate(found):
                 handles.append(module.register_forward_pre_hook(recorder.pre_hook(index), with_kwargs=True))
@@ -252,6 +282,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                 with FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
                     output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
                                                         strict=False)
+                recorder.phase = ("loss", _LOSS)
                 if precision_dtype is not None:
                     output = tree_map(lambda value: value.float() if isinstance(value, torch.Tensor)
                                       and value.dtype == precision_dtype else value, output)
@@ -273,6 +304,8 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         found = refined
         recorder, roofline = step(found)
 
+    loss_other_bytes, loss_peak_bytes = recorder.peaks.write(recorder.blocks,
+                                                             recorder.order[0] if recorder.order else None)
     block_profiles = []
     modules = dict(found)
     for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
@@ -295,6 +328,9 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         input_bytes=_distinct_bytes(tensors_in(inputs)),
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=recorder.loss_seconds,
+        loss_other_bytes=loss_other_bytes,
+        loss_peak_bytes=loss_peak_bytes,
+        memory_traced=True,
         link=device.link_profile(),
         notes=notes,
         precision=precision,

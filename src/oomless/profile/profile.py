@@ -151,6 +151,10 @@ class Profile:
     # state off the device, the state it brings in less the state counted): set by the planner for a
     # placement (`plan.optimizer_step`), 0 as measured.
     optimizer_step_other_bytes: int = 0
+    # Whether the working memory ("other" and peak bytes) was counted on meta tensors
+    # (`profile.fake_memory`): no kernels' workspaces, no allocator; the planner's margin is then the
+    # larger one for estimated bytes.
+    memory_traced: bool = False
 
     @property
     def activation_bytes(self) -> int:
