@@ -285,12 +285,16 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     ``cluster``: a JSON file's path or a dict with the links within and between nodes
     (`oomless.plan.cluster`; default: the target's usual node, e.g. 8 H100 on NVLink 4, InfiniBand
     NDR between nodes). ``loss_fn``, ``optimizer``, ``dtype``, ``precision``: as for `plan`; a
-    ``profile`` made for the target is reused. Returns a `Simulation` (prints, ``to_json``, ``plot``)."""
+    ``profile`` made for the target is reused. The loss runs on a pipeline's last stage, with its
+    saved tensors and its time; parameters it reads itself (a head fused with the loss,
+    `oomless.linear_cross_entropy`, reading the head's weight) count as the model's, held there too
+    (`oomless.profile.loss_parameters`). Returns a `Simulation` (prints, ``to_json``, ``plot``)."""
     import time
 
     from oomless.plan.cluster import make_cluster
     from oomless.plan.layout_report import Simulation
     from oomless.plan.layouts import check_global_batch, estimate_layouts, recommend
+    from oomless.profile.loss_parameters import with_loss_parameters
     from oomless.profile.repeated import profile_few_layers
 
     started = time.perf_counter()
@@ -306,6 +310,8 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     if profile is None:
         profile = profile_few_layers(model, example_inputs, made.device, loss_fn=loss_fn, optimizer=optimizer,
                                      dtype=dtype, precision=precision)
+    # A head fused with the loss (oomless.linear_cross_entropy) reads its weight outside the model profiled.
+    profile = with_loss_parameters(profile, model, loss_fn, dtype)
     pipeline_profile, notes = _pipeline_profile(model, profile)
     estimates = estimate_layouts(profile, int(first.shape[0]) if first.dim() else 1, made, global_batch,
                                  pipeline_profile)

@@ -18,6 +18,7 @@ import argparse
 import ast
 import sys
 
+from oomless.cli.planned_loss import add_loss_argument, check_loss, planned_step
 from oomless.errors import InputError, one_line
 
 
@@ -74,57 +75,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", choices=("auto", "all", "off"), default="auto",
                         help="compute chains (U-Net stages) in slabs along depth: auto (where no plan fits without; "
                              "default), all, off")
-    parser.add_argument("--loss", choices=LOSSES, default="auto",
-                        help="the loss planned: sum (of the outputs), next-token (cross-entropy of each token's "
-                             "logits against the next token), fused-next-token (hf: models; the model without its "
-                             "head, oomless.linear_cross_entropy); auto (default): next-token for transformer and "
-                             "hf: models, else sum")
+    add_loss_argument(parser)
     parser.add_argument("--solver", choices=("auto", "greedy", "exact"), default="auto",
                         help="plan search (default %(default)s: exact up to 300 blocks, and greedy)")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write memory over one step, plain PyTorch vs the plan, with the budget line")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
-
-
-LOSSES = ("auto", "sum", "next-token", "fused-next-token")
-
-
-def _is_language_model(model_name: str) -> bool:
-    return model_name == "transformer" or model_name.startswith("hf:")
-
-
-def check_loss(loss: str, model_name: str) -> None:
-    if loss == "next-token" and not _is_language_model(model_name):
-        raise InputError(f"--loss next-token is for language models (transformer, hf:...), not {model_name!r}; "
-                         "use --loss sum")
-    if loss == "fused-next-token" and not model_name.startswith("hf:"):
-        raise InputError(f"--loss fused-next-token plans a Hugging Face causal LM without its head (hf:...), not "
-                         f"{model_name!r}; use --loss next-token")
-
-
-def planned_step(loss: str, model_name: str, model, example):
-    """(the module planned, its loss function) for ``--loss``: a language model's next-token
-    cross-entropy (the logits of positions 0..T-2 against tokens 1..T-1), or with the head fused,
-    the Hugging Face model's ``base_model`` and `oomless.linear_cross_entropy` over its states and
-    the head's weight; else the sum of the outputs (registered models return logits, not a loss)."""
-    import torch.nn.functional as F
-
-    import oomless
-
-    if loss == "auto":
-        loss = "next-token" if _is_language_model(model_name) else "sum"
-    if loss == "sum":
-        return model, oomless.sum_of_outputs
-    if loss == "fused-next-token":
-        head = model.get_output_embeddings()
-        return model.base_model, lambda out: oomless.linear_cross_entropy(
-            out.last_hidden_state[:, :-1], head.weight, example[:, 1:])
-
-    def next_token(out):
-        logits = getattr(out, "logits", out)
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), example[:, 1:].flatten())
-    return model, next_token
 
 
 def check_model_runs(model, example, model_name: str) -> None:

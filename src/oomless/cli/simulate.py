@@ -7,15 +7,20 @@ a cluster you may not have, and the fastest that fits (`oomless.simulate`).
     oomless simulate mlp --input-shape 8,256 --global-batch 64 --target h100 --gpus 8 --json
     oomless simulate unet3d --input-shape 1,1,128,128,128 --global-batch 16 --target a100 --gpus 16 --nodes 2 \\
         --cluster cluster.json --plot timeline.png
+    oomless simulate hf:llama --input-shape 1,2048 --global-batch 64 --gpus 8 --loss fused-next-token \\
+        --model-arg num_hidden_layers=8 --model-arg hidden_size=1024 --model-arg num_attention_heads=8
 
 Nothing runs here: the model is built on the meta device and one step of the input shape's batch
-is profiled on meta tensors (a few layers of a deep model's identical stack), then scaled.
+is profiled on meta tensors (a few layers of a deep model's identical stack), then scaled. The loss
+is `oomless plan`'s (``--loss``, `oomless.cli.planned_loss`): a language model's next-token
+cross-entropy by default, which a pipeline runs on its last stage.
 """
 
 import argparse
 import sys
 
 from oomless.cli.plan import _DTYPES, parse_model_args, parse_shape
+from oomless.cli.planned_loss import add_loss_argument, check_loss, planned_step, resolve_loss
 from oomless.errors import InputError
 
 
@@ -23,8 +28,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "simulate", help="predict every parallel layout on a cluster and recommend one",
         description="Predict step time, memory per rank and throughput of dp, fsdp, pipelines and dp x pp "
-                    "hybrids of MODEL on GPUS target devices, each with its memory plan; recommend the fastest "
-                    "that fits.")
+                    "hybrids of MODEL on GPUS target devices, each with its memory plan and --loss (as oomless "
+                    "plan's: a language model's next-token cross-entropy by default, on a pipeline's last stage); "
+                    "recommend the fastest that fits.")
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("--input-shape", required=True, metavar="B,...",
                         help="the profiled step's input shape; its first entry is the batch profiled (then scaled)")
@@ -42,6 +48,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                         help="cast parameters and inputs to this dtype (default: the model's own)")
     parser.add_argument("--precision", choices=tuple(_DTYPES), default="fp32",
                         help="the step under torch.autocast in this dtype (default %(default)s)")
+    add_loss_argument(parser)
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw the recommended layout's step timeline")
     parser.add_argument("--json", action="store_true", help="print the simulation as JSON")
     parser.set_defaults(run=run)
@@ -55,6 +62,7 @@ def check_arguments(args: argparse.Namespace) -> tuple:
     from oomless.plan.layouts import check_global_batch
 
     shape = parse_shape(args.input_shape)
+    check_loss(args.loss, args.model)
     find_device(args.target)
     check_counts(args.gpus, args.nodes)
     check_global_batch(args.global_batch, args.gpus)
@@ -79,12 +87,13 @@ def run(args: argparse.Namespace) -> int:
         model = build_model(args.model, **model_kwargs)
     example = example_input_for(args.model, shape=shape, **model_kwargs).to("meta")
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
+    optimizer = optimizer(model.parameters(), lr=1e-3) if optimizer else None   # the whole model's, a head too
+    model, loss_fn = planned_step(args.loss, args.model, model, example)
     simulation = oomless.simulate(
         model, example, args.global_batch, target=args.target, gpus=args.gpus, nodes=args.nodes,
-        cluster=args.cluster, loss_fn=oomless.sum_of_outputs,
-        optimizer=optimizer(model.parameters(), lr=1e-3) if optimizer else None,
+        cluster=args.cluster, loss_fn=loss_fn, optimizer=optimizer,
         dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None, precision=args.precision)
-    simulation.model = args.model
+    simulation.model, simulation.loss = args.model, resolve_loss(args.loss, args.model)
     print(simulation.to_json() if args.json else simulation)
     if args.plot:
         if simulation.best is None:

@@ -31,6 +31,7 @@ class Simulation:
     tokens_per_sample: int | None = None
     notes: list[str] = field(default_factory=list)
     elapsed_seconds: float = 0.0
+    loss: str | None = None          # the loss planned, where named (`oomless simulate --loss`)
 
     def layout(self, name: str) -> LayoutEstimate:
         for estimate in self.layouts:
@@ -72,7 +73,8 @@ class Simulation:
         from rich.table import Table
 
         rate = "tokens/s" if self.tokens_per_sample else "samples/s"
-        table = Table(title=f"oomless simulate: {self.model}, global batch {self.global_batch}")
+        loss = f", loss {self.loss}" if self.loss else ""
+        table = Table(title=f"oomless simulate: {self.model}{loss}, global batch {self.global_batch}")
         for column in ("", "layout", "micro-batches", "memory plan", "memory / rank", "fits", "step",
                        "comm. exposed", rate, "note"):
             table.add_column(column, justify="left" if column in ("layout", "memory plan", "note") else "right",

@@ -43,7 +43,8 @@ def find_layer_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
     return best
 
 
-def _cast_bytes(tensors, dtype: torch.dtype | None) -> int:
+def cast_bytes(tensors, dtype: torch.dtype | None) -> int:
+    """Bytes of ``tensors`` as profiled with ``dtype`` (floating-point ones cast to it; None: their own)."""
     total = 0
     for tensor in tensors:
         size = torch.empty((), dtype=dtype).element_size() if dtype is not None and tensor.is_floating_point() \
@@ -104,8 +105,8 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
     blocks = (profile.blocks[:first] + by_layer[0] + middle + renamed(by_layer[kept_layers - 1], depth - 1)
               + profile.blocks[last + 1:])
     added = depth - kept_layers
-    layer_parameter_bytes = _cast_bytes(dict.fromkeys(layer.parameters()), dtype)
-    layer_gradient_bytes = _cast_bytes([p for p in dict.fromkeys(layer.parameters()) if p.requires_grad], dtype)
+    layer_parameter_bytes = cast_bytes(dict.fromkeys(layer.parameters()), dtype)
+    layer_gradient_bytes = cast_bytes([p for p in dict.fromkeys(layer.parameters()) if p.requires_grad], dtype)
     gradient_bytes = profile.gradient_bytes + added * layer_gradient_bytes
     state_per_gradient_byte = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0
     return replace(
@@ -113,7 +114,7 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
         parameter_bytes=profile.parameter_bytes + added * layer_parameter_bytes,
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=round(gradient_bytes * state_per_gradient_byte),
-        buffer_bytes=profile.buffer_bytes + added * _cast_bytes(dict.fromkeys(layer.buffers()), dtype),
+        buffer_bytes=profile.buffer_bytes + added * cast_bytes(dict.fromkeys(layer.buffers()), dtype),
         notes=[*profile.notes, f"profiled {kept_layers} of the {depth} identical layers of {stack_name} on meta "
                                f"tensors; layers 1 to {depth - 2} are copies of layer 1's profile, and the static "
                                f"bytes count all {depth} (the TFLOP figure above counts the {kept_layers} run)"])
