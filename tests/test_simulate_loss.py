@@ -71,7 +71,10 @@ def test_a_pipelines_last_stage_holds_the_loss_and_runs_it_the_others_do_not(sim
     assert cross_entropy.microbatches == plain.microbatches == GLOBAL_BATCH
     # The same cut (deterministic: meta tensors, the roofline), so that stage by stage compares.
     assert cross_entropy.stage_blocks == plain.stage_blocks and cross_entropy.stage_blocks[-1][-1] == "head"
-    assert cross_entropy.rank_bytes[:-1] == plain.rank_bytes[:-1]
+    # Within 4 KiB: the working memory is traced on meta tensors (profile.fake_memory), and in the one
+    # process profiled the loss's few small tensors (its targets' copy, the loss) are alive during
+    # every block's backward; a pipeline's first stages do not hold them (513 bytes here).
+    assert cross_entropy.rank_bytes[:-1] == pytest.approx(plain.rank_bytes[:-1], abs=4096)
     added = cross_entropy.rank_bytes[-1] - plain.rank_bytes[-1]
     # The targets' copy (8 bytes a token) too: within 1 %.
     assert added == pytest.approx(held_microbatches * per_microbatch, rel=0.01)

@@ -247,7 +247,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     started = time.perf_counter()
     found = find_blocks(model, blocks)
     notes = [f"profiled on meta tensors for {device.name}: times are a roofline from datasheet peaks "
-             f"({device.source}); transient bytes are estimated"]
+             f"({device.source}); working memory is traced on meta tensors, without kernels' workspaces"]
     if precision_dtype is not None:
         notes.append(f"{precision}: CUDA autocast's casting policy applied on meta tensors (profile/fake_autocast.py)")
     # One stand-in per distinct parameter, so tied weights stay tied in the step.

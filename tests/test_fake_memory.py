@@ -1,0 +1,122 @@
+"""Working memory traced on meta tensors (`profile.fake_memory`), and `plan(split=None)` deciding to
+split from it without measuring a step that does not fit (`plan.splitting.unsplit_floor_estimate`)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import oomless
+from oomless.models import UNet3D
+from oomless.profile import configured
+from oomless.profile.fake import profile_for_target
+
+MiB = 2**20
+
+
+class _Chain(nn.Module):
+    """Three blocks whose working memory is known by hand: each Linear's output is 4 x 1024 fp32
+    (16 KiB), the middle block's tanh saves its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh())
+        self.c = nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_a_blocks_traced_working_memory_is_what_its_ops_hold_at_once():
+    """Block b's forward makes its Linear's output (16 KiB) and tanh's (16 KiB) while a's output
+    (16 KiB, its input) is alive: 48 KiB beyond static bytes at its peak, 16 of them held. Its
+    backward holds the output gradient coming in, tanh's gradient and the Linear's input gradient,
+    with tanh's saved output and the Linear's saved input brought back (the ledger's, not "other"),
+    and the Linear's parameter gradients being made."""
+    profile = profile_for_target(_Chain(), torch.randn(4, 1024), "h100", blocks=["a", "b", "c"],
+                                 loss_fn=oomless.sum_of_outputs)
+    b = {block.name: block for block in profile.blocks}["b"]
+    kib = 4 * 1024 * 4
+    assert b.held_forward_bytes == kib
+    assert b.forward_peak_bytes == b.forward_other_bytes == 3 * kib
+    assert b.forward_transient_bytes == 2 * kib
+    # At its peak, part of what the backward holds is its saved tensors brought back (tanh's output,
+    # a's output): on the ledger, not "other".
+    assert 0 < b.backward_peak_bytes - b.backward_other_bytes <= 2 * kib
+    # Beyond those: the Linear's weight and bias gradients as they are made (static once accumulated).
+    made_gradients = 1024 * 1024 * 4 + 1024 * 4
+    assert 2 * kib <= b.backward_other_bytes - made_gradients <= 3 * kib
+    assert profile.memory_traced
+
+
+def test_meta_profile_holds_what_the_real_forward_holds():
+    """The 3D U-Net at 32^3: what each block's forward holds when it starts (earlier outputs still
+    referenced: the skips) against the real step's. A storage saved by two ops (an in-place ReLU's
+    output, then the next convolution's input) is swapped once for both: on meta tensors too, it
+    is not kept alive by its second save (it was, and the meta forward held 2x the real)."""
+    torch.manual_seed(0)
+    model, volume = UNet3D(base_channels=4, depth=2), torch.randn(1, 1, 32, 32, 32)
+    real = oomless.profile(model, volume, loss_fn=oomless.sum_of_outputs, memory="1MiB")
+    fake = profile_for_target(model, volume, "h100", loss_fn=oomless.sum_of_outputs)
+    traced = {block.name: block for block in fake.blocks}
+    for block in real.blocks:
+        mine = traced[block.name]
+        assert mine.held_forward_bytes <= 1.1 * block.held_forward_bytes + 64 * 1024, block.name
+
+
+def _unet(side: int):
+    torch.manual_seed(0)
+    model = UNet3D(in_channels=1, base_channels=8, depth=3)
+    volume = torch.randn(1, 1, side, side, side)
+    labels = (volume[:, 0] > 0.5).long()
+    return model, volume, (lambda out: F.cross_entropy(out, labels)), torch.optim.Adam(model.parameters())
+
+
+def test_split_none_never_measures_a_step_its_estimate_says_cannot_fit(monkeypatch):
+    """96^3 at 170 MiB: the unsplit step's floor estimated on meta tensors is over the budget, so
+    `plan(split=None)` measures the step with the outer level streamed from the start, and never
+    unsplit (estimated at least 192 MiB; measured 294 MiB on the 2-core Xeon)."""
+    measured = []
+    real_profile = configured.profile_configured
+
+    def recording(*args, **kwargs):
+        measured.append(dict(args[10]) if len(args) > 10 and args[10] else {})
+        return real_profile(*args, **kwargs)
+
+    monkeypatch.setattr("oomless.api.profile_configured", recording)
+    model, volume, loss_fn, optimizer = _unet(96)
+    plan = oomless.plan(model, volume, "170MiB", loss_fn=loss_fn, optimizer=optimizer)
+    assert {} not in measured, measured
+    assert plan.split and "" in plan.split
+    assert plan.predicted_peak_bytes <= plan.memory_bytes
+    assert any("estimated on meta tensors, so the step was not measured unsplit" in note for note in plan.notes)
+
+
+def test_split_none_measures_the_step_unsplit_where_its_estimate_fits(monkeypatch):
+    """At a budget the estimate fits, the step is measured unsplit first, as before."""
+    measured = []
+    real_profile = configured.profile_configured
+
+    def recording(*args, **kwargs):
+        measured.append(dict(args[10]) if len(args) > 10 and args[10] else {})
+        return real_profile(*args, **kwargs)
+
+    monkeypatch.setattr("oomless.api.profile_configured", recording)
+    model, volume, loss_fn, optimizer = _unet(32)
+    plan = oomless.plan(model, volume, "1GiB", loss_fn=loss_fn, optimizer=optimizer)
+    assert measured[0] == {}
+    assert not plan.split
+
+
+def test_a_refusal_named_by_a_split_step_plans_from_it_when_given_back():
+    """The budget a PlanError names from a step measured split is accepted when given back, planned
+    from that same profile with the same chains split."""
+    model, volume, loss_fn, optimizer = _unet(64)
+    with pytest.raises(oomless.PlanError) as refused:
+        oomless.plan(model, volume, "8MiB", loss_fn=loss_fn, optimizer=optimizer)
+    named = refused.value.minimum_bytes
+    plan = oomless.plan(model, volume, named, loss_fn=loss_fn, optimizer=optimizer)
+    assert plan.predicted_peak_bytes <= named
+    if refused.value.profile is not None:
+        assert plan.split == refused.value.profile.split
