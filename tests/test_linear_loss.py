@@ -326,6 +326,18 @@ def test_profiled_for_a_target_on_meta_tensors_without_the_logits(precision):
     assert peaks["whole"] - peaks["fused"] > logits_bytes, peaks
 
 
+def test_planning_for_a_target_leaves_an_untied_heads_gradient_as_found():
+    """An untied head (Llama's lm_head) is not the planned body's: the loss reads its weight as it
+    is, so the meta step made its gradient on it, left there after planning (a meta tensor on the
+    user's model). The gradient is put back as found."""
+    with torch.device("meta"):
+        body, head = _Body(), torch.nn.Linear(64, 8000, bias=False)
+    tokens = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    loss_fn = lambda out: oomless.linear_cross_entropy(out[:, :-1], head.weight, tokens[:, 1:])  # noqa: E731
+    oomless.plan(body, tokens, "64GiB", loss_fn=loss_fn, target="h100")
+    assert head.weight.grad is None
+
+
 def test_a_head_weight_the_loss_reads_stays_on_the_device_and_refuses_fp16():
     """GPT-2's tied head weight is read by the loss, outside every block: offloaded with the blocks'
     parameters it would be gone when the loss reads it (the step failed), and under fp16 the loss

@@ -41,7 +41,7 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import alive_bytes, tensors_in
+from oomless.profile.tensors import alive_bytes, tensors_held_by, tensors_in
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -296,13 +296,23 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                 handle.remove()
         return recorder, roofline
 
-    recorder, roofline = step(found)
-    # The real profiler's size-based policy: a block holding over a quarter of all saved bytes is
-    # split into its children, so both profiles of a model have the same blocks.
-    refined = _refined(found, recorder) if blocks is None else None
-    if refined is not None:
-        found = refined
+    # Parameters the loss reads itself that are not the model's (an untied head's weight read by
+    # oomless.linear_cross_entropy): the step runs on them as they are, and their gradients are put
+    # back as found.
+    loss_held = [t for t in tensors_held_by(loss_fn) if isinstance(t, nn.Parameter) and id(t) not in stand_ins] \
+        if loss_fn is not None else []
+    gradients_before = [(parameter, parameter.grad) for parameter in loss_held]
+    try:
         recorder, roofline = step(found)
+        # The real profiler's size-based policy: a block holding over a quarter of all saved bytes is
+        # split into its children, so both profiles of a model have the same blocks.
+        refined = _refined(found, recorder) if blocks is None else None
+        if refined is not None:
+            found = refined
+            recorder, roofline = step(found)
+    finally:
+        for parameter, gradient in gradients_before:
+            parameter.grad = gradient
 
     loss_other_bytes, loss_peak_bytes = recorder.peaks.write(recorder.blocks,
                                                              recorder.order[0] if recorder.order else None)
