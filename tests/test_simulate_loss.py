@@ -203,3 +203,16 @@ def test_a_hugging_face_models_head_fused_with_the_loss_is_simulated_with_its_we
     assert static["fused-next-token"]["dp x2"] == static["next-token"]["dp x2"]
     assert results["fused-next-token"]["loss"] == "fused-next-token"
     assert any("(2000, 64)" in note for note in results["fused-next-token"]["notes"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp16_with_a_head_the_loss_reads_is_refused_as_plan_refuses_it(tied):
+    """Under fp16 the loss scale is applied at the model's outputs: a head weight the loss reads
+    itself (tied, the body's; untied, outside it) would get its gradient unscaled. `plan` refused the
+    tied one only, `simulate` neither; both now refuse both, naming bf16."""
+    body, fused, _, _, tokens = _fused(tied)
+    with pytest.raises(oomless.InputError, match="precision='fp16'.*use precision='bf16'"):
+        oomless.simulate(body, tokens, global_batch=GLOBAL_BATCH, target="h100", gpus=GPUS, loss_fn=fused,
+                         precision="fp16")
+    with pytest.raises(oomless.InputError, match="precision='fp16'.*use precision='bf16'"):
+        oomless.plan(body, tokens, "64GiB", loss_fn=fused, target="h100", precision="fp16")

@@ -126,13 +126,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
                                   profile, dtype, target, solver)
     loss_parameters = tuple(parameters_held_by(loss_fn, model))
-    trainable_read = [name for name in loss_parameters if model.get_parameter(name).requires_grad]
-    if precision == "fp16" and trainable_read:
-        # The loss scale is applied where the model's outputs leave it (`runtime.precision`): a
-        # parameter the loss reads itself gets its share of the gradient unscaled, then divided by it.
-        raise InputError(f"precision='fp16': the loss function reads the model's {', '.join(trainable_read[:3])} "
-                         "itself (a tied head's weight in oomless.linear_cross_entropy?), whose gradient the loss "
-                         "scale would not reach; use precision='bf16' (no loss scale), or read it inside the model")
+    _check_fp16_loss_parameters(precision, loss_fn, model)
     request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
                             accumulation_steps, shard_over, loss_parameters)
     request.check()
@@ -227,6 +221,25 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     return made
 
 
+def _check_fp16_loss_parameters(precision: str, loss_fn, model: nn.Module) -> None:
+    """fp16 refused where the loss reads a trainable parameter itself (the model's, or one outside
+    it such as an untied head's weight)."""
+    from oomless.profile.loss_parameters import parameters_read_by
+
+    if precision != "fp16":
+        return
+    own, others = parameters_read_by(loss_fn, model)
+    trainable_read = [*(name for name, parameter in own.items() if parameter.requires_grad),
+                      *(f"a {tuple(parameter.shape)} parameter outside the model" for parameter in others
+                        if parameter.requires_grad)]
+    if trainable_read:
+        # The loss scale is applied where the model's outputs leave it (`runtime.precision`): a
+        # parameter the loss reads itself gets its share of the gradient unscaled, then divided by it.
+        raise InputError(f"precision='fp16': the loss function reads the model's {', '.join(trainable_read[:3])} "
+                         "itself (a head's weight in oomless.linear_cross_entropy?), whose gradient the loss "
+                         "scale would not reach; use precision='bf16' (no loss scale), or read it inside the model")
+
+
 def _unsplit_floor_over(memory_bytes: int, model, example_inputs, optimizer, blocks, dtype,
                         plan_profile) -> PlanError | None:
     """`plan.splitting.unsplit_floor_estimate`'s refusal of ``memory_bytes``, where it names a block;
@@ -306,6 +319,7 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     check_plan_arguments(model, example_inputs, loss_fn, optimizer, None, None, 0, profile, dtype, made.device,
                          function="simulate")
     autocast_dtype(precision)
+    _check_fp16_loss_parameters(precision, loss_fn, model)
     first = tensors_in(example_inputs)[0]
     if profile is None:
         profile = profile_few_layers(model, example_inputs, made.device, loss_fn=loss_fn, optimizer=optimizer,

@@ -95,13 +95,30 @@ def check_model_runs(model, example, model_name: str) -> None:
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(example)
+            if not _runs_on_meta(model, example):
+                model(example)          # the real forward, for its own error (or an op meta tensors lack)
     except Exception as error:          # whatever the user's model raises on this input
         raise InputError(f"model {model_name!r} fails on its example input of shape {tuple(example.shape)}: "
                          f"{one_line(error)}; give the shape it takes with --input-shape N,C,...") from None
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+def _runs_on_meta(model, example) -> bool:
+    """Whether the forward runs on meta stand-ins of the parameters, buffers and input: the shapes
+    checked without the memory of a real forward (a 3D U-Net's at 232^3 is over a GiB)."""
+    import torch
+
+    if example.device.type == "meta":
+        return False            # the model is on meta already: the real forward allocates nothing
+    state = {name: tensor.detach().to("meta") for name, tensor in
+             [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    try:
+        torch.func.functional_call(model, state, (example.to("meta"),), strict=False)
+    except Exception:           # an op without a meta kernel, a value read in Python, or a wrong shape
+        return False
+    return True
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -158,17 +175,15 @@ def run(args: argparse.Namespace) -> int:
         plan_kwargs["blocks"] = args.blocks
     if args.dtype is not None:
         plan_kwargs["dtype"] = getattr(torch, _DTYPES[args.dtype])
-    profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
-                              blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
-                              precision=args.precision, split=plan_kwargs["split"])
-    plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
+    # The planner measures the step itself: with --split auto it first estimates whether the step
+    # unsplit can fit at all, and never measures one that cannot (oomless.plan.splitting).
+    plan = oomless.plan(model, example, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
-    if args.plot and plan.split:
-        # The planner split chains where no plan without fitted: the plot replays the step it measured.
-        profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
-                                  blocks=args.blocks, dtype=plan_kwargs.get("dtype"), precision=args.precision,
-                                  split=plan.split)
     if args.plot:
+        # The step the plan was made for, measured again for the plot (chains split as the plan has them).
+        profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
+                                  blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
+                                  precision=args.precision, split=plan.split or False)
         from oomless.plan.plot import plot_plan
         print(f"memory over one step written to {plot_plan(profile, plan, args.plot)}",
               file=sys.stderr if args.json else sys.stdout)
