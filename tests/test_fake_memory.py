@@ -73,10 +73,8 @@ def _unet(side: int):
     return model, volume, (lambda out: F.cross_entropy(out, labels)), torch.optim.Adam(model.parameters())
 
 
-def test_split_none_never_measures_a_step_its_estimate_says_cannot_fit(monkeypatch):
-    """96^3 at 170 MiB: the unsplit step's floor estimated on meta tensors is over the budget, so
-    `plan(split=None)` measures the step with the outer level streamed from the start, and never
-    unsplit (estimated at least 192 MiB; measured 294 MiB on the 2-core Xeon)."""
+def _record_profiles(monkeypatch) -> list[dict]:
+    """The chains split ({} for none) of every step `oomless.plan` measures, in order."""
     measured = []
     real_profile = configured.profile_configured
 
@@ -85,6 +83,14 @@ def test_split_none_never_measures_a_step_its_estimate_says_cannot_fit(monkeypat
         return real_profile(*args, **kwargs)
 
     monkeypatch.setattr("oomless.api.profile_configured", recording)
+    return measured
+
+
+def test_split_none_never_measures_a_step_its_estimate_says_cannot_fit(monkeypatch):
+    """96^3 at 170 MiB: the unsplit step's floor estimated on meta tensors is over the budget, so
+    `plan(split=None)` measures the step with the outer level streamed from the start, and never
+    unsplit (estimated at least 192 MiB; measured 294 MiB on the 2-core Xeon)."""
+    measured = _record_profiles(monkeypatch)
     model, volume, loss_fn, optimizer = _unet(96)
     plan = oomless.plan(model, volume, "170MiB", loss_fn=loss_fn, optimizer=optimizer)
     assert {} not in measured, measured
@@ -95,14 +101,7 @@ def test_split_none_never_measures_a_step_its_estimate_says_cannot_fit(monkeypat
 
 def test_split_none_measures_the_step_unsplit_where_its_estimate_fits(monkeypatch):
     """At a budget the estimate fits, the step is measured unsplit first, as before."""
-    measured = []
-    real_profile = configured.profile_configured
-
-    def recording(*args, **kwargs):
-        measured.append(dict(args[10]) if len(args) > 10 and args[10] else {})
-        return real_profile(*args, **kwargs)
-
-    monkeypatch.setattr("oomless.api.profile_configured", recording)
+    measured = _record_profiles(monkeypatch)
     model, volume, loss_fn, optimizer = _unet(32)
     plan = oomless.plan(model, volume, "1GiB", loss_fn=loss_fn, optimizer=optimizer)
     assert measured[0] == {}
