@@ -166,7 +166,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             profile = refused[2]            # the budget a PlanError named, given back: the same measurements
             chosen_split = profile.split    # with the chains split as they were measured, where they were
         else:
-            if may_split and split_candidates(model):
+            # Not with compile: the estimate runs the eager step, and compiled graphs may save less.
+            if may_split and options is None and split_candidates(model):
                 estimate = _unsplit_floor_over(memory_bytes, model, example_inputs, optimizer, blocks, dtype,
                                                plan_profile)
             if estimate is None:
