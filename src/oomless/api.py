@@ -6,12 +6,11 @@ import weakref
 import torch
 import torch.nn as nn
 
-from oomless.arguments import check_model, check_plan_arguments
+from oomless.arguments import check_fp16_loss_parameters, check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan
-from oomless.plan.splitting import (can_split_at, plan_splitting_near_the_floor, plan_splitting_the_floor,
-                                   unsplit_floor_estimate)
+from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
@@ -126,7 +125,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     blocks = check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, decisions, min_swap_bytes,
                                   profile, dtype, target, solver)
     loss_parameters = tuple(parameters_held_by(loss_fn, model))
-    _check_fp16_loss_parameters(precision, loss_fn, model)
+    check_fp16_loss_parameters(precision, loss_fn, model)
     request = StaticRequest(update_in_backward, offload_optimizer_state, offload_parameters, max_grad_norm,
                             accumulation_steps, shard_over, loss_parameters)
     request.check()
@@ -168,8 +167,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         else:
             # Not with compile: the estimate runs the eager step, and compiled graphs may save less.
             if may_split and options is None and split_candidates(model):
-                estimate = _unsplit_floor_over(memory_bytes, model, example_inputs, optimizer, blocks, dtype,
-                                               plan_profile)
+                estimate = unsplit_floor_estimate(model, example_inputs, optimizer, blocks, dtype, memory_bytes,
+                                                  plan_profile)
             if estimate is None:
                 profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
                                              memory_bytes, precision, options, chosen_split)
@@ -210,7 +209,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                 made = plan_measured(profile)
         else:
             made = plan_measured(profile)
-            if not made.split and may_split and split_candidates(model):
+            if not made.split and not profile.split and may_split and split_candidates(model):
                 made = plan_splitting_near_the_floor(model, made, profile, plan_profile, profile_split)
     except PlanError as error:
         named_by = error.profile or profile
@@ -220,37 +219,6 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
     return made
-
-
-def _check_fp16_loss_parameters(precision: str, loss_fn, model: nn.Module) -> None:
-    """fp16 refused where the loss reads a trainable parameter itself (the model's, or one outside
-    it such as an untied head's weight)."""
-    from oomless.profile.loss_parameters import parameters_read_by
-
-    if precision != "fp16":
-        return
-    own, others = parameters_read_by(loss_fn, model)
-    trainable_read = [*(name for name, parameter in own.items() if parameter.requires_grad),
-                      *(f"a {tuple(parameter.shape)} parameter outside the model" for parameter in others
-                        if parameter.requires_grad)]
-    if trainable_read:
-        # The loss scale is applied where the model's outputs leave it (`runtime.precision`): a
-        # parameter the loss reads itself gets its share of the gradient unscaled, then divided by it.
-        raise InputError(f"precision='fp16': the loss function reads the model's {', '.join(trainable_read[:3])} "
-                         "itself (a head's weight in oomless.linear_cross_entropy?), whose gradient the loss "
-                         "scale would not reach; use precision='bf16' (no loss scale), or read it inside the model")
-
-
-def _unsplit_floor_over(memory_bytes: int, model, example_inputs, optimizer, blocks, dtype,
-                        plan_profile) -> PlanError | None:
-    """`plan.splitting.unsplit_floor_estimate`'s refusal of ``memory_bytes``, where it names a block;
-    None where a plan fits the estimate, where splitting cannot lower the floor it names, or where the
-    model cannot run on meta tensors (the step is then measured unsplit, as without the estimate)."""
-    try:
-        estimate = unsplit_floor_estimate(model, example_inputs, optimizer, blocks, dtype, memory_bytes, plan_profile)
-    except Exception:   # an estimate only: a model or loss that meta tensors cannot run is measured instead
-        return None
-    return estimate if estimate is not None and can_split_at(model, estimate.floor_block) else None
 
 
 def _split_request(model: nn.Module, split) -> dict[str, int]:
@@ -320,7 +288,7 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     check_plan_arguments(model, example_inputs, loss_fn, optimizer, None, None, 0, profile, dtype, made.device,
                          function="simulate")
     autocast_dtype(precision)
-    _check_fp16_loss_parameters(precision, loss_fn, model)
+    check_fp16_loss_parameters(precision, loss_fn, model)
     first = tensors_in(example_inputs)[0]
     if profile is None:
         profile = profile_few_layers(model, example_inputs, made.device, loss_fn=loss_fn, optimizer=optimizer,

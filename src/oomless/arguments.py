@@ -112,3 +112,22 @@ def check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, deci
     check_dtype(dtype, target)
     check_profile(profile)
     return normalize_blocks(blocks)
+
+
+def check_fp16_loss_parameters(precision: str, loss_fn, model: nn.Module) -> None:
+    """fp16 refused where the loss reads a trainable parameter itself (the model's, or one outside
+    it such as an untied head's weight)."""
+    from oomless.profile.loss_parameters import parameters_read_by
+
+    if precision != "fp16":
+        return
+    own, others = parameters_read_by(loss_fn, model)
+    trainable_read = [*(name for name, parameter in own.items() if parameter.requires_grad),
+                      *(f"a {tuple(parameter.shape)} parameter outside the model" for parameter in others
+                        if parameter.requires_grad)]
+    if trainable_read:
+        # The loss scale is applied where the model's outputs leave it (`runtime.precision`): a
+        # parameter the loss reads itself gets its share of the gradient unscaled, then divided by it.
+        raise InputError(f"precision='fp16': the loss function reads the model's {', '.join(trainable_read[:3])} "
+                         "itself (a head's weight in oomless.linear_cross_entropy?), whose gradient the loss "
+                         "scale would not reach; use precision='bf16' (no loss scale), or read it inside the model")

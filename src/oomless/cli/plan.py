@@ -175,12 +175,17 @@ def run(args: argparse.Namespace) -> int:
         plan_kwargs["blocks"] = args.blocks
     if args.dtype is not None:
         plan_kwargs["dtype"] = getattr(torch, _DTYPES[args.dtype])
-    # The planner measures the step itself: with --split auto it first estimates whether the step
-    # unsplit can fit at all, and never measures one that cannot (oomless.plan.splitting).
-    plan = oomless.plan(model, example, solver=args.solver, **plan_kwargs)
+    # With --split auto on this machine the planner measures the step itself: it first estimates
+    # whether the step unsplit can fit at all, and never measures one that cannot (oomless.plan.splitting).
+    # Elsewhere, a plot's profile is measured first and planned from.
+    measure_first = args.plot is not None and (args.target is not None or plan_kwargs["split"] is not None)
+    profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
+                              blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
+                              precision=args.precision, split=plan_kwargs["split"]) if measure_first else None
+    plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
-    if args.plot:
-        # The step the plan was made for, measured again for the plot (chains split as the plan has them).
+    if args.plot and (profile is None or (plan.split or {}) != (profile.split or {})):
+        # The step the plan was made for, measured for the plot (chains split as the plan has them).
         profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
                                   blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
                                   precision=args.precision, split=plan.split or False)

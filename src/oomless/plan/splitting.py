@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from oomless.errors import PlanError
+from oomless.errors import OomlessError, PlanError
 from oomless.profile.profile import LinkProfile
 from oomless.runtime.split import DEFAULT_SLABS, inside, split_candidates, stream_outer_modules
 from oomless.runtime.stream import STREAM
@@ -43,28 +43,37 @@ def _overlaps(chain: str, block: str) -> bool:
     return chain == block or chain.startswith(block + ".") or block.startswith(chain + ".")
 
 
+# Bytes per second of the swap link in the estimate: a copy that takes no time.
+_INSTANT = 1e18
+
+
 def unsplit_floor_estimate(model: nn.Module, example_inputs, optimizer, blocks, dtype, budget: int,
                            plan_profile: Callable) -> PlanError | None:
-    """The `PlanError` of ``budget`` for the step without splitting, profiled on meta tensors (None
-    where a plan fits): its working memory traced without kernels' workspaces, the loss as the sum of
-    the outputs (the caller's loss may hold real tensors, which meta tensors cannot meet), and copies
-    to the swap tier taking no time, so none lags behind compute. Every one of those makes less than
-    the real step measures: its smallest budget is a lower bound of the measured one (the 3D U-Net at
-    64^3 and 96^3: 0.61 and 0.67 of it)."""
+    """The `PlanError` of ``budget`` for the step without splitting, profiled on meta tensors, where
+    it names a block splitting can lower; None where a plan fits the estimate, where splitting cannot
+    lower its floor, or where the model cannot run on meta tensors (the step is then measured
+    unsplit, as without the estimate).
+
+    A lower bound of the measured floor: working memory traced without kernels' workspaces
+    (`profile.fake_memory`), the loss as the sum of the outputs (the caller's loss may hold real
+    tensors, which meta tensors cannot meet), copies to the swap tier taking no time so that none
+    lags behind compute, and the measured profile's margin (the 3D U-Net at 64^3 and 96^3: 0.6-0.7
+    of the measured floor)."""
     from oomless.api import sum_of_outputs
     from oomless.profile.fake import profile_for_target
 
-    estimated = profile_for_target(model, example_inputs, "h100", loss_fn=sum_of_outputs, optimizer=optimizer,
-                                   blocks=blocks, dtype=dtype)
+    try:
+        estimated = profile_for_target(model, example_inputs, "h100", loss_fn=sum_of_outputs, optimizer=optimizer,
+                                       blocks=blocks, dtype=dtype)
+    except (RuntimeError, NotImplementedError, OomlessError):
+        return None     # an op without a meta kernel, a value read in Python: the step is measured instead
     estimated.link = LinkProfile(estimated.link.kind, _INSTANT, _INSTANT)
+    estimated.memory_traced = False     # a lower bound: the measured profile's margin, not the estimate's
     try:
         plan_profile(estimated, budget)
     except PlanError as error:
-        return error.kept()
+        return error.kept() if can_split_at(model, error.floor_block) else None
     return None
-
-
-_INSTANT = 1e18   # bytes per second: a copy that takes no time
 
 
 def can_split_at(model: nn.Module, block: str | None) -> bool:

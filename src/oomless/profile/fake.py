@@ -23,6 +23,7 @@ Per block, the same numbers the real profiler measures:
   or the allocator's rounding, for which the planner keeps its larger margin.
 """
 
+import itertools
 import time
 import weakref
 from contextlib import nullcontext
@@ -118,16 +119,19 @@ class _FakeRecorder:
         self.loss_seconds = 0.0
         self.unassigned_saved_bytes = 0
         # {storage key: (weak reference, its number in the order saved, bytes)} of the storages saved
-        # in the forward, and {that number: the tensor brought back for backward while alive}.
+        # in the forward, and {that number: the tensors brought back for backward, while one is alive}.
         self.saved_storages: dict[int, tuple[StorageWeakRef, int, int]] = {}
-        self.fetched: dict[int, weakref.ref] = {}
+        self.numbers = itertools.count()
+        self.brought_back: dict[int, list[weakref.ref]] = {}
+        self.bringing_back = False      # an unpack's own allocation: not read as "other" (it is the ledger's)
         self.live_outputs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live_gradients: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def made(self, out) -> None:
         """After each op: its outputs counted, and the memory alive now read for the running phase."""
         self.memory.made(tensors_in(out))
-        self.peaks.read(self.phase, self.memory.reading())
+        if not self.bringing_back:
+            self.peaks.read(self.phase, self.memory.alive())
 
     def accumulated(self, parameter: torch.Tensor) -> None:
         if parameter.grad is not None:
@@ -158,7 +162,8 @@ class _FakeRecorder:
             return (seen[1], seen[2], *described)
         storage = tensor.untyped_storage()
         num_bytes = storage.nbytes()
-        self.saved_storages[key] = (StorageWeakRef(storage), len(self.saved_storages), num_bytes)
+        number = next(self.numbers)
+        self.saved_storages[key] = (StorageWeakRef(storage), number, num_bytes)
         if self.forward_block is None:
             self.unassigned_saved_bytes += num_bytes
         else:
@@ -167,19 +172,26 @@ class _FakeRecorder:
             block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
         # Keep only the description, as the profiling runtime's swap does: the saved tensor must
         # not keep its storage (and so the held-bytes tracking) alive until backward.
-        return (len(self.saved_storages) - 1, num_bytes, *described)
+        return (number, num_bytes, *described)
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        uid, num_bytes, dtype, offset, shape, stride = packed
-        back = self.fetched.get(uid)
-        storage = back() if back is not None else None
-        if storage is None:
-            storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta")
-            self.fetched[uid] = weakref.ref(storage)
-            self.memory.fetch(storage)   # brought back for backward: the ledger's while backward uses it
-        return torch.empty(0, dtype=dtype, device="meta").set_(storage.untyped_storage(), offset, shape, stride)
+        number, num_bytes, dtype, offset, shape, stride = packed
+        alive = [tensor for tensor in (ref() for ref in self.brought_back.get(number, [])) if tensor is not None]
+        self.bringing_back = True       # what it allocates is on the ledger, not read as "other" meanwhile
+        try:
+            if alive:
+                storage = alive[0].untyped_storage()    # brought back once for all its saves, as the runtime does
+            else:
+                storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta").untyped_storage()
+            tensor = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
+            if not alive:
+                self.memory.fetch(tensor)
+        finally:
+            self.bringing_back = False
+        self.brought_back.setdefault(number, []).append(weakref.ref(tensor))
+        return tensor
 
     def _track(self, live: dict, tensors) -> None:
         for tensor in tensors:
@@ -267,11 +279,18 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     buffers = [stand_ins[id(b)] for b in dict.fromkeys(model.buffers())]
     resident = {_storage_key(t) for t in (*stand_ins.values(), *tensors_in(inputs))}
 
+    # Parameters the loss reads itself (a head's weight read by oomless.linear_cross_entropy: an untied
+    # one outside the model, a tied one as the model holds it, not its stand-in): the step runs on
+    # them as they are, their gradients are static bytes once accumulated (counted by the caller,
+    # `profile.loss_parameters`), and they are put back as found.
+    loss_held = [t for t in tensors_held_by(loss_fn) if isinstance(t, nn.Parameter)] if loss_fn is not None else []
+    resident |= {_storage_key(parameter) for parameter in loss_held}     # static, never saved or working memory
+
     def step(found):
         recorder = _FakeRecorder([name for name, _ in found], resident)
         roofline = _Roofline(device, recorder.charge, recorder.made)
         handles = [p.register_post_accumulate_grad_hook(recorder.accumulated)
-                   for p in parameters if p.requires_grad]
+                   for p in dict.fromkeys([*parameters, *loss_held]) if p.requires_grad]
         try:
             for index, (_, module) in enumerate(found):
                 handles.append(module.register_forward_pre_hook(recorder.pre_hook(index), with_kwargs=True))
@@ -296,11 +315,6 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                 handle.remove()
         return recorder, roofline
 
-    # Parameters the loss reads itself that are not the model's (an untied head's weight read by
-    # oomless.linear_cross_entropy): the step runs on them as they are, and their gradients are put
-    # back as found.
-    loss_held = [t for t in tensors_held_by(loss_fn) if isinstance(t, nn.Parameter) and id(t) not in stand_ins] \
-        if loss_fn is not None else []
     gradients_before = [(parameter, parameter.grad) for parameter in loss_held]
     try:
         recorder, roofline = step(found)

@@ -52,7 +52,7 @@ class MetaMemory:
         self.fetched.discard(key)
         self.static.add(key)
 
-    def reading(self) -> tuple[int, int]:
+    def alive(self) -> tuple[int, int]:
         """(bytes alive beyond static, of those on the ledger), dropping the storages freed."""
         freed = [key for key, (weak, _) in self.live.items() if weak.expired()]
         for key in freed:
@@ -71,8 +71,8 @@ class PhasePeaks:
     def __init__(self):
         self.peaks: dict[tuple | None, tuple[int, int]] = {}
 
-    def read(self, phase: tuple | None, reading: tuple[int, int]) -> None:
-        total, ledger = reading
+    def read(self, phase: tuple | None, alive: tuple[int, int]) -> None:
+        total, ledger = alive
         peak, other = self.peaks.get(phase, (0, 0))
         self.peaks[phase] = (max(peak, total), max(other, total - ledger))
 
