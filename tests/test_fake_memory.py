@@ -146,7 +146,7 @@ def test_a_refusal_named_by_a_split_step_plans_from_it_when_given_back(monkeypat
     profile with the same chains split, nothing measured again."""
     model, volume, loss_fn, optimizer = _unet(96)
     with pytest.raises(oomless.PlanError) as refused:
-        oomless.plan(model, volume, "8MiB", loss_fn=loss_fn, optimizer=optimizer)
+        oomless.plan(model, volume, "100MiB", loss_fn=loss_fn, optimizer=optimizer)
     named, named_by = refused.value.minimum_bytes, refused.value.profile
     assert named_by is not None and "" in named_by.split
     measured = _record_profiles(monkeypatch)

@@ -51,8 +51,8 @@ def unsplit_floor_estimate(model: nn.Module, example_inputs, optimizer, blocks, 
                            plan_profile: Callable) -> PlanError | None:
     """The `PlanError` of ``budget`` for the step without splitting, profiled on meta tensors, where
     it names a block splitting can lower; None where a plan fits the estimate, where splitting cannot
-    lower its floor, or where the model cannot run on meta tensors (the step is then measured
-    unsplit, as without the estimate).
+    lower its floor, where the budget is below even the static bytes, or where the model cannot run
+    on meta tensors (the step is then measured unsplit, as without the estimate).
 
     A lower bound of the measured floor: working memory traced without kernels' workspaces
     (`profile.fake_memory`), the loss as the sum of the outputs (the caller's loss may hold real
@@ -72,7 +72,11 @@ def unsplit_floor_estimate(model: nn.Module, example_inputs, optimizer, blocks, 
     try:
         plan_profile(estimated, budget)
     except PlanError as error:
-        return error.kept() if can_split_at(model, error.floor_block) else None
+        # Below the static bytes (limiting_block None) a budget asks for the floor (plan at 1 byte,
+        # read the PlanError): then the step is measured unsplit first, whose floor at a small volume
+        # may be the lower one (the U-Net at 48^3: 70 MiB unsplit, 76 streamed).
+        wanted = error.limiting_block is not None and can_split_at(model, error.floor_block)
+        return error.kept() if wanted else None
     return None
 
 
