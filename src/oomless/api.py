@@ -147,8 +147,9 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             lambda device_profile: make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes,
                                              solver=solver))
 
-    def profile_split(chains: dict[str, int]) -> Profile:
-        return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, None, dtype, memory_bytes,
+    def measure(chains: dict[str, int]) -> Profile:
+        """The step measured with ``chains`` split (none: unsplit), on this device."""
+        return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, memory_bytes,
                                   precision, options, chains)
 
     # Under bf16/fp16 only where asked for (split=True or a dict): at its smallest budget a bf16 split
@@ -170,8 +171,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                 estimate = unsplit_floor_estimate(model, example_inputs, optimizer, blocks, dtype, memory_bytes,
                                                   plan_profile)
             if estimate is None:
-                profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
-                                             memory_bytes, precision, options, chosen_split)
+                profile = measure(chosen_split)
     if decisions is not None:
         unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
         missing = [block.name for block in profile.blocks if block.name not in decisions]
@@ -187,13 +187,13 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                 raise
             if error.limiting_block is None:
                 raise   # static bytes alone exceed the budget (or the loss sets the floor): no split lowers that
-            return plan_splitting_the_floor(model, error, plan_profile, profile_split)
+            return plan_splitting_the_floor(model, error, plan_profile, measure)
 
     try:
         if estimate is not None:
             # Even the estimate is over the budget: the step is measured split from the start.
             try:
-                made = plan_splitting_the_floor(model, estimate, plan_profile, profile_split, estimated=True)
+                made = plan_splitting_the_floor(model, estimate, plan_profile, measure, estimated=True)
             except PlanError as split_refused:
                 if (split_refused.minimum_bytes or 0) < (estimate.minimum_bytes or 0):
                     raise   # below even the estimate of the unsplit floor: the lowest there is
@@ -202,15 +202,14 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                 # unsplit, 76 streamed). Measured as without the estimate, the split steps again after
                 # it, so the last profile counts what the earlier ones left behind.
                 try:
-                    profile = profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype,
-                                                 memory_bytes, precision, options, chosen_split)
+                    profile = measure(chosen_split)
                 except torch.OutOfMemoryError:
                     raise split_refused from None   # the device could not even measure the step unsplit
                 made = plan_measured(profile)
         else:
             made = plan_measured(profile)
             if not made.split and not profile.split and may_split and split_candidates(model):
-                made = plan_splitting_near_the_floor(model, made, profile, plan_profile, profile_split)
+                made = plan_splitting_near_the_floor(model, made, profile, plan_profile, measure)
     except PlanError as error:
         named_by = error.profile or profile
         if step_key is not None and error.minimum_bytes is not None and named_by is not None:

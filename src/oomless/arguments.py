@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from oomless.errors import InputError
-from oomless.profile.tensors import tensors_in
+from oomless.profile.tensors import parameters_read_by, tensors_in
 
 DECISIONS = ("keep", "swap", "recompute")
 SOLVERS = ("auto", "greedy", "exact")      # plan/planner.py's choices, checked here before profiling
@@ -117,8 +117,6 @@ def check_plan_arguments(model, example_inputs, loss_fn, optimizer, blocks, deci
 def check_fp16_loss_parameters(precision: str, loss_fn, model: nn.Module) -> None:
     """fp16 refused where the loss reads a trainable parameter itself (the model's, or one outside
     it such as an untied head's weight)."""
-    from oomless.profile.loss_parameters import parameters_read_by
-
     if precision != "fp16":
         return
     own, others = parameters_read_by(loss_fn, model)

@@ -178,17 +178,18 @@ def run(args: argparse.Namespace) -> int:
     # With --split auto on this machine the planner measures the step itself: it first estimates
     # whether the step unsplit can fit at all, and never measures one that cannot (oomless.plan.splitting).
     # Elsewhere, a plot's profile is measured first and planned from.
+    def measured(split):
+        return oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
+                               blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
+                               precision=args.precision, split=split)
+
     measure_first = args.plot is not None and (args.target is not None or plan_kwargs["split"] is not None)
-    profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
-                              blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
-                              precision=args.precision, split=plan_kwargs["split"]) if measure_first else None
+    profile = measured(plan_kwargs["split"]) if measure_first else None
     plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
     if args.plot and (profile is None or (plan.split or {}) != (profile.split or {})):
         # The step the plan was made for, measured for the plot (chains split as the plan has them).
-        profile = oomless.profile(model, example, loss_fn=plan_kwargs["loss_fn"], optimizer=plan_kwargs["optimizer"],
-                                  blocks=args.blocks, target=args.target, dtype=plan_kwargs.get("dtype"),
-                                  precision=args.precision, split=plan.split or False)
+        profile = measured(plan.split or False)
         from oomless.plan.plot import plot_plan
         print(f"memory over one step written to {plot_plan(profile, plan, args.plot)}",
               file=sys.stderr if args.json else sys.stdout)

@@ -12,8 +12,9 @@ Measuring the step unsplit holds that step's own floor (its largest op's working
 size), which at a large volume is several times the budget: the 3D U-Net at 232^3 measured past
 1.5 GiB for a 1 GiB budget. So the smallest budget without splitting is first estimated on meta
 tensors (`unsplit_floor_estimate`, nothing allocated, under a second for a U-Net); where even that
-estimate, which counts no kernel workspaces and no copy that lags, is over the budget, the step is
-never measured unsplit: splitting starts from the block the estimate names.
+estimate, which counts no kernel workspaces and no copy that lags, is over the budget, splitting
+starts from the block the estimate names, and the step is measured unsplit only if no split plan
+fits and the split floor is not below the estimate (`oomless.api.plan`).
 """
 
 from collections.abc import Callable

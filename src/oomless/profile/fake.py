@@ -42,7 +42,7 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import alive_bytes, tensors_held_by, tensors_in
+from oomless.profile.tensors import alive_bytes, parameters_read_by, tensors_in
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -283,7 +283,8 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     # one outside the model, a tied one as the model holds it, not its stand-in): the step runs on
     # them as they are, their gradients are static bytes once accumulated (counted by the caller,
     # `profile.loss_parameters`), and they are put back as found.
-    loss_held = [t for t in tensors_held_by(loss_fn) if isinstance(t, nn.Parameter)] if loss_fn is not None else []
+    own, others = parameters_read_by(loss_fn, model)
+    loss_held = [*own.values(), *others]
     resident |= {_storage_key(parameter) for parameter in loss_held}     # static, never saved or working memory
 
     def step(found):

@@ -27,19 +27,7 @@ import torch.nn as nn
 
 from oomless.profile.profile import Profile
 from oomless.profile.repeated import cast_bytes
-from oomless.profile.tensors import tensors_held_by
-
-
-def parameters_read_by(loss_fn, model: nn.Module) -> tuple[dict[str, nn.Parameter], list[nn.Parameter]]:
-    """({name: parameter} of ``model``'s that ``loss_fn`` holds, [the parameters it holds that are
-    not ``model``'s]), each once."""
-    if loss_fn is None:
-        return {}, []
-    held = list({id(tensor): tensor for tensor in tensors_held_by(loss_fn)
-                 if isinstance(tensor, nn.Parameter)}.values())
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
-    own = {names[id(parameter)]: parameter for parameter in held if id(parameter) in names}
-    return own, [parameter for parameter in held if id(parameter) not in names]
+from oomless.profile.tensors import parameters_read_by
 
 
 def with_loss_parameters(profile: Profile, model: nn.Module, loss_fn, dtype=None) -> Profile:

@@ -16,10 +16,22 @@ def tensors_in(value) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def parameters_read_by(function, model: nn.Module) -> tuple[dict[str, nn.Parameter], list[nn.Parameter]]:
+    """({name: parameter} of ``model``'s that ``function`` holds (`tensors_held_by`), [the parameters
+    it holds that are not ``model``'s]), each once: a loss that reads a parameter itself, such as a
+    language model's head weight in `oomless.linear_cross_entropy` (tied: the model's; untied: not)."""
+    if function is None:
+        return {}, []
+    held = list({id(tensor): tensor for tensor in tensors_held_by(function)
+                 if isinstance(tensor, nn.Parameter)}.values())
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    own = {names[id(parameter)]: parameter for parameter in held if id(parameter) in names}
+    return own, [parameter for parameter in held if id(parameter) not in names]
+
+
 def parameters_held_by(function, model: nn.Module) -> list[str]:
-    """Names of ``model``'s parameters that ``function`` holds (`tensors_held_by`): a loss that reads a
-    parameter itself, such as a language model's tied head weight in `oomless.linear_cross_entropy`."""
-    held = {id(tensor) for tensor in tensors_held_by(function)} if function is not None else set()
+    """Names of ``model``'s parameters that ``function`` holds, in the model's order."""
+    held = {id(parameter) for parameter in parameters_read_by(function, model)[0].values()}
     return [name for name, parameter in model.named_parameters() if id(parameter) in held]
 
 
