@@ -174,11 +174,17 @@ def run(config: dict) -> dict:
     precision = config.get("precision", "fp32")
     model, inputs, loss_fn = build(config, device, small=True)
     optimizer = torch.optim.Adam(model.parameters())
-    with _autocast(device, precision):
-        loss = loss_fn(model(inputs))
-    loss.backward()
-    del loss
-    optimizer.step()
+    if mode == "oomless":
+        # oomless's own code paths (its hooks, chains in slabs, copies) read in at the small size too,
+        # as the plain step's kernels are for every mode: on CPU, ~4 MiB of libtorch's code pages the
+        # first bf16 step in slabs reads in, which no plan counts (a process's start-up, not the step's).
+        _warm_up_oomless(model, inputs, loss_fn, optimizer, precision, config.get("split"))
+    else:
+        with _autocast(device, precision):
+            loss = loss_fn(model(inputs))
+        loss.backward()
+        del loss
+        optimizer.step()
     del model, inputs, loss_fn, optimizer
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,6 +253,22 @@ def run(config: dict) -> dict:
             oomless.remove(model)
             result["floor_bytes"] = _floor(model, inputs, arguments)
     return result
+
+
+def _warm_up_oomless(model, inputs, loss_fn, optimizer, precision: str, split) -> None:
+    """One step of ``model`` (the warm-up's size) planned at its smallest budget, as the run plans."""
+    arguments = {"loss_fn": loss_fn, "optimizer": optimizer, "precision": precision, "split": split}
+    try:
+        plan = oomless.plan(model, inputs, _floor(model, inputs, arguments), **arguments)
+    except (PlanError, oomless.InputError):
+        # Too small to plan so (chains too short for their slabs): keeping every block.
+        plan = oomless.plan(model, inputs, "64GiB", **{**arguments, "split": False})
+    oomless.apply(model, plan, optimizer=optimizer)
+    loss = loss_fn(model(inputs))
+    loss.backward()
+    del loss
+    optimizer.step()
+    oomless.remove(model)
 
 
 def _floor(model, inputs, arguments: dict) -> int:

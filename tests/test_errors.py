@@ -7,7 +7,7 @@ import torch
 
 import oomless
 from oomless.models import SmallCNN
-from oomless.plan.planner import smallest_memory
+from oomless.plan.planner import named_margin_bytes, smallest_memory
 
 
 def _model_and_inputs():
@@ -57,10 +57,10 @@ def test_the_named_minimum_given_back_plans_from_the_same_measurements(monkeypat
     def noisier(*args, **kwargs):
         profile = real(*args, **kwargs)
         grow = 1 + 0.5 * len(measured)
-        measured.append(profile)
-        return dataclasses.replace(profile, blocks=[dataclasses.replace(
+        measured.append(dataclasses.replace(profile, blocks=[dataclasses.replace(
             block, forward_transient_bytes=int(block.forward_transient_bytes * grow),
-            backward_transient_bytes=int(block.backward_transient_bytes * grow)) for block in profile.blocks])
+            backward_transient_bytes=int(block.backward_transient_bytes * grow)) for block in profile.blocks]))
+        return measured[-1]
 
     monkeypatch.setattr(oomless.api, "profile_configured", noisier)
     torch.manual_seed(0)
@@ -69,7 +69,12 @@ def test_the_named_minimum_given_back_plans_from_the_same_measurements(monkeypat
         oomless.plan(model, inputs, "1KiB", loss_fn=_loss, split=False)
     named = error.value.minimum_bytes
     plan = oomless.plan(model, inputs, named, loss_fn=_loss, split=False)
-    assert len(measured) == 1 and plan.memory_bytes == named and plan.predicted_peak_bytes <= named
+    assert len(measured) == 1 and plan.memory_bytes == named
+    # Within the named budget less the margin it carries for the step as it trains (a faster plan
+    # filling the whole of it went 0.4 MiB over in CI's floor test).
+    assert plan.predicted_peak_bytes <= named - named_margin_bytes(named)
+    whole = oomless.plan(model, inputs, named, profile=measured[0], loss_fn=_loss, split=False)
+    assert plan.activation_budget == whole.activation_budget - named_margin_bytes(named)
     # Not the same request: measured again each time.
     with pytest.raises(oomless.PlanError):
         oomless.plan(model, inputs, 1024, loss_fn=_loss, split=False)          # a smaller budget

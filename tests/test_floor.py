@@ -58,7 +58,10 @@ def test_the_smallest_budget_oomless_names_trains_within_it():
     """Issue 15 item 4 on the 3D U-Net: the budget PlanError names, given back, is accepted, and the
     step (planning included, three steps) stays within it in resident memory. Before swapped storages
     stayed on the ledger while the forward held them, this step went 2-3 MB over whenever copies ran
-    faster than in the profiling step. (The transformers are not here yet: a fresh process's profile
+    faster than in the profiling step. Planned from the profile that named it with the whole budget
+    (the named margin used up by a faster plan) it went 0.4 MiB over in CI (named 74.0, predicted
+    73.9, measured 74.4); the margin is kept back now (`api._plan_given_back`): predicted 71.5-73.5,
+    measured 68.0-73.1. (The transformers are not here yet: a fresh process's profile
     sometimes measures a block's working memory 3-6 MiB higher, on main as well, so the budget named
     by one profile is refused by the next; see the closing note of issue 15.)"""
     name = "unet3d"
@@ -89,30 +92,22 @@ def test_the_smallest_budget_predicts_the_gpt2_step_it_measures():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 def test_a_bf16_step_with_every_chain_in_slabs_trains_within_its_plan():
     """``precision="bf16", split=True`` (the outer level streamed, the chains below it split, each op in
-    the dtype autocast gives it) planned for the 3D U-Net at 1.15x the smallest budget it names, then
-    three steps (planning included) within that budget in resident memory. Measured: named 70.0 MiB
-    (fp32 with split=True: 87.0); at 1.1x, planned for 77.0, predicted 73.3-73.8, peak 75.6-76.2 MiB
-    (one run of five, beside other jobs, went over). The prediction is 2-3 MiB (3 %) under the
-    measured peak, where fp32's is above it (fp32 at its own floor: predicted 86.5, measured 84.0 of
-    87.0); at the named budget itself the bf16 step went 2.2 MiB over (72.2 of 70.0).
-    Measured cause (peak RSS between marks at every block, slab graph and backward node, in training
-    and in the profiling steps): the step's phases are profiled right (the peak is the decoder's
-    backward in slabs, the profile's loss phase, within 1.5 MiB of training's; Adam's state and
-    the absent gradients are static bytes); what no plan counts is 3.9 MiB the bf16 checks leave
-    resident before the profile takes its baseline (check_precision's probe 1.1 MiB,
-    check_slabs_run_in's 2.8; 3.1 MiB of them libtorch's code pages). The profile's baseline above
-    static bytes is 4.1 MiB under bf16, 0.1 under fp32 (no probe). Running the slab probe only where
-    a split step fails lowered the measured peak (named 72.0, predicted 71.2, measured 71.0), but the
-    first profiling step then kept 13.7 MiB (10.5 anonymous, not freed heap, about 6 more than fp32's:
-    kernels for the slabs' shapes; 3.2 code pages), at profile.profiler's COLD_START_SHARE line (a
-    quarter of its 54.6 MiB rise): in 2 runs of 3 it was taken for a fresh process's start-up and
-    left out (named 58.0, measured 70.4-70.7). With the probe the first step keeps 11-12.6 MiB, 1-2
-    under that line: the bf16 floor stands on it too."""
-    config = {**MODELS["unet3d"], "mode": "oomless", "memory": "floor", "over_floor": 1.15, "precision": "bf16",
-              "split": True, "steps": 3}
+    the dtype autocast gives it): the smallest budget it names for the 3D U-Net, given back, is
+    accepted, and three steps (planning included) stay within it in resident memory. Measured
+    (2026-11-26, 2-core Xeon): named 64-65 MiB (fp32 with split=True: 87.0), predicted 62.7-63.3,
+    measured 59.9-60.8.
+    Before that day it held only at 1.15x the named budget, for two reasons. The profiler took a first
+    step that kept more than a quarter of its rise for a fresh process's start-up and left it out: this
+    step's first profiling step keeps 11-13 MiB of kernel caches for the slabs' shapes, near that line,
+    and in some runs it named 54 MiB for a step measuring 74.5 (CI, 2026-11-26). Only the code a first
+    step reads in (file-backed pages) is start-up now. And bench/floor_child.py's warm-up ran a plain
+    step only: the ~7 MiB of oomless's own start-up (its modules imported on first use, libtorch's code
+    for autocast in slabs) counted as this step's, where plain PyTorch's start-up did not count as
+    plain's; its warm-up now plans and trains the small model with oomless as the run does."""
+    config = {**MODELS["unet3d"], "mode": "oomless", "memory": "floor", "precision": "bf16", "split": True,
+              "steps": 3}
     planned = _child(config)
-    print(f"unet3d bf16 split=True: named {planned['floor_bytes'] / MiB:.1f} MiB, planned for "
-          f"{planned['memory_bytes'] / MiB:.1f}, measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
+    print(f"unet3d bf16 split=True: named {planned['floor_bytes'] / MiB:.1f} MiB, measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
           f"(predicted {planned.get('predicted_peak_bytes', 0) / MiB:.1f}), split {planned.get('split')}")
     assert "refused" not in planned, planned.get("refused")
     assert "" in planned["split"]

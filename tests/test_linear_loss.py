@@ -395,11 +395,18 @@ def test_the_plan_command_plans_a_language_models_next_token_loss_and_its_head_f
     common = ["plan", "hf:gpt2", "--input-shape", "4,128", "--memory", "8GiB", "--json", "--model-arg", "n_layer=2",
               "--model-arg", "n_embd=64", "--model-arg", "n_head=4", "--model-arg", "vocab_size=8000"]
     peaks = {}
-    for loss in ("sum", "auto", "next-token", "fused-next-token"):
+    for loss in ("sum", "next-token", "fused-next-token"):
         assert main([*common, "--loss", loss]) == 0
         peaks[loss] = oomless.Plan.from_json(capsys.readouterr().out).plain_peak_bytes
+    # The default is that loss: the same step, compared where it is traced on meta tensors (for a
+    # target), which reads the same each time; two real profiles differ by the kernel caches the first
+    # one left (4.9 MiB once in CI).
+    traced = {}
+    for loss in ("auto", "next-token"):
+        assert main([*common, "--loss", loss, "--target", "h100"]) == 0
+        traced[loss] = oomless.Plan.from_json(capsys.readouterr().out).plain_peak_bytes
+    assert traced["auto"] == traced["next-token"], traced
     logits_bytes = 4 * 128 * 8000 * 4
-    assert abs(peaks["auto"] - peaks["next-token"]) < logits_bytes / 4, peaks     # two profiles: a little noise
     assert peaks["next-token"] - peaks["sum"] > logits_bytes, peaks
     assert peaks["next-token"] - peaks["fused-next-token"] > 1.5 * logits_bytes, peaks
     assert main(["plan", "unet3d", "--memory", "1GiB", "--loss", "next-token"]) == 2

@@ -9,7 +9,7 @@ import torch.nn as nn
 from oomless.arguments import check_fp16_loss_parameters, check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
-from oomless.plan.planner import make_plan
+from oomless.plan.planner import make_plan, named_margin_bytes
 from oomless.plan.splitting import plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
@@ -157,6 +157,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     may_split = (split is None and decisions is None and target is None and precision == "fp32"
                  and can_measure_again)
     step_key = None
+    given_back = None   # the budget a PlanError named, where ``memory`` gives it back
     estimate = None     # the smallest budget without splitting, estimated where over the budget
     if profile is None:
         step_key = _step_key(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, precision, options,
@@ -165,6 +166,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         if refused is not None and refused[0] == step_key and memory_bytes >= refused[1]:
             profile = refused[2]            # the budget a PlanError named, given back: the same measurements
             chosen_split = profile.split    # with the chains split as they were measured, where they were
+            given_back = refused[1]
         else:
             # Not with compile: the estimate runs the eager step, and compiled graphs may save less.
             if may_split and options is None and split_candidates(model):
@@ -206,6 +208,8 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                 except torch.OutOfMemoryError:
                     raise split_refused from None   # the device could not even measure the step unsplit
                 made = plan_measured(profile)
+        elif given_back is not None:
+            made = _plan_given_back(profile, memory_bytes, given_back, plan_profile, plan_measured)
         else:
             made = plan_measured(profile)
             if not made.split and not profile.split and may_split and split_candidates(model):
@@ -217,6 +221,21 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         raise
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
+    return made
+
+
+def _plan_given_back(profile: Profile, memory_bytes: int, named_bytes: int, plan_profile, plan_measured) -> Plan:
+    """Plan from the profile that named ``named_bytes`` (a PlanError's smallest budget), ``memory_bytes``
+    (at least that) given back. The named budget carries a margin over that profile's smallest plan
+    (`plan.planner.named_margin_bytes`) for the step as it trains, which reads a little differently
+    from the step measured: the plan is made within ``memory_bytes`` less it, so that the margin is
+    still there (planned within the whole of it, the 3D U-Net's floor step predicted 73.9 MiB of the
+    74.0 named and measured 74.4). Where that refuses (the margin rounds), within the whole budget."""
+    try:
+        made = plan_profile(profile, memory_bytes - named_margin_bytes(named_bytes))
+    except PlanError:
+        return plan_measured(profile)
+    made.memory_bytes = memory_bytes
     return made
 
 

@@ -196,10 +196,16 @@ def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str
 
 
 def _with_margin(num_bytes: int) -> int:
-    """``num_bytes`` plus 2 % (at least 1 MiB), rounded up to whole MiB: planning again with the
-    named budget measures the step again, a little differently."""
+    """``num_bytes`` plus 2 % (at least 1 MiB), rounded up to whole MiB: the step as it trains (or
+    measured again) reads a little differently from the step measured."""
     padded = num_bytes + max(num_bytes // 50, 2**20)
     return -(-padded // 2**20) * 2**20
+
+
+def named_margin_bytes(named_bytes: int) -> int:
+    """The margin `_with_margin` put in a budget it named, ``named_bytes`` (at most: what is left
+    without it is at least the smallest plan's bytes, to within a byte of integer division)."""
+    return max(named_bytes // 51, 2**20)
 
 
 def _prefetch_windows(profile: Profile, budget: int) -> list[int | None]:

@@ -131,11 +131,12 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     return recorder, loss_seconds
 
 
-# A first step that keeps more than a quarter of its own peak rise is a fresh process starting up.
-COLD_START_SHARE = 4
-# One that keeps less, but more than a fiftieth of it, made caches for its shapes that the training
-# steps hold throughout (`profile_model`'s `measure_sizes`).
+# A first step that keeps more than a fiftieth of its own peak rise (beyond code it read in) made
+# caches for its shapes that the training steps hold throughout (`profile_model`'s `measure_sizes`).
 HELD_SHARE = 50
+# Code a first step reads in (resident pages backed by libtorch's and its libraries' files) beyond
+# this is a process starting up: the step is measured again without it.
+LOADED_CODE_BYTES = 2**20
 
 # Where replicas profile together (their BatchNorm's statistics all-reduced across them, as in
 # `parallel.stage_fit`), each must run as many profiling steps as the others, or their collectives
@@ -217,27 +218,36 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
                                  measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
 
         def measure_sizes():
+            code_before = probe.code_bytes()
             recorder, loss_seconds = measure()
             for p in parameters:
                 p.grad = None
-            kept = probe.current() - baseline["bytes"]
+            # The first step of a process reads in the code of every kernel it runs (on CPU, ~16 MiB of
+            # libtorch for a 3D U-Net's step): start-up, not the step's memory, as the benchmarks' warm-up
+            # step treats it; the baseline rises by it. What else the step kept is memory the training
+            # steps hold too, whether the process is fresh or not (kernels' caches and workspaces for its
+            # shapes, thread pools' arenas: 11-14 MiB for a bf16 U-Net in slabs either way): counted.
+            # (Told apart by size instead, a fresh process's start-up against a quarter of the step's
+            # rise, a warm bf16 step's caches were taken for start-up in 2 runs of 3, and the floor it
+            # named was 14-20 MiB under the step's.)
+            loaded = max(probe.code_bytes() - code_before, 0)
+            kept = probe.current() - baseline["bytes"] - loaded
             highest = recorder.highest_above_static_bytes
-            if _agreed(kept > max(highest // COLD_START_SHARE, 2**20)):
-                # The first step of a process loads libraries and initialises kernels and thread pools,
-                # and keeps that memory; it is start-up, not this step's (as the memory tests' warm-up
-                # step treats it). Measured again, from what the process holds now.
-                notes.append(f"the first profiling step kept {format_bytes(kept)} (start-up of a fresh process): "
-                             "sizes measured again on a second step")
-                baseline["bytes"] = probe.current() - left_before
-                recorder, loss_seconds = measure()
-            elif _agreed(kept > max(highest // HELD_SHARE, 2**20)):
-                # What the step left held (kernels' caches and workspaces for its shapes) every training
-                # step holds from its start, but the first step's phases only from where it was made:
-                # measured again on a step that starts with it, from the same baseline.
-                notes.append(f"the first profiling step left {format_bytes(kept)} held (kernel caches for its shapes): "
-                             "sizes measured again on a second step that holds it from its start, as training does")
-                recorder, loss_seconds = measure()
-            return recorder, loss_seconds
+            started_up = _agreed(loaded > LOADED_CODE_BYTES)
+            if started_up:
+                baseline["bytes"] += loaded
+            if _agreed(kept > max(highest // HELD_SHARE, 2**20)):
+                notes.append(f"the first profiling step left {format_bytes(kept)} held (kernel caches for its shapes)"
+                             + (f" and read in {format_bytes(loaded)} of code (start-up)" if started_up else "")
+                             + ": sizes measured again on a second step that holds it from its start, as training does")
+            elif started_up:
+                notes.append(f"the first profiling step read in {format_bytes(loaded)} of code (start-up of a fresh "
+                             "process): sizes measured again on a second step")
+            else:
+                return recorder, loss_seconds
+            # What the first step left held, every training step holds from its start, but the first
+            # step's phases only from where it was made; code read in mid-step counted in its phases.
+            return measure()
 
         recorder, loss_seconds = measure_sizes()
         refined = _refined(found, recorder) if blocks is None else None
