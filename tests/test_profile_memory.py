@@ -207,9 +207,8 @@ def test_what_the_first_step_leaves_held_counts_from_the_start_of_the_step():
 
 
 class KeepsALargeCacheFromItsBackward(KeepsACacheFromItsBackward):
-    """The same cache (16 MiB) on a step of small outputs: most of the first step's rise. A fresh
-    process's start-up looks so by size alone (it kept 14-25 MiB on a U-Net's first step); it reads in
-    code, this keeps anonymous memory."""
+    """The same cache (16 MiB) on a step of small outputs: most of the first step's rise, as a fresh
+    process's start-up is (14-25 MiB kept by a U-Net's first step), and held by training all the same."""
 
     def __init__(self):
         super().__init__()
@@ -218,7 +217,7 @@ class KeepsALargeCacheFromItsBackward(KeepsACacheFromItsBackward):
 
 def test_a_first_step_keeping_most_of_its_rise_is_not_taken_for_start_up():
     # Told apart by size (more than a quarter of the rise: start-up), the cache was left out of every
-    # phase; the training steps hold it throughout. Only code read in (file-backed pages) is start-up.
+    # phase; the training steps hold it throughout.
     model = KeepsALargeCacheFromItsBackward()
     measured = profile(model, batch=64)   # its cache keyed by its (64, 64) output, made here first
     assert any("left" in note and "held" in note for note in measured.notes), measured.notes

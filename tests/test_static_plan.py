@@ -140,3 +140,16 @@ def test_the_memory_plot_draws_each_static_part_where_it_lives(profiled, tmp_pat
     assert labels["parameters"] == "parameters"          # all on the device: nothing to say
     path = plot_plan(profile, plan, str(tmp_path / "plan.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_static_part_reads_once_in_the_plans_summary():
+    """A part all on the device reads as its bytes; one partly elsewhere, as how much of it and where;
+    one whose kind needs saying, as what it is (it read "targets 0 B of 0 B (device (tensors the
+    loss function holds))" before)."""
+    from oomless.plan.plan import StaticPart
+
+    assert StaticPart("parameters", 2**20, 2**20, "device").describe() == "parameters 1.00 MiB"
+    assert StaticPart("targets", 0, 0, "device: tensors the loss function holds").describe() == \
+        "targets 0 B (device: tensors the loss function holds)"
+    assert StaticPart("gradients", 2**20, 2**10, "freed in backward").describe() == \
+        "gradients 1.00 KiB of 1.00 MiB (freed in backward)"

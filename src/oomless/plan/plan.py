@@ -36,9 +36,12 @@ class StaticPart:
     where: str
 
     def describe(self) -> str:
-        if self.where == "device" and self.device_bytes == self.total_bytes:
-            return f"{self.name} {format_bytes(self.total_bytes)}"
-        return f"{self.name} {format_bytes(self.device_bytes)} of {format_bytes(self.total_bytes)} ({self.where})"
+        """"parameters 1.3 MiB"; with how much of it the device holds, and where, where that is not all
+        of it on the device; with what it is, where the kind says so ("targets 0 B (device: ...)")."""
+        text = f"{self.name} {format_bytes(self.device_bytes)}"
+        if self.device_bytes != self.total_bytes:
+            text += f" of {format_bytes(self.total_bytes)}"
+        return text if self.where == "device" else f"{text} ({self.where})"
 
 
 STREAMED = "the outer level, streamed"     # how split={"": slabs} (runtime/stream.py) reads

@@ -241,10 +241,10 @@ def static_parts(profile: Profile, gradient_device_bytes: int, state_device_byte
             StaticPart("buffers", profile.buffer_bytes, profile.buffer_bytes, ON_DEVICE),
             StaticPart("inputs", profile.input_bytes, profile.input_bytes, ON_DEVICE),
             StaticPart("targets", profile.target_bytes, profile.target_bytes,
-                       f"{ON_DEVICE} (tensors the loss function holds)"),
+                       f"{ON_DEVICE}: tensors the loss function holds"),
             StaticPart("allocator and objects", profile.static_overhead_bytes, profile.static_overhead_bytes,
-                       f"{ON_DEVICE} (page rounding and each static tensor's objects on CPU, allocator rounding "
-                       "on CUDA; profile.tensors.static_overhead_bytes)")]
+                       f"{ON_DEVICE}: page rounding and each static tensor's objects on CPU, allocator rounding "
+                       "on CUDA, profile.tensors.static_overhead_bytes")]
 
 
 def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:

@@ -128,13 +128,6 @@ class MemoryProbe:
             return torch.cuda.memory_allocated(self.device)
         return current_rss_bytes()
 
-    def code_bytes(self) -> int:
-        """Resident pages backed by files (libraries' code the process has read in, ``RssFile``) on
-        CPU; 0 on CUDA, whose allocator holds none."""
-        if self.is_cuda:
-            return 0
-        return _status_bytes("RssFile") or 0
-
     def _peak(self) -> int:
         if self.is_cuda:
             import torch
