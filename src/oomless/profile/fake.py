@@ -341,7 +341,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
     trainable = [p for p in parameters if p.requires_grad]
-    notes.append(f"{roofline.flops / 1e12:.2f} TFLOP per step (matmuls, convolutions, attention); "
+    notes.append(f"{_format_flops(roofline.flops)} per step (matmuls, convolutions, attention); "
                  f"profiled in {time.perf_counter() - started:.1f} s")
     return Profile(
         device=device.name,
@@ -375,3 +375,11 @@ def _optimizer_state_bytes(optimizer, trainable: list[torch.Tensor], notes: list
         notes.append(f"optimizer {name} is not one oomless knows: its state is estimated as one copy of the parameters")
         copies = 1
     return copies * _distinct_bytes(trainable)
+
+
+def _format_flops(flops: float) -> str:
+    """"1.23 TFLOP", "4.56 GFLOP", "7.89 MFLOP": three digits of a small model's count as of a large one's."""
+    for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+        if flops >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops:.0f} FLOP"

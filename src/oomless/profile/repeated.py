@@ -117,4 +117,4 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
         buffer_bytes=profile.buffer_bytes + added * cast_bytes(dict.fromkeys(layer.buffers()), dtype),
         notes=[*profile.notes, f"profiled {kept_layers} of the {depth} identical layers of {stack_name} on meta "
                                f"tensors; layers 1 to {depth - 2} are copies of layer 1's profile, and the static "
-                               f"bytes count all {depth} (the TFLOP figure above counts the {kept_layers} run)"])
+                               f"bytes count all {depth} (the FLOP figure above counts the {kept_layers} run)"])
