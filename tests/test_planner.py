@@ -269,3 +269,18 @@ def test_planning_leaves_nothing_of_its_callers_frames_alive():
         assert watched() is None, "a frame of the planning call is still alive"
     finally:
         gc.enable()
+
+
+def test_a_profile_may_name_its_own_margin():
+    """Working memory traced on meta tensors carries the 20 % margin, measured the 5 %; a profile that
+    says its share (the unsplit floor's estimate, traced but a lower bound) is planned with that."""
+    from oomless.plan.planner import ESTIMATED_MARGIN, MEASURED_MARGIN, reserve_bytes
+
+    profile = _profile([_measured_block(f"b{i}", 10, 20, 30, 40, 50) for i in range(3)])
+    profile.loss_other_bytes = 0
+    measured = reserve_bytes(profile)
+    profile.memory_traced = True
+    traced = reserve_bytes(profile)
+    profile.margin_share = MEASURED_MARGIN
+    assert traced - measured == int(40 * MiB * ESTIMATED_MARGIN) - int(40 * MiB * MEASURED_MARGIN)
+    assert reserve_bytes(profile) == measured

@@ -59,7 +59,9 @@ def _margin_bytes(profile: Profile) -> int:
     measured = (all(block.forward_other_bytes is not None and block.backward_other_bytes is not None
                     for block in profile.blocks) and profile.loss_other_bytes is not None
                 and not profile.memory_traced)
-    share = int(_worst_other_bytes(profile) * (MEASURED_MARGIN if measured else ESTIMATED_MARGIN))
+    rate = profile.margin_share if profile.margin_share is not None else \
+        MEASURED_MARGIN if measured else ESTIMATED_MARGIN
+    share = int(_worst_other_bytes(profile) * rate)
     return max(share, profile.rehearsal_excess_bytes)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import OomlessError, PlanError
+from oomless.plan.planner import MEASURED_MARGIN
 from oomless.profile.profile import LinkProfile
 from oomless.runtime.split import DEFAULT_SLABS, inside, split_candidates, stream_outer_modules
 from oomless.runtime.stream import STREAM
@@ -69,7 +70,7 @@ def unsplit_floor_estimate(model: nn.Module, example_inputs, optimizer, blocks, 
     except (RuntimeError, NotImplementedError, OomlessError):
         return None     # an op without a meta kernel, a value read in Python: the step is measured instead
     estimated.link = LinkProfile(estimated.link.kind, _INSTANT, _INSTANT)
-    estimated.memory_traced = False     # a lower bound: the measured profile's margin, not the estimate's
+    estimated.margin_share = MEASURED_MARGIN     # a lower bound: the measured profile's margin, not a traced one's
     try:
         plan_profile(estimated, budget)
     except PlanError as error:
