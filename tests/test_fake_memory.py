@@ -163,3 +163,40 @@ def test_the_flop_note_reads_in_the_unit_of_its_size():
     assert _format_flops(163.58e6) == "163.58 MFLOP"
     assert _format_flops(2.5e12) == "2.50 TFLOP"
     assert _format_flops(3.1e15) == "3.10 PFLOP"
+
+
+class _CachesAGrid(torch.nn.Module):
+    """A conv chain (the planner may split it) whose forward caches a grid made for the input's shape
+    on the module, as models cache masks, grids and rotary tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                                        torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.ReLU())
+        self.head = torch.nn.Conv3d(4, 2, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if getattr(self, "grid", None) is None or self.grid.shape != x.shape[2:]:
+            self.grid = torch.linspace(0, 1, x.shape[-1], device=x.device).expand(x.shape[2:]).contiguous()
+        return self.head(self.stem(x) + self.grid)
+
+
+def test_a_step_on_meta_tensors_leaves_what_the_forward_caches_as_it_was():
+    """The meta step (a target's profile, the unsplit floor's estimate, the CLI's shape check) ran the
+    model's own forward, which left a meta grid on it: the real profile then failed ("Tensor on
+    device meta is not on the expected device cpu"). Each module's attributes are taken back after."""
+    import oomless
+
+    torch.manual_seed(0)
+    model, volume = _CachesAGrid(), torch.randn(1, 1, 16, 16, 16)
+    loss_fn = lambda out: out.square().mean()       # noqa: E731
+    oomless.profile(model, volume, loss_fn=loss_fn, target="h100")
+    assert not hasattr(model, "grid") and model.calls == 0
+    model(volume)
+    grid = model.grid
+    with pytest.raises(oomless.PlanError) as error:
+        oomless.plan(model, volume, 1, loss_fn=loss_fn)      # split=None: the estimate on meta tensors first
+    assert model.grid is grid and model.grid.device.type == "cpu"
+    oomless.plan(model, volume, error.value.minimum_bytes, loss_fn=loss_fn)

@@ -110,12 +110,15 @@ def _runs_on_meta(model, example) -> bool:
     checked without the memory of a real forward (a 3D U-Net's at 232^3 is over a GiB)."""
     import torch
 
+    from oomless.profile.tensors import attributes_kept
+
     if example.device.type == "meta":
         return False            # the model is on meta already: the real forward allocates nothing
     state = {name: tensor.detach().to("meta") for name, tensor in
              [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
     try:
-        torch.func.functional_call(model, state, (example.to("meta"),), strict=False)
+        with attributes_kept(model):
+            torch.func.functional_call(model, state, (example.to("meta"),), strict=False)
     except Exception:           # an op without a meta kernel, a value read in Python, or a wrong shape
         return False
     return True

@@ -225,7 +225,8 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
     the static shapes `PipelineStage` takes instead of inferring them. Its own inference runs each
     stage on uninitialised tensors of the right shape, which BatchNorm would count and fold into its
     running statistics; here each stage runs on fake copies of its parameters and buffers
-    (``FakeTensorMode``, ``functional_call``), so the model is untouched and nothing is allocated.
+    (``FakeTensorMode``, ``functional_call``, what the forward caches taken back), so the model is
+    untouched and nothing is allocated.
     Fake, not meta, tensors: they keep the device's dispatch keys, so ``torch.autocast`` applies to
     them (meta tensors have no autocast): with ``dtype`` each stage runs under autocast, as it
     trains, and what crosses a cut is declared in its autocast dtype (`stage_precision`); the last
@@ -233,6 +234,8 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
     whether the next stage sends one back."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
+
+    from oomless.profile.tensors import attributes_kept
 
     fake = FakeTensorMode()
     device_type = example[0].device.type
@@ -242,7 +245,7 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
         module = sequence.stage(start, stop)
         state = {name: fake.from_tensor(tensor) for name, tensor in [*module.named_parameters(),
                                                                       *module.named_buffers()]}
-        with fake, stage_autocast(device_type, dtype):
+        with fake, stage_autocast(device_type, dtype), attributes_kept(module):
             produced = functional_call(module, state, values)
         produced = produced if isinstance(produced, tuple) else (produced,)
         if stage == len(cuts) - 2:

@@ -42,7 +42,7 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import alive_bytes, parameters_read_by, tensors_in
+from oomless.profile.tensors import alive_bytes, attributes_kept, parameters_read_by, tensors_in
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -318,13 +318,15 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
 
     gradients_before = [(parameter, parameter.grad) for parameter in loss_held]
     try:
-        recorder, roofline = step(found)
+        with attributes_kept(model):
+            recorder, roofline = step(found)
         # The real profiler's size-based policy: a block holding over a quarter of all saved bytes is
         # split into its children, so both profiles of a model have the same blocks.
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
             found = refined
-            recorder, roofline = step(found)
+            with attributes_kept(model):
+                recorder, roofline = step(found)
     finally:
         for parameter, gradient in gradients_before:
             parameter.grad = gradient

@@ -175,6 +175,22 @@ def call_model(model: nn.Module, example_inputs):
 
 
 @contextlib.contextmanager
+def attributes_kept(model: nn.Module):
+    """Run ``model`` on stand-ins (meta tensors) and leave each module's own attributes as they were:
+    what its forward set (a cache of a grid or a mask made for the input's shape, a call counter) is
+    taken back after, so no meta tensor is left where the next real forward would read it. Its
+    parameters, buffers, submodules and hooks are the same objects after as before."""
+    saved = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in saved:
+            for name in [name for name in module.__dict__ if name not in attributes]:
+                del module.__dict__[name]
+            module.__dict__.update(attributes)
+
+
+@contextlib.contextmanager
 def training_state_kept(model: nn.Module):
     """Run steps that measure ``model`` and leave it as it was: its gradients, its buffers (BatchNorm's
     running statistics) and the RNG (CPU, and CUDA where initialised) restored after, whatever the
