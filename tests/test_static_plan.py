@@ -153,3 +153,35 @@ def test_each_static_part_reads_once_in_the_plans_summary():
         "targets 0 B (device: tensors the loss function holds)"
     assert StaticPart("gradients", 2**20, 2**10, "freed in backward").describe() == \
         "gradients 1.00 KiB of 1.00 MiB (freed in backward)"
+
+
+def test_a_placement_moving_more_is_chosen_only_where_it_is_faster_by_more_than_the_noise():
+    """Of placements that fit, the simplest (fewest things moved off the device) is kept unless another
+    is predicted faster by more than `SIMPLER_WITHIN`: `make demo` moved its parameters to disk in
+    some processes for a step predicted 1 % faster, and kept them in others."""
+    import dataclasses
+
+    from oomless.plan.planner import make_plan
+    from oomless.plan.static import SIMPLER_WITHIN, Placement, _choose
+    from tests.test_planner import _block, _profile
+
+    swapping = make_plan(_profile([_block(f"b{i}", 100, 10) for i in range(8)]), 600 * 2**20)
+    assert set(swapping.decisions.values()) != {"keep"}
+    simplest, moving = Placement(), Placement(update_in_backward=True)
+
+    class Candidates:
+        def __init__(self, seconds):
+            self.plans = {placement: dataclasses.replace(swapping, predicted_step_seconds=value)
+                          for placement, value in seconds.items()}
+
+        def plan(self, placement):
+            return self.plans[placement]
+
+        def added_seconds(self, placement):
+            return 0.0, ""
+
+    close = 1.0 / (1 + SIMPLER_WITHIN / 2)
+    chosen, why = _choose(Candidates({simplest: 1.0, moving: close}), [simplest, moving])
+    assert chosen == simplest and "simplest within" in why
+    chosen, why = _choose(Candidates({simplest: 1.0, moving: 0.9}), [simplest, moving])
+    assert chosen == moving and "simplest" not in why
