@@ -175,9 +175,10 @@ def run(config: dict) -> dict:
     model, inputs, loss_fn = build(config, device, small=True)
     optimizer = torch.optim.Adam(model.parameters())
     if mode == "oomless":
-        # oomless's own code paths (its hooks, chains in slabs, copies) read in at the small size too,
-        # as the plain step's kernels are for every mode: on CPU, ~4 MiB of libtorch's code pages the
-        # first bf16 step in slabs reads in, which no plan counts (a process's start-up, not the step's).
+        # oomless's own code paths (its hooks, chains in slabs, copies) started up at the small size
+        # too, as the plain step's kernels are for every mode: its modules imported on first use and
+        # libtorch's code for autocast in slabs, ~7 MiB for the bf16 U-Net in slabs, are a process's
+        # start-up, not the step's (the planner's checks run them before its profile's baseline).
         _warm_up_oomless(model, inputs, loss_fn, optimizer, precision, config.get("split"))
     else:
         with _autocast(device, precision):

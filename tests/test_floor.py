@@ -107,7 +107,8 @@ def test_a_bf16_step_with_every_chain_in_slabs_trains_within_its_plan():
     config = {**MODELS["unet3d"], "mode": "oomless", "memory": "floor", "precision": "bf16", "split": True,
               "steps": 3}
     planned = _child(config)
-    print(f"unet3d bf16 split=True: named {planned['floor_bytes'] / MiB:.1f} MiB, measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
+    print(f"unet3d bf16 split=True: named {planned['floor_bytes'] / MiB:.1f} MiB, "
+          f"measured {planned.get('peak_bytes', 0) / MiB:.1f} MiB "
           f"(predicted {planned.get('predicted_peak_bytes', 0) / MiB:.1f}), split {planned.get('split')}")
     assert "refused" not in planned, planned.get("refused")
     assert "" in planned["split"]

@@ -296,7 +296,10 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
             for index, (_, module) in enumerate(found):
                 handles.append(module.register_forward_pre_hook(recorder.pre_hook(index), with_kwargs=True))
                 handles.append(module.register_forward_hook(recorder.post_hook(index)))
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), roofline:
+            # Each step starts from the modules' attributes as found and leaves them so: a cache the
+            # forward makes (a grid, a mask) on meta tensors would break the next real forward.
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), roofline, \
+                    attributes_kept(model):
                 args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
                 kwargs = inputs if isinstance(inputs, dict) else {}
                 with FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
@@ -318,15 +321,13 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
 
     gradients_before = [(parameter, parameter.grad) for parameter in loss_held]
     try:
-        with attributes_kept(model):
-            recorder, roofline = step(found)
+        recorder, roofline = step(found)
         # The real profiler's size-based policy: a block holding over a quarter of all saved bytes is
         # split into its children, so both profiles of a model have the same blocks.
         refined = _refined(found, recorder) if blocks is None else None
         if refined is not None:
             found = refined
-            with attributes_kept(model):
-                recorder, roofline = step(found)
+            recorder, roofline = step(found)
     finally:
         for parameter, gradient in gradients_before:
             parameter.grad = gradient
