@@ -27,11 +27,14 @@ import sys
 import threading
 import time
 
+# Before torch: every mode gets PyTorch's huge pages for large CPU tensors, as a user of the CLI or
+# of a script that imports oomless first does (`oomless.profile.rss.default_huge_pages_on`).
+import oomless  # noqa: I001
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import oomless
 from oomless.errors import PlanError
 from oomless.models import make_torchvision_importable
 from oomless.profile.blocks import find_blocks

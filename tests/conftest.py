@@ -1,9 +1,12 @@
+# oomless before torch: it turns on PyTorch's huge pages for large CPU tensors, which libtorch reads
+# once (`oomless.profile.rss.default_huge_pages_on`), as a user's script that imports it first gets.
+import oomless  # noqa: I001
+
 import pytest
 import torch
 
 import torch.nn.functional as F
 
-import oomless
 from oomless.models import TinyTransformer, UNet3D, make_torchvision_importable
 from oomless.plan.planner import make_plan, smallest_memory
 

@@ -3,6 +3,11 @@
     model = oomless.fit(model, example_inputs, memory="20GiB")   # then train as usual
 """
 
+# Before torch starts: PyTorch reads its huge-page switch for CPU tensors once (see the function).
+from oomless.profile.rss import default_huge_pages_on  # noqa: I001  (must run before torch is imported)
+
+default_huge_pages_on()
+
 from oomless.api import apply, fit, installed_plan, plan, profile, remove, simulate, stats, sum_of_outputs
 from oomless.errors import ApplyError, InputError, OomlessError, PlanError, SizeError
 from oomless.models.vision import make_torchvision_importable

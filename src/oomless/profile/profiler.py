@@ -18,7 +18,7 @@ from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
-from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
+from oomless.profile.rss import MemoryProbe, huge_pages_note, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, static_overhead_bytes,
@@ -195,6 +195,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         return_freed_memory_to_the_system()  # so resident memory measures what is really in use
     found = find_blocks(model, blocks)
     notes: list[str] = []
+    if device.type == "cpu" and (slower := huge_pages_note()) is not None:
+        notes.append(slower)
     parameters = list(dict.fromkeys(model.parameters()))
     # Gradients, buffers and RNG as they were, after.
     with training_state_kept(model) as (cpu_rng, cuda_rng):

@@ -81,6 +81,61 @@ def return_freed_memory_to_the_system() -> bool:
         return False
 
 
+# PyTorch's own switch (c10/core/impl/alloc_cpu.cpp): CPU tensors of 2 MiB or more are advised onto
+# transparent huge pages (``madvise(MADV_HUGEPAGE)``). libtorch reads it once, at its first allocation.
+HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
+HUGE_PAGE_BYTES = 2 * 2**20
+
+
+def default_huge_pages_on() -> bool:
+    """Turn on PyTorch's huge pages for large CPU tensors, unless the environment already says
+    either way; effective only before torch is imported (``import oomless`` does this first).
+
+    Under `return_freed_memory_to_the_system` every tensor of 64 KiB or more is a fresh mapping whose
+    pages the kernel faults in and zeroes on first touch, 4 KiB at a time: on a 2-core Xeon a 3D
+    U-Net's step (64^3, batch 2) took 1.53-1.59 s against 1.11-1.16 s with glibc's reusing heap, and
+    1.23-1.36 s with huge pages (one fault per 2 MiB), its peak the same (339 MiB; 421-475 MiB in the
+    heap). True where it set the variable."""
+    if HUGE_PAGES_VARIABLE in os.environ or "torch" in sys.modules or not sys.platform.startswith("linux"):
+        return False
+    os.environ[HUGE_PAGES_VARIABLE] = "1"
+    return True
+
+
+@functools.cache
+def large_tensors_on_huge_pages() -> bool | None:
+    """Whether this process's large CPU tensors may be on huge pages: the kernel says a fresh one's
+    mapping is eligible (``THPeligible`` in /proc/self/smaps: the kernel's setting is ``always``, or
+    ``madvise`` and PyTorch's switch advised it). None where that cannot be read (off Linux)."""
+    import torch
+    probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)     # over PyTorch's 2 MiB threshold
+    address = probe.data_ptr()
+    try:
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                first = line.split(maxsplit=1)[0]
+                if "-" in first and not first.endswith(":"):
+                    low, high = (int(part, 16) for part in first.split("-"))
+                    inside = low <= address < high
+                elif inside and first == "THPeligible:":
+                    return line.split()[1] == "1"
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def huge_pages_note() -> str | None:
+    """What a CPU plan says where its large tensors are not on huge pages, and how to change that."""
+    if large_tensors_on_huge_pages() is not False:
+        return None
+    if os.environ.get(HUGE_PAGES_VARIABLE, "1") == "0":
+        return None      # turned off on purpose
+    return (f"large CPU tensors are not on huge pages: under oomless's memory rule each is faulted in 4 KiB at a "
+            f"time (a 3D U-Net's step ~20 % slower); set {HUGE_PAGES_VARIABLE}=1 in the environment, or import "
+            "oomless before torch, and check that /sys/kernel/mm/transparent_hugepage/enabled is not [never]")
+
+
 def give_back_free_heap() -> bool:
     """Return the free pages inside glibc's heaps to the system (``malloc_trim``): planning frees its
     profiling steps' objects in the middle of the heap, which the 1 MiB trim threshold (top only)
