@@ -29,7 +29,7 @@ from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
 from oomless.parallel.config import condition_holds
 from oomless.parallel.rank_state import gather_other_ranks
-from oomless.profile.rss import MemoryProbe
+from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.runtime.compile import compile_blocks, compile_options
 from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
@@ -61,6 +61,9 @@ class TrainResult:
     data_wait_seconds: float = 0.0
     data_wait_seconds_per_step: list[float] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)
+    # Seconds per step of the last layout's steps after its first (planning and start-up not in it;
+    # its one step where it ran one); None where no step was trained. volumes_per_second counts all.
+    seconds_per_step: float | None = None
 
 
 def seed_everything(seed: int, deterministic: bool = False, device: torch.device | None = None) -> None:
@@ -195,6 +198,12 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     # Before anything is built or measured: a damaged or mismatched checkpoint fails here, in a line.
     resumable = _find_resumable(config, console) if config.resume else None
     seed_everything(config.seed, config.deterministic, device)
+    if config.memory is not None and device.type == "cpu":
+        # The rule planning sets (freed memory leaves the resident set) holds from before the model is
+        # built, not from planning on: what was built and freed in glibc's heap before it stayed
+        # there, and `make demo`'s steps measured 254-265 MiB for plans predicted at 255.7 within
+        # 256 MiB; with the rule from here, 252.8-253.1 (3 runs each, alternating).
+        return_freed_memory_to_the_system()
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])
@@ -309,6 +318,11 @@ class _Run:
         self.steps_since_log = 0
         self.voxels_per_volume = int(np.prod(config.shape))
         self.started = time.perf_counter()
+        # The step time a plan predicted is compared with the steps of the last stretch after its
+        # first (planning, and the first step's start-up: kernel caches, the swap files' first pages):
+        # (when its first step ended, steps done then), or None while that stretch ran one step.
+        self.stretch_started = self.started
+        self.timed_from: tuple[float, int] | None = None
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[metrics]}"))
         # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
@@ -325,6 +339,8 @@ class _Run:
         ``conditions`` holds (removing it). Returns (steps done, the fired condition's layout or None)."""
         config = self.config
         steps_done, fired = first, None
+        self._synchronize()
+        self.stretch_started, self.timed_from = time.perf_counter(), None
         # On CUDA the loader pins each batch, so the copies below are asynchronous (a non_blocking
         # copy from pageable memory would first wait for the stream to drain).
         batches = step_batches(self.dataset, [strategy.shard(step, config.global_batch) for step in range(first, end)],
@@ -336,6 +352,9 @@ class _Run:
             self._accumulate()
             strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
             steps_done = step + 1
+            if steps_done == first + 1:
+                self._synchronize()
+                self.timed_from = (time.perf_counter(), steps_done)
             # Also at the end of a stretch: the mean logged never spans two layouts.
             if steps_done % config.log_every == 0 or steps_done in (end, config.steps):
                 self._log(strategy, model, steps_done)
@@ -353,6 +372,19 @@ class _Run:
                 self.console.print(f"step {steps_done}: {fired[0]} holds", soft_wrap=True)
                 return steps_done, fired[1]
         return steps_done, None
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measured_step_seconds(self, steps_done: int) -> tuple[float, str]:
+        """(seconds per step, which steps) of the last stretch: after its first step where it ran
+        more than one; call with the device synchronized."""
+        now = time.perf_counter()
+        if self.timed_from is not None and steps_done > self.timed_from[1]:
+            ended, first_timed = self.timed_from
+            return (now - ended) / (steps_done - first_timed), f"steps {first_timed + 1}-{steps_done}"
+        return now - self.stretch_started, f"step {steps_done}, the first of its layout"
 
     def _accumulate(self) -> None:
         loss = self.loss.detach()
@@ -404,6 +436,9 @@ class _Run:
             record = self.validation.run(evaluated, self.device, steps_done)
             self.console.print(self.validation.describe(record), soft_wrap=True)
             self.started += record["seconds"]      # throughput counts training, not validation
+            self.stretch_started += record["seconds"]
+            if self.timed_from is not None:
+                self.timed_from = (self.timed_from[0] + record["seconds"], self.timed_from[1])
         strategy.barrier()                     # the other ranks wait rather than run ahead of the collectives
 
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
@@ -431,13 +466,15 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
     voxels_per_volume = int(np.prod(config.shape))
     stats = None
     peak = memory.peak_since_mark()
+    seconds_per_step, timed_steps = run.measured_step_seconds(max(config.steps, run.start_step)) if trained \
+        else (None, "")
     if plan is not None:
         stats, line = _stats_line(model)
         console.print(line, soft_wrap=True)
-        seconds_per_step = elapsed / trained if trained else float("nan")
+        measured = f"{seconds_per_step:.3f} s ({timed_steps})" if seconds_per_step is not None else "none trained"
         console.print(f"predicted vs measured: peak {format_bytes(plan.predicted_peak_bytes)} vs {format_bytes(peak)}"
                       f" (budget {format_bytes(plan.memory_bytes)}), step {plan.predicted_step_seconds:.3f} s vs "
-                      f"{seconds_per_step:.3f} s", soft_wrap=True)
+                      f"{measured}", soft_wrap=True)
     model_state = strategy.full_state(model, None)[0] if config.save is not None and strategy.shards_parameters \
         else None
     if config.save is not None and ranks.is_first:
@@ -448,6 +485,7 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         final_loss=final_loss, final_dice=final_dice,
         peak_memory_bytes=peak,
         volumes_per_second=volumes_per_second,
+        seconds_per_step=seconds_per_step,
         voxels_per_second=volumes_per_second * voxels_per_volume,
         oomless_applied=oomless_applied,
         history=run.history, layouts=run.layouts, stats=stats, model=model,
