@@ -1,6 +1,8 @@
-"""Large CPU tensors on transparent huge pages: ``import oomless`` turns on PyTorch's switch
-(``THP_MEM_ALLOC_ENABLE``) when it runs before torch starts, and a CPU profile says how to get them
-where they are off. Each case is a fresh process: libtorch reads the switch once."""
+"""How a CPU process's allocator is set for oomless, each case in a fresh process (both settings are
+process-wide and taken once). Large CPU tensors on transparent huge pages: ``import oomless`` turns
+on PyTorch's switch (``THP_MEM_ALLOC_ENABLE``) when it runs before torch starts, and a CPU profile
+says how to get them where they are off. The memory rule (freed memory leaves the resident set): a
+profile that turns it on says what it cannot count and how to turn it on earlier."""
 
 import json
 import os
@@ -79,3 +81,31 @@ def test_a_user_who_turns_them_off_is_obeyed_without_a_note():
     assert result["eligible"] is False
     assert result["rise_kib"] == 0, result
     assert _huge_page_notes(result) == []
+
+
+RULE_CHILD = """
+import json, sys
+import oomless, torch
+from torch import nn
+from oomless.profile.rss import return_freed_memory_to_the_system
+if sys.argv[1] == "rule-first":
+    return_freed_memory_to_the_system()
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+notes = [oomless.profile(model, torch.randn(8, 64), loss_fn=oomless.sum_of_outputs).notes for _ in range(2)]
+print(json.dumps(notes))
+"""
+
+
+def _rule_notes(order: str) -> list[list[str]]:
+    completed = subprocess.run([sys.executable, "-c", RULE_CHILD, order], env=dict(os.environ, PYTHONPATH=str(SOURCE)),
+                               capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [[note for note in notes if "leaves the resident set" in note]
+            for notes in json.loads(completed.stdout.strip().splitlines()[-1])]
+
+
+def test_a_profile_that_turns_the_memory_rule_on_says_what_it_cannot_count():
+    first, second = _rule_notes("profile-first")
+    assert len(first) == 1 and "return_freed_memory_to_the_system() before building the model" in first[0]
+    assert second == []                       # on since the first profile
+    assert _rule_notes("rule-first") == [[], []]

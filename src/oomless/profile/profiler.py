@@ -18,7 +18,7 @@ from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile
 from oomless.profile.recorder import Recorder
-from oomless.profile.rss import MemoryProbe, huge_pages_note, return_freed_memory_to_the_system
+from oomless.profile.rss import MemoryProbe, huge_pages_note, memory_rule_on, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, static_overhead_bytes,
@@ -191,10 +191,15 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     device = check_inputs_device(model, example_inputs)
     if installed_state(model) is not None:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) first")
-    if device.type == "cpu":
-        return_freed_memory_to_the_system()  # so resident memory measures what is really in use
-    found = find_blocks(model, blocks)
     notes: list[str] = []
+    if device.type == "cpu":
+        rule_was_on = memory_rule_on()
+        if return_freed_memory_to_the_system() and not rule_was_on:   # so resident memory measures what is in use
+            notes.append("freed memory leaves the resident set from this profile on: what the process built and freed "
+                         "before may stay in glibc's heap beyond the plan (make demo's step measured 254-265 MiB for a plan "
+                         "predicted at 255.7 within 256; 253 with the rule from the start): call "
+                         "oomless.profile.rss.return_freed_memory_to_the_system() before building the model")
+    found = find_blocks(model, blocks)
     if device.type == "cpu" and (slower := huge_pages_note()) is not None:
         notes.append(slower)
     parameters = list(dict.fromkeys(model.parameters()))

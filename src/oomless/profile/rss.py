@@ -81,6 +81,11 @@ def return_freed_memory_to_the_system() -> bool:
         return False
 
 
+def memory_rule_on() -> bool:
+    """Whether `return_freed_memory_to_the_system` has run in this process (it runs once)."""
+    return return_freed_memory_to_the_system.cache_info().currsize > 0
+
+
 # PyTorch's own switch (c10/core/impl/alloc_cpu.cpp): CPU tensors of 2 MiB or more are advised onto
 # transparent huge pages (``madvise(MADV_HUGEPAGE)``). libtorch reads it once, at its first allocation.
 HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
