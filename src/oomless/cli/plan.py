@@ -163,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
     # For a target device nothing runs here: build on the meta device so a model bigger than this
     # machine's memory can still be planned.
     device = torch.device("meta") if args.target else torch.device("cpu")
+    if device.type == "cpu":
+        # The memory rule the profile measures under, from before the model is built, as `oomless
+        # train` sets it (`profile.profiler`'s note says why).
+        from oomless.profile.rss import return_freed_memory_to_the_system
+        return_freed_memory_to_the_system()
     with device:
         model = build_model(args.model, **model_kwargs)
     example = example_input_for(args.model, batch=args.batch or 1, size=args.size, shape=shape,
