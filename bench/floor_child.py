@@ -28,7 +28,7 @@ import threading
 import time
 
 # Before torch: every mode gets PyTorch's huge pages for large CPU tensors, as a user of the CLI or
-# of a script that imports oomless first does (`oomless.profile.rss.default_huge_pages_on`).
+# of a script that imports oomless first does (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
 import oomless  # noqa: I001
 
 import torch

@@ -1,5 +1,5 @@
 # oomless before torch: it turns on PyTorch's huge pages for large CPU tensors, which libtorch reads
-# once (`oomless.profile.rss.default_huge_pages_on`), as a user's script that imports it first gets.
+# once (`oomless.profile.rss.turn_on_huge_pages_unless_set`), as a user's script that imports it first gets.
 import oomless  # noqa: I001
 
 import pytest

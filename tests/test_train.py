@@ -235,27 +235,42 @@ def test_the_batch_planned_on_is_not_held_through_the_steps(monkeypatch):
     assert alive_at_steps[1] == [False, False], "the planning batch is still held at the second step"
 
 
-def test_the_measured_step_time_a_plan_is_compared_with_leaves_out_planning_and_the_first_step(monkeypatch):
-    # A plan's step time is the steady step's: `make demo` compared 1.9 s predicted with 3.4 s
-    # "measured", planning's 9 s spread over its steps. Here planning is made 3 s slower than it is.
-    import time
+def _clocked_run(monkeypatch, **overrides):
+    """Train under a clock that moves only here: planning 100 s, the first step 50 s, each later
+    step 1 s, each checkpoint written 10 s."""
+    import types
 
     import oomless
+    from oomless.train import loop
 
-    real_plan = oomless.plan
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    real_plan, real_accumulate, real_checkpoint = oomless.plan, loop._Run._accumulate, loop._Run._checkpoint
 
     def slow_plan(*args, **kwargs):
-        time.sleep(3.0)
+        now[0] += 100.0
         return real_plan(*args, **kwargs)
 
+    def timed_accumulate(run):
+        now[0] += 50.0 if run.timed_since is None else 1.0
+        return real_accumulate(run)
+
+    def slow_checkpoint(run, *args):
+        now[0] += 10.0
+        return real_checkpoint(run, *args)
+
     monkeypatch.setattr(oomless, "plan", slow_plan)
-    result = train(_config(steps=4, memory="1GiB"))
-    assert result.oomless_applied and result.seconds_per_step is not None
-    all_in = 4 * 2 / result.volumes_per_second / 4          # every second since the loop started, per step
-    assert all_in > 0.75                                     # the 3 s of planning are in that
-    assert result.seconds_per_step < all_in - 0.5            # and not in the step's own time
+    monkeypatch.setattr(loop._Run, "_accumulate", timed_accumulate)
+    monkeypatch.setattr(loop._Run, "_checkpoint", slow_checkpoint)
+    return train(_config(memory="1GiB", log_every=10, **overrides))
 
 
-def test_a_run_of_one_step_reports_that_step_as_its_time():
-    result = train(_config(steps=1, memory="1GiB"))
-    assert result.seconds_per_step is not None and result.seconds_per_step > 0
+def test_the_step_time_a_plan_is_compared_with_counts_neither_planning_nor_the_first_step(monkeypatch, tmp_path):
+    # `make demo` compared 1.9 s predicted with 3.4 s "measured": planning's 9 s spread over its steps.
+    result = _clocked_run(monkeypatch, steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    assert result.seconds_per_step == 1.0
+    assert result.volumes_per_second == pytest.approx(4 * 2 / (100 + 50 + 3 + 2 * 10))   # all of it
+
+
+def test_a_run_of_one_step_reports_that_step_as_its_time(monkeypatch):
+    assert _clocked_run(monkeypatch, steps=1).seconds_per_step == 50.0

@@ -4,9 +4,9 @@
 """
 
 # Before torch starts: PyTorch reads its huge-page switch for CPU tensors once (see the function).
-from oomless.profile.rss import default_huge_pages_on  # noqa: I001  (must run before torch is imported)
+from oomless.profile.rss import turn_on_huge_pages_unless_set  # noqa: I001  (must run before torch is imported)
 
-default_huge_pages_on()
+turn_on_huge_pages_unless_set()
 
 from oomless.api import apply, fit, installed_plan, plan, profile, remove, simulate, stats, sum_of_outputs
 from oomless.errors import ApplyError, InputError, OomlessError, PlanError, SizeError

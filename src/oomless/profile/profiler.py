@@ -200,8 +200,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
                          "predicted at 255.7 within 256; 253 with the rule from the start): call "
                          "oomless.profile.rss.return_freed_memory_to_the_system() before building the model")
     found = find_blocks(model, blocks)
-    if device.type == "cpu" and (slower := huge_pages_note()) is not None:
-        notes.append(slower)
+    if device.type == "cpu" and (huge_pages := huge_pages_note()) is not None:
+        notes.append(huge_pages)
     parameters = list(dict.fromkeys(model.parameters()))
     # Gradients, buffers and RNG as they were, after.
     with training_state_kept(model) as (cpu_rng, cuda_rng):

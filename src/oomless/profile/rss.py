@@ -92,9 +92,10 @@ HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 HUGE_PAGE_BYTES = 2 * 2**20
 
 
-def default_huge_pages_on() -> bool:
+def turn_on_huge_pages_unless_set() -> bool:
     """Turn on PyTorch's huge pages for large CPU tensors, unless the environment already says
-    either way; effective only before torch is imported (``import oomless`` does this first).
+    either way. libtorch reads the switch at its first CPU allocation; this acts only where torch is
+    not imported yet (``import oomless`` calls it first), and the variable reaches child processes.
 
     Under `return_freed_memory_to_the_system` every tensor of 64 KiB or more is a fresh mapping whose
     pages the kernel faults in and zeroes on first touch, 4 KiB at a time: on a 2-core Xeon a 3D
@@ -112,7 +113,7 @@ def large_tensors_on_huge_pages() -> bool | None:
     """Whether this process's large CPU tensors may be on huge pages: the kernel says a fresh one's
     mapping is eligible (``THPeligible`` in /proc/self/smaps: the kernel's setting is ``always``, or
     ``madvise`` and PyTorch's switch advised it). None where that cannot be read (off Linux)."""
-    import torch
+    import torch    # here, not at the top: `import oomless` imports this module before torch starts
     probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)     # over PyTorch's 2 MiB threshold
     address = probe.data_ptr()
     try:

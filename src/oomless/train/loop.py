@@ -61,8 +61,9 @@ class TrainResult:
     data_wait_seconds: float = 0.0
     data_wait_seconds_per_step: list[float] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)
-    # Seconds per step of the last layout's steps after its first (planning and start-up not in it;
-    # its one step where it ran one); None where no step was trained. volumes_per_second counts all.
+    # Seconds per step of the last layout's steps after its first (planning, start-up, validation and
+    # checkpoints not in it), or that layout's only step where it ran one; None where no step was
+    # trained. volumes_per_second counts all but validation.
     seconds_per_step: float | None = None
 
 
@@ -320,9 +321,10 @@ class _Run:
         self.started = time.perf_counter()
         # The step time a plan predicted is compared with the steps of the last stretch after its
         # first (planning, and the first step's start-up: kernel caches, the swap files' first pages):
-        # (when its first step ended, steps done then), or None while that stretch ran one step.
+        # the clock from the end of that first step (None until it ends), and the steps done then.
         self.stretch_started = self.started
-        self.timed_from: tuple[float, int] | None = None
+        self.timed_since: float | None = None
+        self.timed_after_step = 0
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[metrics]}"))
         # A bar only redraws on a terminal; elsewhere (logs, CI) each logged step is printed as a line.
@@ -339,8 +341,8 @@ class _Run:
         ``conditions`` holds (removing it). Returns (steps done, the fired condition's layout or None)."""
         config = self.config
         steps_done, fired = first, None
-        self._synchronize()
-        self.stretch_started, self.timed_from = time.perf_counter(), None
+        self._wait_for_device()     # the clock must not start while the last stretch's kernels still run
+        self.stretch_started, self.timed_since = time.perf_counter(), None
         # On CUDA the loader pins each batch, so the copies below are asynchronous (a non_blocking
         # copy from pageable memory would first wait for the stream to drain).
         batches = step_batches(self.dataset, [strategy.shard(step, config.global_batch) for step in range(first, end)],
@@ -353,17 +355,23 @@ class _Run:
             strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
             steps_done = step + 1
             if steps_done == first + 1:
-                self._synchronize()
-                self.timed_from = (time.perf_counter(), steps_done)
+                self._wait_for_device()     # else the first step's queued kernels land in the later steps' time
+                self.timed_since, self.timed_after_step = time.perf_counter(), steps_done
             # Also at the end of a stretch: the mean logged never spans two layouts.
             if steps_done % config.log_every == 0 or steps_done in (end, config.steps):
                 self._log(strategy, model, steps_done)
                 fired = _fire(conditions, self.history[-1])
             if self.validation is not None and self.validation.due(steps_done):
-                self._validate(strategy, model, steps_done)
+                self._wait_for_device()     # queued kernels are this step's time, not validation's
+                validating = time.perf_counter()
+                self._validate(strategy, model, steps_done)     # every rank waits for rank 0's
+                self._leave_out_of_step_time(time.perf_counter() - validating)
             if config.checkpoint_dir is not None and (steps_done % config.checkpoint_every == 0 or fired
                                                       or steps_done in (end, config.steps)):
+                self._wait_for_device()     # queued kernels are this step's time, not the checkpoint's
+                saving = time.perf_counter()
                 self._checkpoint(strategy, model, optimizer, steps_done)
+                self._leave_out_of_step_time(time.perf_counter() - saving)
             self.progress.update(self.task, completed=steps_done)
             if self.epoch_task is not None:
                 epoch, position = divmod(steps_done * config.global_batch, self.data.items_per_epoch)
@@ -373,17 +381,24 @@ class _Run:
                 return steps_done, fired[1]
         return steps_done, None
 
-    def _synchronize(self) -> None:
+    def _wait_for_device(self) -> None:
+        """Wait for queued kernels: on CUDA host clocks otherwise time the launches, not the work."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _leave_out_of_step_time(self, seconds: float) -> None:
+        """Validation and checkpoints are not a step's time: the stretch's clocks move past them."""
+        self.stretch_started += seconds
+        if self.timed_since is not None:
+            self.timed_since += seconds
 
     def measured_step_seconds(self, steps_done: int) -> tuple[float, str]:
         """(seconds per step, which steps) of the last stretch: after its first step where it ran
         more than one; call with the device synchronized."""
         now = time.perf_counter()
-        if self.timed_from is not None and steps_done > self.timed_from[1]:
-            ended, first_timed = self.timed_from
-            return (now - ended) / (steps_done - first_timed), f"steps {first_timed + 1}-{steps_done}"
+        if self.timed_since is not None and steps_done > self.timed_after_step:
+            return ((now - self.timed_since) / (steps_done - self.timed_after_step),
+                    f"steps {self.timed_after_step + 1}-{steps_done}")
         return now - self.stretch_started, f"step {steps_done}, the first of its layout"
 
     def _accumulate(self) -> None:
@@ -436,9 +451,6 @@ class _Run:
             record = self.validation.run(evaluated, self.device, steps_done)
             self.console.print(self.validation.describe(record), soft_wrap=True)
             self.started += record["seconds"]      # throughput counts training, not validation
-            self.stretch_started += record["seconds"]
-            if self.timed_from is not None:
-                self.timed_from = (self.timed_from[0] + record["seconds"], self.timed_from[1])
         strategy.barrier()                     # the other ranks wait rather than run ahead of the collectives
 
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
