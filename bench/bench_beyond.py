@@ -42,6 +42,10 @@ import sys
 import time
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 import torch.nn.functional as F
 

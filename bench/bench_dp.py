@@ -46,6 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -35,10 +35,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 from torch import nn
 
-import oomless
 from oomless.errors import InputError
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.links import measure_link

@@ -19,10 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 import torch.nn.functional as F
 
-import oomless
 from oomless.runtime.linear_loss import default_chunk_rows
 from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory_to_the_system
 

@@ -20,9 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 
-import oomless
 from oomless.errors import InputError, PlanError
 from oomless.plan.planner import make_plan, smallest_memory
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile

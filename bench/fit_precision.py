@@ -14,9 +14,12 @@ Each comparison has its own plain reference, run side by side with the fp32 vari
 plain_compiled); ``ratio_vs_plain`` stays the ratio to fp32 eager plain.
 """
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 
-import oomless
 from oomless.errors import PlanError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

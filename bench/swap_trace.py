@@ -21,9 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
+# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
+import oomless  # noqa: I001
+
 import torch
 
-import oomless
 from oomless.runtime.install import installed_state
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
