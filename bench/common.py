@@ -15,14 +15,11 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-# Before torch: PyTorch's huge pages for large CPU tensors, as the `oomless` command has them
-# (`oomless.profile.rss.turn_on_huge_pages_unless_set`).
-import oomless  # noqa: I001
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import oomless
 from oomless.errors import InputError
 from oomless.models import TinyTransformer, UNet3D
 

@@ -17,15 +17,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 3
 HEADROOM = 1.3
+ENVIRONMENT = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}     # fresh processes of the source tree
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 def test_the_demo_plans_the_same_in_fresh_processes():
-    environment = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
     results = []
     for _ in range(RUNS):
         completed = subprocess.run([sys.executable, str(ROOT / "tests" / "demo_plan_child.py"), "256MiB"],
-                                   capture_output=True, text=True, env=environment, timeout=600)
+                                   capture_output=True, text=True, env=ENVIRONMENT, timeout=600)
         assert completed.returncode == 0, completed.stderr[-2000:]
         results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
     budget = 256 * 2**20
@@ -62,10 +62,9 @@ def test_the_demo_trains_within_its_budget_in_fresh_processes():
     # MiB in this test. Quiet, it measures 252.6-254.8 MiB; with two busy threads beside it, one run
     # of two measured 257.4 MiB (its copies to disk slower than profiled): the bound is the budget and
     # the planner's 2 % margin (`planner._with_margin`), 2-5 MiB under the old code's runs.
-    environment = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
     for _ in range(2):
         completed = subprocess.run([sys.executable, "-c", TRAIN_CHILD], capture_output=True, text=True,
-                                   env=environment, timeout=600, cwd=ROOT)
+                                   env=ENVIRONMENT, timeout=600, cwd=ROOT)
         assert completed.returncode == 0, completed.stderr[-2000:]
         result = json.loads(completed.stdout.strip().splitlines()[-1])
         assert result["predicted_bytes"] <= 256 * 2**20

@@ -43,10 +43,11 @@ print(json.dumps({"rise_kib": rise, "eligible": large_tensors_on_huge_pages(), "
 """
 
 
-def _child(order: str, **environment) -> dict:
+def _child(order: str, code: str = CHILD, **environment):
+    """What ``code`` prints last, as JSON, run in a fresh process with ``order`` as its argument."""
     variables = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     variables.update(environment, PYTHONPATH=str(SOURCE))
-    completed = subprocess.run([sys.executable, "-c", CHILD, order], env=variables, capture_output=True, text=True,
+    completed = subprocess.run([sys.executable, "-c", code, order], env=variables, capture_output=True, text=True,
                                timeout=300, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -101,11 +102,7 @@ print(json.dumps(notes))
 
 
 def _rule_notes(order: str) -> list[list[str]]:
-    completed = subprocess.run([sys.executable, "-c", RULE_CHILD, order], env=dict(os.environ, PYTHONPATH=str(SOURCE)),
-                               capture_output=True, text=True, timeout=300, check=False)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return [[note for note in notes if "leaves the resident set" in note]
-            for notes in json.loads(completed.stdout.strip().splitlines()[-1])]
+    return [[note for note in notes if "leaves the resident set" in note] for notes in _child(order, RULE_CHILD)]
 
 
 def test_a_profile_that_turns_the_memory_rule_on_says_what_it_cannot_count():

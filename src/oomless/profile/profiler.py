@@ -199,9 +199,9 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
                          "before may stay in glibc's heap beyond the plan (make demo's step measured 254-265 MiB for a plan "
                          "predicted at 255.7 within 256; 253 with the rule from the start): call "
                          "oomless.profile.rss.return_freed_memory_to_the_system() before building the model")
+        if (huge_pages := huge_pages_note()) is not None:
+            notes.append(huge_pages)
     found = find_blocks(model, blocks)
-    if device.type == "cpu" and (huge_pages := huge_pages_note()) is not None:
-        notes.append(huge_pages)
     parameters = list(dict.fromkeys(model.parameters()))
     # Gradients, buffers and RNG as they were, after.
     with training_state_kept(model) as (cpu_rng, cuda_rng):

@@ -478,8 +478,8 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
     voxels_per_volume = int(np.prod(config.shape))
     stats = None
     peak = memory.peak_since_mark()
-    seconds_per_step, timed_steps = run.measured_step_seconds(max(config.steps, run.start_step)) if trained \
-        else (None, "")
+    steps_done = max(config.steps, run.start_step)
+    seconds_per_step, timed_steps = run.measured_step_seconds(steps_done) if trained else (None, "")
     if plan is not None:
         stats, line = _stats_line(model)
         console.print(line, soft_wrap=True)
@@ -493,7 +493,7 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         console.print(f"saved weights to {save_weights(config.save, model, model_state)}")
     strategy.barrier()                          # the file exists before any rank returns
     return TrainResult(
-        steps_done=max(config.steps, run.start_step),
+        steps_done=steps_done,
         final_loss=final_loss, final_dice=final_dice,
         peak_memory_bytes=peak,
         volumes_per_second=volumes_per_second,

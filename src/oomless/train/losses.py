@@ -68,9 +68,10 @@ def predicted_class(logits: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 
 # Voxels per slab of `hard_dice` (at least one row of the first spatial axis, N x H x W voxels): its
-# class indices (int64) and masks stay this small however deep the volume. The training step takes it where the plan's loss phase holds the step's most, and no plan
-# counts it: at 2**20 voxels it rose 9-13 MiB for `make demo`'s batch (2 x 64^3), whose plans fill a
-# 256 MiB budget to within 1-5 MiB; at 2**16, under 1.2 MiB (the margin's share), 8 slabs there.
+# class indices (int64) and masks stay this small however deep the volume. The training step takes it
+# where the plan's loss phase holds the step's most, and no plan counts it: at 2**20 voxels it rose
+# 9-13 MiB for `make demo`'s batch (2 x 64^3), whose plans fill a 256 MiB budget to within 1-5 MiB; at
+# 2**16, under 1.2 MiB (the margin's share), 8 slabs there.
 _DICE_SLAB_VOXELS = 2**16
 
 
