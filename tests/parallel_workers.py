@@ -72,18 +72,28 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
     join(rank, world_size, port)
     from oomless.train import train
 
+    from oomless.errors import OomlessError
+
     results = {}
     try:
         for name, overrides in jobs:
             overrides = dict(overrides)
             tight = overrides.pop("plan_tight", None)
             cycle = overrides.pop("plan_cycle", None)
+            expect_refusal = overrides.pop("expect_refusal", False)
             start_loss_scale_at(overrides.pop("initial_loss_scale", None))
             config = tiny_config(save=Path(out_dir) / f"{name}.safetensors", **overrides)
-            if cycle is not None:
-                result, measured = _train_cycling(config, cycle)
-            else:
-                result, measured = (train(config), {}) if tight is None else _train_tight(config, tight)
+            try:
+                if cycle is not None:
+                    result, measured = _train_cycling(config, cycle)
+                else:
+                    result, measured = (train(config), {}) if tight is None else _train_tight(config, tight)
+            except OomlessError as refusal:
+                if not expect_refusal:
+                    raise
+                results[name] = {"error": type(refusal).__name__, "message": str(refusal),
+                                 "minimum_bytes": getattr(refusal, "minimum_bytes", None)}
+                continue
             results[name] = {"losses": [record["loss"] for record in result.history],
                              "steps_done": result.steps_done, "layouts": result.layouts,
                              "skipped_steps": result.skipped_steps,
@@ -92,8 +102,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]],
                              **_parameter_elements(result.model), **measured}
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        Path(out_dir, "results.json").write_text(json.dumps(results))
+    Path(out_dir, f"results-rank{rank}.json").write_text(json.dumps(results))
 
 
 def start_loss_scale_at(scale: float | None) -> None:
@@ -117,11 +126,17 @@ def _parameter_elements(model) -> dict:
 
 
 def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:
-    """Run ``jobs`` (name, TrainConfig overrides) in order on ``world_size`` processes; rank 0's results."""
+    """Run ``jobs`` (name, TrainConfig overrides; ``expect_refusal=True``: an oomless error is recorded
+    as the job's result, {"error", "message", "minimum_bytes"}) in order on ``world_size`` processes;
+    rank 0's results (every rank's: `results_of_rank`)."""
     with rendezvous() as port:
         mp.start_processes(_worker, args=(world_size, port, jobs, str(out_dir)), nprocs=world_size,
                            start_method="spawn")
-    return json.loads(Path(out_dir, "results.json").read_text())
+    return results_of_rank(0, out_dir)
+
+
+def results_of_rank(rank: int, out_dir: Path) -> dict:
+    return json.loads(Path(out_dir, f"results-rank{rank}.json").read_text())
 
 
 def _relaxed_worker(rank: int, world_size: int, port: int, modes: list[str], average_every: int, steps: int,
@@ -263,3 +278,35 @@ def _train_cycling(config, cycle: list[str]):
     return result, {"offloaded_bytes": stats.offloaded_bytes, "recomputed_blocks": stats.recomputed_blocks,
                     "peak_activation_bytes": stats.peak_activation_bytes,
                     "decisions": oomless.installed_plan(result.model).decisions}
+
+
+def _outcome_worker(rank: int, port: int, out_dir: str) -> None:
+    """`first_rank_outcome` on 2 ranks: rank 0 refuses (a PlanError), then rank 1 alone refuses, then
+    only rank 0 computes; what each call gave this rank, to ``out_dir/outcome-rank<i>.json``."""
+    from oomless.errors import PlanError
+    from oomless.parallel.process_group import first_rank_outcome, refusal_or
+
+    def refuse():
+        raise PlanError("no plan fits 1 byte", minimum_bytes=5 * 2**20, limiting_block="layers.0")
+
+    join(rank, 2, port)
+    records = []
+    try:
+        for refusing_rank in (0, 1):
+            compute = refuse if rank == refusing_rank else (lambda: f"rank {rank}'s plan")
+            try:
+                records.append({"value": first_rank_outcome(refusal_or(compute))})
+            except PlanError as refusal:
+                records.append({"error": type(refusal).__name__, "message": str(refusal),
+                                "minimum_bytes": refusal.minimum_bytes, "limiting_block": refusal.limiting_block,
+                                "floor_block": refusal.floor_block})
+        records.append({"value": first_rank_outcome("rank 0 alone" if rank == 0 else None)})
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"outcome-rank{rank}.json").write_text(json.dumps(records))
+
+
+def run_outcomes(out_dir: Path) -> list[list[dict]]:
+    with rendezvous() as port:
+        mp.start_processes(_outcome_worker, args=(port, str(out_dir)), nprocs=2, start_method="spawn")
+    return [json.loads(Path(out_dir, f"outcome-rank{rank}.json").read_text()) for rank in range(2)]

@@ -286,3 +286,58 @@ def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[
                         assert torch.equal(result[kind][name], tensor), name
                     result[kind][name] = tensor
     return merged
+
+
+def _refusal_worker(rank: int, world_size: int, port: int, refusing: list[list[int]], out_dir: str) -> None:
+    """`fit_stages` on the transformer's 2-stage pipeline x world/2 replicas (1f1b, 2 micro-batches),
+    once per entry of ``refusing``, with `oomless.plan` made to refuse every budget short of
+    `stage_fit.UNLIMITED` on those ranks (a stand-in for a profile that read more memory there). Writes
+    what this rank got, per entry, to ``out_dir/refusal-rank<i>.json``: the plans' decisions or the
+    error, and whether a plan was left installed on its stage."""
+    import json
+
+    import oomless
+    from oomless.errors import PlanError
+    from oomless.parallel.stage_fit import UNLIMITED
+    from oomless.runtime.install import installed_state
+
+    torch.set_num_threads(1)
+    join(rank, world_size, port)
+    planning, outcomes = oomless.plan, []
+    try:
+        for refusing_ranks in refusing:
+            def plan(model, example_inputs, memory, **kwargs):
+                if rank in refusing_ranks and memory != UNLIMITED:
+                    raise PlanError(f"rank {rank} refuses {memory} bytes", minimum_bytes=memory + 3 * 2**20,
+                                    limiting_block="layers.0")
+                return planning(model, example_inputs, memory, **kwargs)
+
+            oomless.plan = plan
+            mesh = pipeline_mesh(2)
+            replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
+            model, sequence, loss_fn = build("transformer")
+            inputs, target = batch("transformer", 0)
+            pipeline = PipelineParallel(sequence, [0, 4, 8], loss_fn, 2, "1f1b", group=mesh["pp"].get_group(),
+                                        dp_group=mesh["dp"].get_group(),
+                                        example=(inputs.chunk(replicas)[replica].chunk(2)[0],))
+            try:
+                plans = fit_stages(pipeline, "64MiB", target=target.chunk(replicas)[replica].chunk(2)[0])
+                outcome = {"decisions": [sorted(set(plan.decisions.values())) for plan in plans]}
+            except PlanError as refusal:
+                outcome = {"error": str(refusal), "minimum_bytes": refusal.minimum_bytes}
+            outcome["installed"] = [installed_state(module) is not None for module in pipeline.modules]
+            outcomes.append(outcome)
+    finally:
+        oomless.plan = planning
+        dist.destroy_process_group()
+    Path(out_dir, f"refusal-rank{rank}.json").write_text(json.dumps(outcomes))
+
+
+def run_refusals(world_size: int, refusing: list[list[int]], out_dir: Path) -> list[list[dict]]:
+    """Per rank, `_refusal_worker`'s outcomes, one per entry of ``refusing``."""
+    import json
+
+    with rendezvous() as port:
+        mp.start_processes(_refusal_worker, args=(world_size, port, refusing, str(out_dir)), nprocs=world_size,
+                           start_method="spawn")
+    return [json.loads(Path(out_dir, f"refusal-rank{rank}.json").read_text()) for rank in range(world_size)]

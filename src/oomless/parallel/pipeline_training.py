@@ -46,6 +46,7 @@ from oomless.parallel.block_sequence import BlockSequence, sequence_for
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
+from oomless.parallel.process_group import first_rank_outcome, refusal_or
 from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
 from oomless.parallel.stage_fit import UNLIMITED, compile_stages, fit_stages
 from oomless.parallel.traced import TracedSequence
@@ -114,12 +115,9 @@ class PipelineTraining(Collectives):
 
     def _cut(self, sequence: BlockSequence, example) -> Partition:
         """Rank 0 profiles and partitions; every rank takes its answer (timings differ per rank)."""
-        shared = [None]
-        if self.ranks.is_first:
-            shared[0] = self._partition(sequence, example).to_json()
+        outcome = refusal_or(lambda: self._partition(sequence, example).to_json()) if self.ranks.is_first else None
         with self.collective("pipeline partition broadcast from rank 0"):
-            dist.broadcast_object_list(shared, src=0)
-        return Partition.from_json(shared[0])
+            return Partition.from_json(first_rank_outcome(outcome))
 
     def _partition(self, sequence: BlockSequence, example) -> Partition:
         import oomless

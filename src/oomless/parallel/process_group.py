@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from oomless.errors import CollectiveError, InputError
+import oomless.errors
+from oomless.errors import CollectiveError, InputError, OomlessError
 from oomless.parallel.config import ParallelConfig
 
 
@@ -167,6 +168,47 @@ def named_collective(name: str, timeout_seconds: float | None = None):
         limit = f" (timeout {timeout_seconds:g} s)" if timeout_seconds else ""
         raise CollectiveError(f"rank {dist.get_rank()} of {dist.get_world_size()}: collective "
                               f"'{name}' failed{limit}: {_first_line(error)}") from error
+
+
+def refusal_or(compute):
+    """What ``compute()`` returns, or the oomless error it raises (returned, for `first_rank_outcome`).
+    Errors other than oomless's are not caught: they are bugs, and the rank ends with their traceback."""
+    try:
+        return compute()
+    except OomlessError as error:
+        return error
+
+
+def first_rank_outcome(outcome, group: dist.ProcessGroup | None = None) -> str:
+    """The first rank of ``group``'s (default: the world) ``outcome``, on every rank of it: the string
+    it computed (JSON), returned, or the oomless error it got (`refusal_or`), raised on every rank alike.
+
+    Where one rank decides for all (a plan, a pipeline's cut), a refusal there must reach the others:
+    otherwise they wait in their next collective until its timeout, or fail there with "connection
+    closed by peer", neither of which says what was wrong. Other ranks' outcomes are dropped, their
+    refusals too (where every rank plans, the first rank's plan is the one all of them run)."""
+    shared = [_as_shared(outcome) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(shared, group=group, group_src=0)
+    return _from_shared(shared[0])
+
+
+def _as_shared(outcome) -> dict:
+    if not isinstance(outcome, OomlessError):
+        return {"value": outcome}
+    # Only the message and plain attributes travel (a PlanError's profile does not, nor any traceback).
+    plain = {key: value for key, value in vars(outcome).items() if isinstance(value, (str, int, float, type(None)))}
+    return {"error": type(outcome).__name__, "message": str(outcome), "attributes": plain}
+
+
+def _from_shared(shared: dict) -> str:
+    if "error" not in shared:
+        return shared["value"]
+    kind = getattr(oomless.errors, shared["error"], None)
+    if not (isinstance(kind, type) and issubclass(kind, OomlessError)):
+        kind = OomlessError
+    error = kind(shared["message"])
+    vars(error).update(shared["attributes"])
+    raise error
 
 
 def local_batch_size(global_batch: int, world_size: int) -> int:

@@ -17,7 +17,10 @@ Each stage is profiled on the real inputs it receives for the example micro-batc
 run once without gradients, their buffers and the RNG put back after, so no statistic moves). The last stage is profiled
 with the real loss on ``target``, the others with the sum of their outputs (the gradient's shape is
 what matters). Replicas of a stage take replica 0's plan: a recomputed block re-runs BatchNorm's
-all-reduce over the replicas in backward, so their plans must agree.
+all-reduce over the replicas in backward, so their plans must agree. They take its refusal too; a
+stage refused on any rank is refused on every rank, by one `PlanError` that names each refused stage
+and the memory per rank that fits them all (a stage's smallest plan budget m needs
+``stages x (static + reserve + (m - static - reserve) x in flight)`` per rank).
 
 Under the pipeline's precision (bf16 / fp16) each stage is profiled and planned at that precision,
 on inputs computed under autocast (they arrive in their autocast dtype), so the plan counts the bytes
@@ -34,12 +37,14 @@ import torch
 import torch.distributed as dist
 
 import oomless
+from oomless.parallel.process_group import first_rank_outcome, refusal_or
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
 from oomless.profile import profiler
 from oomless.profile.selective import without_selective
 from oomless.runtime.compile import check_compile_available, compile_blocks
-from oomless.sizes import parse_bytes
+from oomless.runtime.install import installed_state
+from oomless.sizes import format_bytes, parse_bytes
 
 UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known (CPU)
 
@@ -55,8 +60,7 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     if compile is not None:
         check_compile_available(compile)
     inputs_by_stage = _stage_inputs(pipeline)
-    share = parse_bytes(memory) // len(pipeline.modules)
-    plans = []
+    plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
         inputs = inputs_by_stage[stage]
         loss_fn = oomless.sum_of_outputs
@@ -66,13 +70,49 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
             loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
         in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
                                            pipeline.microbatches, pipeline.stages_per_rank)
-        plan = _replica_zero_plan(pipeline, lambda: _plan_stage(module, inputs, loss_fn, share, in_flight,
-                                                                policy, optimizer_class, min_swap_bytes,
-                                                                pipeline.precision, compile))
+        try:
+            plan = _replica_zero_plan(pipeline, lambda: _plan_stage(
+                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), parse_bytes(memory)), in_flight,
+                policy, optimizer_class, min_swap_bytes, pipeline.precision, compile))
+        except oomless.PlanError as refusal:    # the other stages still plan: their replicas' collectives pair up
+            refusals.append({"message": str(refusal), "minimum_bytes": refusal.minimum_bytes})
+            continue
         # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
         oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
         plans.append(plan)
+    _refuse_on_every_rank(pipeline, refusals)
     return plans
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShare:
+    """Where a stage's plan budget comes from: ``stages`` stages on its rank share ``per_rank`` bytes."""
+
+    stage: int
+    stages: int
+    per_rank: int
+
+
+def _refuse_on_every_rank(pipeline, refusals: list[dict]) -> None:
+    """Raise one `PlanError` on every rank of the pipeline if any stage's plan was refused on any,
+    with every refused stage's reason and the memory per rank that fits them all, after removing this
+    rank's plans. Replicas of a stage agree already (`_replica_zero_plan`): the pipeline's own group
+    sees every refusal once. Without this, the ranks whose stages fit went on to their first step
+    and failed there with "connection closed by peer"."""
+    found = refusals
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size(pipeline.group)
+        dist.all_gather_object(gathered, refusals, group=pipeline.group)
+        found = [refusal for rank_refusals in gathered for refusal in rank_refusals]
+    if not found:
+        return
+    for module in pipeline.modules:
+        if installed_state(module) is not None:
+            oomless.remove(module)
+    needed = [refusal["minimum_bytes"] for refusal in found]
+    fits = None if None in needed else max(needed)
+    advice = "" if fits is None else f"; memory >= {format_bytes(fits)} per rank ({fits} bytes) fits every stage"
+    raise oomless.PlanError("; ".join(refusal["message"] for refusal in found) + advice, minimum_bytes=fits)
 
 
 def compile_stages(pipeline, options: dict) -> None:
@@ -106,8 +146,9 @@ def _loss_on(loss_fn, target: torch.Tensor):
     return lambda output: loss_fn(output, target)
 
 
-def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str | None, optimizer_class,
-                min_swap_bytes: int, precision: str, compile: dict | None):
+def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, policy: str | None, optimizer_class,
+                min_swap_bytes: int, precision: str, compile: dict | None) -> str:
+    """The stage's plan as JSON; a refusal names the memory per rank (what the user gives) that fits."""
     optimizer = optimizer_class(module.parameters())
     configured = dict(precision=precision, compile=False if compile is None else compile)
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
@@ -118,27 +159,46 @@ def _plan_stage(module, inputs, loss_fn, share: int, in_flight: int, policy: str
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile, **configured)
     fixed = roomy.static_bytes + roomy.reserve_bytes
-    memory = fixed + max(share - fixed, 0) // in_flight
-    plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions, min_swap_bytes=min_swap_bytes,
-                        **configured)
-    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
+    share = where.per_rank // where.stages
+    # A share short of the fixed bytes is refused as it is (planning for the fixed bytes would pass it).
+    memory = fixed + (share - fixed) // in_flight if share > fixed else share
+    try:
+        plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions,
+                            min_swap_bytes=min_swap_bytes, **configured)
+    except oomless.PlanError as refusal:
+        raise _per_rank_refusal(refusal, where, fixed, in_flight, memory) from None
+    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight).to_json()
+
+
+def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, memory: int):
+    """A stage plan's refusal in the terms the user sets: memory per rank. The stage's plan budget
+    is ``fixed + (per_rank / stages - fixed) / in_flight``, so the stage's smallest plan budget m
+    needs ``stages x (fixed + (m - fixed) x in_flight)`` per rank, rounded up to a whole MiB."""
+    needed = None
+    if refusal.minimum_bytes is not None:
+        exact = where.stages * (fixed + max(refusal.minimum_bytes - fixed, 0) * in_flight)
+        needed = -(-exact // 2**20) * 2**20
+    in_terms = "" if needed is None else f"; it needs memory >= {format_bytes(needed)} per rank"
+    return oomless.PlanError(
+        f"stage {where.stage}: no plan fits its share of {format_bytes(where.per_rank)} per rank ({where.stages} "
+        f"stage(s) on the rank, {in_flight} micro-batch(es) in flight){in_terms}. Its plan for one micro-batch, "
+        f"within {format_bytes(memory)} of the share, said: {refusal}",
+        minimum_bytes=needed, limiting_block=refusal.limiting_block, floor_block=refusal.floor_block)
 
 
 def _replica_zero_plan(pipeline, make_plan):
     """Every replica plans (profiling runs BatchNorm's all-reduce over the replicas, so all must),
-    then all take replica 0's plan."""
+    then all take replica 0's plan, or its refusal: a refusal on another replica alone is not theirs
+    (its profile read a little more memory; replica 0's plan is the one every replica runs)."""
     group = pipeline.dp_group
     if group is None or dist.get_world_size(group) == 1:
-        return make_plan()
+        return oomless.Plan.from_json(make_plan())
     previous = profiler.agree_across_replicas
     profiler.agree_across_replicas = lambda choice: _any_replica(choice, group, pipeline.device)
     try:
-        plan = make_plan()
+        return oomless.Plan.from_json(first_rank_outcome(refusal_or(make_plan), group))
     finally:
         profiler.agree_across_replicas = previous
-    shared = [plan.to_json()]
-    dist.broadcast_object_list(shared, group=group, group_src=0)
-    return oomless.Plan.from_json(shared[0])
 
 
 def _any_replica(choice: bool, group, device: torch.device) -> bool:

@@ -28,6 +28,7 @@ from oomless.errors import CheckpointError
 from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
 from oomless.parallel.config import condition_holds
+from oomless.parallel.process_group import first_rank_outcome, refusal_or
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
 from oomless.runtime.compile import compile_blocks, compile_options
@@ -116,23 +117,25 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
     # One process: the planner may step the optimizer in backward (not when the loop clips) and keep its
     # state off the device; under a parallel strategy the strategy steps after the gradients are averaged.
     alone = None if config.parallel.mode == "none" else False
-    with statistics_of_each_rank(model):
-        plan = oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
-                            compile=config.compile,
-                            # Not under a parallel layout: a chain in slabs computes BatchNorm's statistics
-                            # itself, from this rank's shard only (no all-reduce of global BatchNorm).
-                            split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
-                            loss_fn=lambda logits: segmentation_loss(logits, labels),
-                            max_grad_norm=config.max_grad_norm, update_in_backward=alone,
-                            offload_optimizer_state=alone, offload_parameters=alone,
-                            shard_over=strategy.ranks.world_size if strategy.shards_parameters else 1)
-    if strategy.ranks.world_size > 1:
-        import torch.distributed as dist
+    def planned() -> oomless.Plan:
+        with statistics_of_each_rank(model):
+            return oomless.plan(model, volumes, memory=config.memory, optimizer=optimizer, precision=config.precision,
+                                compile=config.compile,
+                                # Not under a parallel layout: a chain in slabs computes BatchNorm's statistics
+                                # itself, from this rank's shard only (no all-reduce of global BatchNorm).
+                                split=SPLIT_REQUESTS[config.split] if config.parallel.mode == "none" else False,
+                                loss_fn=lambda logits: segmentation_loss(logits, labels),
+                                max_grad_norm=config.max_grad_norm, update_in_backward=alone,
+                                offload_optimizer_state=alone, offload_parameters=alone,
+                                shard_over=strategy.ranks.world_size if strategy.shards_parameters else 1)
 
-        shared = [plan.to_json()]
+    if strategy.ranks.world_size == 1:
+        plan = planned()
+    else:
+        # Every rank plans its own shard; rank 0's plan, or its refusal, is every rank's.
+        outcome = refusal_or(lambda: planned().to_json())
         with strategy.collective("plan broadcast from rank 0"):
-            dist.broadcast_object_list(shared, src=0)
-        plan = oomless.Plan.from_json(shared[0])
+            plan = oomless.Plan.from_json(first_rank_outcome(outcome))
     if config.progress and strategy.ranks.is_first:
         console.print(str(plan), soft_wrap=True)
     oomless.apply(model, plan, optimizer=optimizer)

@@ -1,0 +1,66 @@
+"""A refusal on one rank is every rank's: where one rank decides for all (the data-parallel plan, a
+pipeline's cut, each stage's plan taken from its replica 0), its `PlanError` or `InputError` is raised
+on every rank with the same message, rather than the others failing in their next collective with
+"connection closed by peer" (or waiting there until the timeout); a refusal on a rank whose answer
+is not taken (replica 1 of a stage) refuses nothing. gloo on CPU."""
+
+import pytest
+
+from oomless.errors import InputError
+from tests.parallel_workers import results_of_rank, run_jobs, run_outcomes
+from tests.pipeline_workers import run_refusals
+
+MIB = 2**20
+
+
+def test_the_first_ranks_outcome_reaches_every_rank(tmp_path):
+    first, second = run_outcomes(tmp_path)
+    refused = {"error": "PlanError", "message": "no plan fits 1 byte", "minimum_bytes": 5 * MIB,
+               "limiting_block": "layers.0", "floor_block": "layers.0"}
+    assert first[0] == second[0] == refused                                   # rank 0 refused: both raise it
+    assert first[1] == second[1] == {"value": "rank 0's plan"}                # rank 1 alone refused: rank 0's plan
+    assert first[2] == second[2] == {"value": "rank 0 alone"}                 # only rank 0 computed
+
+
+def test_a_stages_refusal_is_raised_on_every_rank_and_replica_zero_decides(tmp_path):
+    # 2 stages x 2 replicas: ranks 0, 1 hold stage 0 (replicas 0, 1), ranks 2, 3 stage 1.
+    by_rank = run_refusals(4, [[1], [2], [0, 2, 3]], tmp_path)
+    replica_one, stage_one, both = zip(*by_rank)
+    # Replica 1 of stage 0 refused alone: every rank runs replica 0's plan, nothing refused.
+    assert all("error" not in outcome and outcome["installed"] == [True] for outcome in replica_one), replica_one
+    # Replica 0 of stage 1 refused: every rank of both stages raises it, in per-rank terms, and no
+    # stage keeps its plan.
+    assert len({outcome["error"] for outcome in stage_one}) == 1, stage_one
+    message, needed = stage_one[0]["error"], stage_one[0]["minimum_bytes"]
+    assert message.startswith("stage 1: no plan fits its share of 64.00 MiB per rank (1 stage(s) on the rank, "
+                              "1 micro-batch(es) in flight)") and "rank 2 refuses" in message, message
+    # The stage's plan needed 3 MiB more than its budget; with one micro-batch in flight and one
+    # stage a rank, that is 3 MiB more per rank (rounded up to a whole MiB).
+    assert needed == 67 * MIB and f"memory >= 67.00 MiB per rank ({needed} bytes) fits every stage" in message
+    assert all(outcome["minimum_bytes"] == needed and outcome["installed"] == [False] for outcome in stage_one)
+    # Both stages refused by their replica 0 (and stage 1 by its replica 1 too): one error naming each
+    # stage once, the larger need. Stage 0
+    # holds 2 micro-batches in flight under 1F1B, so 3 MiB more per micro-batch is 6 MiB more a rank.
+    assert len({outcome["error"] for outcome in both}) == 1
+    assert both[0]["error"].startswith("stage 0: ") and "; stage 1: " in both[0]["error"], both[0]["error"]
+    assert both[0]["error"].count("stage 1: ") == 1 and both[0]["minimum_bytes"] == 70 * MIB
+
+
+def test_the_training_loops_refusals_reach_every_rank(tmp_path):
+    pipeline = dict(mode="pipeline", stages=2, microbatches=1)
+    jobs = [("too-small", dict(parallel=pipeline, memory="1MiB", expect_refusal=True, steps=1, global_batch=4)),
+            ("uneven", dict(parallel=dict(pipeline, microbatches=3), expect_refusal=True, steps=1, global_batch=4)),
+            ("dp-too-small", dict(parallel=dict(mode="dp"), memory="1MiB", expect_refusal=True, steps=1,
+                                  global_batch=4)),
+            ("trains", dict(parallel=pipeline, steps=1, global_batch=4))]
+    run_jobs(2, jobs, tmp_path)
+    first, second = results_of_rank(0, tmp_path), results_of_rank(1, tmp_path)
+    for name in ("too-small", "uneven", "dp-too-small"):
+        assert first[name] == second[name], name
+    assert first["too-small"]["error"] == "PlanError" and "stage 0: no plan fits its share of 1.00 MiB per rank" \
+        in first["too-small"]["message"] and "; stage 1: " in first["too-small"]["message"]
+    assert first["too-small"]["minimum_bytes"] > MIB
+    assert first["uneven"] == {"error": "InputError", "minimum_bytes": None, "message": "4 volumes per replica do "
+                               "not split into 3 equal micro-batches; choose a divisor"}
+    assert first["dp-too-small"]["error"] == "PlanError"
+    assert first["trains"]["steps_done"] == 1      # the group still works after the refusals
