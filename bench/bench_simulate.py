@@ -30,6 +30,8 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   Linear units each under ``fully_shard`` against the same step unsharded, per collective, less
   what the fitted link gives such a collective; the cluster's ``fsdp_host_seconds`` (without it,
   fsdp x2 had been predicted 0.6-0.76 of its measured step: 35 units, 105 collectives a step).
+  At N = 1 as well: FSDP2 skips a collective of one rank but not its copies in and out and its hooks
+  (fsdp x1 had been predicted 0.82 of its measured step, 0.067 s short).
 - Memory bandwidth (the optimizer step's roofline): a streaming copy, by rank 0 alone.
 - The device registered (`oomless.register_device`): the machine's memory / N, that bandwidth.
 
@@ -288,12 +290,13 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
         measured["split_backward_ratio"] = measure_split_backward_ratio(
             model, volumes, lambda logits: segmentation_loss(logits, labels))
         measured["split_backward_batch"] = micro
+    # At one rank too: FSDP2 skips the collective there but not its copies and hooks.
+    measured["fsdp_collective_seconds"] = _fsdp_collective_seconds(settings)
     if world_size == 1:
         return measured
     return {**measured,
             "all_reduce_seconds": _time_all_reduce(rank, world_size, settings),
-            "all_reduce_after_compute_seconds": _collective_after_compute(settings),
-            "fsdp_collective_seconds": _fsdp_collective_seconds(settings)}
+            "all_reduce_after_compute_seconds": _collective_after_compute(settings)}
 
 
 def _build(settings: dict, batch: int, first_item: int):
@@ -429,19 +432,21 @@ def calibrate(world_size: int, settings: dict) -> dict:
     record = {"world_size": world_size, "threads": threads, "profiled_batch": batch,
               "profile": profile.to_json(),
               "memory_bytes_per_second": measured[0]["memory_bytes_per_second"]}
+    # Every rank waits for the slowest here too.
+    fsdp = max(rank["fsdp_collective_seconds"] for rank in measured)
+    record.update(fsdp_collective_seconds=fsdp, fsdp_host_seconds=fsdp)
     if world_size > 1:
         # Every rank waits for the slowest: the collective's time is the latest rank's.
         seconds = {int(size): max(rank["all_reduce_seconds"][size] for rank in measured)
                    for size in measured[0]["all_reduce_seconds"]}
         after_compute = statistics.median(rank["all_reduce_after_compute_seconds"] for rank in measured)
         link = fit_ring(seconds, world_size, after_compute)
-        # Every rank waits for the slowest here too; what the link's formula already counts is not FSDP's.
-        fsdp = max(rank["fsdp_collective_seconds"] for rank in measured)
+        # What the link's formula already counts is not FSDP's.
         unit_bytes = 4 * (FSDP_WIDTH * FSDP_WIDTH + FSDP_WIDTH)
         on_the_link = ring_all_gather_seconds(unit_bytes, world_size, link["bytes_per_second"],
                                               link["latency_seconds"])
         record.update(all_reduce_seconds=seconds, all_reduce_after_compute_seconds=after_compute, link=link,
-                      fsdp_collective_seconds=fsdp, fsdp_host_seconds=max(fsdp - on_the_link, 0.0))
+                      fsdp_host_seconds=max(fsdp - on_the_link, 0.0))
     return record
 
 
@@ -478,9 +483,9 @@ def predict(calibration: dict, settings: dict):
     # The ranks share this machine's cores, each with the calibration's threads.
     cluster = {"backend": "gloo", "overlap": False, "cores_per_node": os.cpu_count() or 1,
                "threads_per_rank": calibration["threads"]}
+    cluster["fsdp_host_seconds"] = calibration.get("fsdp_host_seconds", 0.0)
     if "link" in calibration:
-        cluster.update(intra_node=calibration["link"], efficiency=1.0,
-                       fsdp_host_seconds=calibration.get("fsdp_host_seconds", 0.0))
+        cluster.update(intra_node=calibration["link"], efficiency=1.0)
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
                             gpus=calibration["world_size"], cluster=cluster,
                             profile=Profile.from_json(calibration["profile"]))

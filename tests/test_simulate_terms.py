@@ -183,7 +183,7 @@ def test_ranks_sharing_cores_slow_by_the_busy_ranks_threads_over_the_cores():
         make_cluster("h100", 2, overrides={"cores_per_node": 2, "threads_per_rank": None})
 
 
-def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_waits():
+def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_waits_at_every_world_size():
     block = dict(saved_bytes=MiB, largest_saved_bytes=MiB, input_bytes=MiB, output_bytes=MiB,
                  parameter_bytes=1024, calls=1, forward_transient_bytes=MiB, backward_transient_bytes=MiB)
     profile = _profile([BlockProfile(name, 0.1, 0.2, **block) for name in "abcde"])
@@ -195,11 +195,12 @@ def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_wa
     without, with_host = estimate_fsdp(profile, plain, 1), estimate_fsdp(profile, costly, 1)
     assert with_host.communication_seconds == pytest.approx(without.communication_seconds + 15 * 0.004)
     assert with_host.step_seconds == pytest.approx(without.step_seconds + 15 * 0.004)
-    # dp has no FSDP units; one rank shards nothing.
+    # dp has no FSDP units. One rank shards nothing, but FSDP2 still does its copies and runs its
+    # hooks around each collective it skips there (measured: fsdp x1 had been predicted 18 % short).
     assert estimate_data_parallel(profile, costly, 1).step_seconds == pytest.approx(
         estimate_data_parallel(profile, plain, 1).step_seconds)
     one = {**sharing, "fsdp_host_seconds": 0.004}
     assert estimate_fsdp(profile, make_cluster("h100", 1, overrides=one), 1).step_seconds == pytest.approx(
-        estimate_fsdp(profile, make_cluster("h100", 1, overrides=sharing), 1).step_seconds)
+        estimate_fsdp(profile, make_cluster("h100", 1, overrides=sharing), 1).step_seconds + 15 * 0.004)
     with pytest.raises(oomless.InputError, match="fsdp_host_seconds must be a number of seconds >= 0"):
         make_cluster("h100", 2, overrides={"fsdp_host_seconds": -1})

@@ -18,7 +18,7 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
   sharded over all N ranks; each block's parameters all-gathered before its forward and again
   before its backward (one block prefetched ahead, resharded after forward), its gradients
   reduce-scattered after its backward, each collective taking FSDP2's own work around it
-  (`Cluster.fsdp_host_seconds`) besides the link's time. Static bytes per rank: the shards plus two
+  (`Cluster.fsdp_host_seconds`, at one rank too) besides the link's time. Static bytes per rank: the shards plus two
   blocks' unsharded parameters and gradients (the one running and the one in flight); `make_plan` plans
   the activations on top. All-gathers and reduce-scatters share one stream (the link). Parameters
   move in their stored dtype (FSDP2 without a MixedPrecisionPolicy; with param_dtype=bf16 the
@@ -286,7 +286,9 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
     count = len(blocks)
     gathered = [0.0] * count
 
-    host = cluster.fsdp_host_seconds if n > 1 else 0.0    # FSDP2's work around each collective
+    # FSDP2's own work around each collective, at every world size: at one rank it skips the
+    # collective but still copies in and out and runs its hooks (torch's `_fsdp_param_group`).
+    host = cluster.fsdp_host_seconds
 
     def gather(i: int, ready: float, kind: str) -> None:
         if 0 <= i < count:
