@@ -262,6 +262,13 @@ def _runtime_counts(module) -> dict[str, int]:
     return {"recomputed_blocks": stats.recomputed_blocks, "offloaded_bytes": stats.offloaded_bytes}
 
 
+def runnable_here(jobs: list[dict]) -> list[dict]:
+    """``jobs`` without those this torch refuses on gloo (ZB-V under torch 2.11: `zbv_starts_on_gloo`)."""
+    from oomless.parallel.pipeline import zbv_starts_on_gloo
+
+    return [job for job in jobs if job["schedule"] != "zbv" or zbv_starts_on_gloo()]
+
+
 def run_pipeline_jobs(world_size: int, jobs: list[dict], out_dir: Path) -> dict[str, dict]:
     """Run ``jobs`` in ``world_size`` gloo processes; per job, {"parameters": every stage's parameters
     merged, "buffers": the same of buffers (jobs without replicas), "stages": per rank, what each of

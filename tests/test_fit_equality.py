@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import oomless
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D
-from tests.conftest import plan_under, train_steps
+from tests.conftest import needs_selective, plan_under, train_steps
 
 
 def _mlp():
@@ -58,6 +58,8 @@ def _assert_same(reference, trained):
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "selective", "planned"])
 def test_training_equals_plain_pytorch(model_name, policy):
+    if policy == "selective":
+        needs_selective()
     torch.manual_seed(0)
     model, inputs, loss_fn = MODELS[model_name]()
     reference = copy.deepcopy(model)

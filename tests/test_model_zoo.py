@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import oomless
 from oomless.plan.planner import smallest_memory
 from oomless.profile.tensors import call_model
+from tests.conftest import needs_selective
 
 # Hand-written models: each exercises one way real models are written.
 
@@ -436,6 +437,8 @@ def _differences(reference, trained) -> dict[str, float]:
 @pytest.mark.parametrize("kind", PLANS)
 @pytest.mark.parametrize("case", CASES)
 def test_trains_like_plain_pytorch(case, kind):
+    if kind == "selective":
+        needs_selective()
     prepared = _prepare(case)
     model = copy.deepcopy(prepared.model)
     plan = prepared.plan(kind)

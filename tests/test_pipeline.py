@@ -23,7 +23,7 @@ from oomless.models import TinyTransformer
 from oomless.parallel.block_sequence import transformer_sequence, unet_sequence
 from oomless.parallel.pipeline import cuts_from_stage_blocks
 from tests.pipeline_workers import (STEPS, UNET_VOLUMES, buffers_agree, build, reference, reference_chunks,
-                                    run_pipeline_jobs)
+                                    run_pipeline_jobs, runnable_here)
 
 TOLERANCE = 1e-6
 
@@ -89,6 +89,7 @@ def test_two_rank_pipelines_equal_one_process(tmp_path):
         dict(name="zero-bubble-recompute", kind="transformer", cuts=[0, 2, 4, 6, 8], microbatches=4,
              schedule="zero-bubble", policy="recompute"),
     ]
+    jobs = runnable_here(jobs)
     _check(run_pipeline_jobs(2, jobs, tmp_path), jobs)
     # The reference moved: the comparison is not of untouched initial weights.
     initial = {name: parameter.detach() for name, parameter in build("transformer")[0].named_parameters()}
@@ -110,6 +111,7 @@ def test_four_stage_and_two_by_two_hybrid_equal_one_process(tmp_path):
         dict(name="unet-hybrid-recompute", kind="unet", cuts=[0, 4, 8], microbatches=1, schedule="gpipe", dp=2,
              policy="recompute", global_batchnorm=True),
     ]
+    jobs = runnable_here(jobs)
     _check(run_pipeline_jobs(4, jobs, tmp_path), jobs)
     assert _max_difference(reference("transformer", clip=0.5)[0], reference("transformer")[0]) > 1e-4   # it clipped
 

@@ -12,6 +12,7 @@ import oomless
 from oomless.errors import InputError
 from oomless.plan.planner import make_plan
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
+from tests.conftest import needs_selective
 
 MiB = 2**20
 
@@ -45,6 +46,7 @@ def _loss(out):
 
 
 def test_the_profile_measures_what_a_selective_block_keeps():
+    needs_selective()
     torch.manual_seed(0)
     model, x = _stack(), torch.randn(32, 64)
     profile = oomless.profile(model, x, loss_fn=_loss, blocks=["0", "1", "2"])
@@ -67,6 +69,7 @@ def test_a_block_that_writes_into_a_kept_output_is_not_offered():
 
 
 def test_selective_runs_bit_equal_and_holds_its_kept_outputs_on_the_ledger():
+    needs_selective()
     torch.manual_seed(0)
     model, x = _stack(), torch.randn(32, 64)
     reference = copy.deepcopy(model)

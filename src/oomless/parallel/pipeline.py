@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from oomless.errors import InputError
 from oomless.parallel.block_sequence import BlockSequence
@@ -46,6 +47,13 @@ from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, microbatch
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
                     "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 assert set(SCHEDULE_CLASSES) == set(SCHEDULES)
+
+
+def zbv_starts_on_gloo() -> bool:
+    """Whether torch's schedules start their stages with a vote between neighbours (torch 2.13,
+    ``_PipelineSchedule._warmup_p2p``) rather than one batch of sends to every neighbour stage (2.11),
+    which under ZB-V includes a rank's own other stage: a send to itself, which gloo cannot make."""
+    return hasattr(_PipelineSchedule, "_warmup_p2p")
 
 
 def cuts_from_stage_blocks(sequence: BlockSequence, stage_blocks: list[list[str]]) -> list[int]:
@@ -91,6 +99,10 @@ class PipelineParallel:
         dtype = check_stage_precision(precision, scaler)
         if schedule not in SCHEDULE_CLASSES:
             raise InputError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}")
+        if schedule == "zbv" and dist.get_backend(group) == "gloo" and not zbv_starts_on_gloo():
+            raise InputError("schedule zbv does not start on gloo with this torch: its first step sends the "
+                             "last rank's two neighbouring stages' start-up messages to itself, which gloo "
+                             "cannot (torch 2.11; 2.13 starts otherwise); use zero-bubble or interleaved-1f1b")
         ranks, stages = dist.get_world_size(group), len(cuts) - 1
         problem = microbatch_problem(schedule, ranks, microbatches)
         if problem:

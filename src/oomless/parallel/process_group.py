@@ -250,6 +250,10 @@ class _SumAcrossRanks(torch.autograd.Function):
         return total, None
 
 
+# Run eagerly inside a compiled block (a graph break): torch 2.11's dynamo traced the forward's
+# all-reduce but dropped this Function's backward (the input's gradient came out as if the backward
+# returned zeros, 3.0 off in a two-rank probe; torch 2.13 traces both correctly).
+@torch.compiler.disable
 def sum_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group`` (default: the world): its backward all-reduces the
     gradient, so a loss term computed from the global sum sends each rank the gradient for its own

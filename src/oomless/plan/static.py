@@ -40,7 +40,6 @@ parameters and gradients live, so none of the placements above is possible then.
 
 import math
 
-import collections
 import dataclasses
 import time
 
@@ -259,7 +258,7 @@ def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:
     probe.grad = torch.zeros(1, device=device)
     try:
         scratch = OptimizerSlice(optimizer, [probe], {probe: 0})
-        scratch.optimizer.state = collections.defaultdict(dict)     # never the user's state
+        scratch.optimizer.state = scratch.own_state     # never the user's state
         scratch.step()                          # state initialisation is not the per-call cost
         if device.type == "cuda":
             torch.cuda.synchronize(device)      # time the calls, not kernels queued before them

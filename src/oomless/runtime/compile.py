@@ -42,6 +42,9 @@ Combinations refused, each with what works instead (`check_compile_composes`):
 
 import collections
 import functools
+import inspect
+import types
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -116,6 +119,28 @@ def _traced_forward_marker(module, args):
     """A no-op forward pre-hook; see `apply_compile`."""
 
 
+def _torch_traces_forward_of_hooked_modules() -> bool:
+    """Whether this torch's dynamo traces the ``forward`` frame of a torch.nn class when the module
+    has hooks (torch 2.13's ``check_verbose``: "inbuilt nn.Module.forward allowed - module has
+    hooks"). torch 2.11 has no such rule: it skips that frame, in torch's own files, and the block
+    runs eagerly with only a log line."""
+    try:
+        return "module has hooks" in inspect.getsource(torch._dynamo.trace_rules.check_verbose)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+def _forward_in_torchs_files(module: nn.Module) -> bool:
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and Path(code.co_filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent)
+
+
+def _torch_forward(self, *args, **kwargs):
+    """A block's own ``forward``, called from a frame in oomless's files, which dynamo traces where it
+    skips the frame of a torch.nn class's ``forward`` (`apply_compile`); it inlines the call."""
+    return type(self).forward(self, *args, **kwargs)
+
+
 def apply_compile(model: nn.Module, block_names, options: dict) -> None:
     """Compile each named block of ``model`` in place (`nn.Module.compile`), but for the blocks split
     into slabs, which run eagerly (module docstring); `remove_compile` undoes it.
@@ -123,14 +148,21 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
     Each compiled block also gets a no-op forward pre-hook: dynamo traces the ``forward`` of a
     torch.nn class (Linear, Conv3d, Sequential: torch's own files, which it skips) only when the
     module has hooks (torch/_dynamo/trace_rules.py, ``check_verbose``); without one, a block that is
-    a plain torch.nn module would silently run eagerly."""
+    a plain torch.nn module would silently run eagerly. torch 2.11 has no such rule: there a block
+    whose forward is in torch's files gets `_torch_forward` as its ``forward`` (hooks still run
+    eagerly in ``_call_impl`` around it)."""
     if getattr(model, STATE_ATTRIBUTE, None) is not None:
         raise ApplyError("the blocks of this model are already compiled by oomless; oomless.remove(model) first")
     modules = dict(model.named_modules())
     compiled = []
+    # Where dynamo skips a torch.nn class's forward frame whatever its hooks (torch 2.11), the block's
+    # forward is called through `_torch_forward`, a frame dynamo traces; `remove_compile` takes it away.
+    through_own_frame = not _torch_traces_forward_of_hooked_modules()
     for name in block_names:
         module = modules[name]
         if module._compiled_call_impl is None and not is_split(module):
+            if through_own_frame and "forward" not in vars(module) and _forward_in_torchs_files(module):
+                module.forward = types.MethodType(_torch_forward, module)
             module.compile(**options)
             compiled.append((module, module.register_forward_pre_hook(_traced_forward_marker)))
     object.__setattr__(model, STATE_ATTRIBUTE, compiled)
@@ -144,7 +176,7 @@ def allow_a_graph_per_block(modules: list[nn.Module]) -> None:
     ``forward``'s: where their shapes or constants differ (a 3D U-Net's convolutions, one per
     channel count), each needs its own graph, and past ``recompile_limit`` (8 in torch 2.13) the
     rest run eagerly with only a logged warning. The limits are process-wide: raised, never lowered."""
-    sharing = collections.Counter(getattr(type(module).forward, "__code__", None) for module in modules)
+    sharing = collections.Counter(getattr(module.forward, "__code__", None) for module in modules)
     needed = max(sharing.values(), default=0) + RECOMPILE_MARGIN
     config = torch._dynamo.config
     if needed > config.recompile_limit:
@@ -173,5 +205,7 @@ def remove_compile(model: nn.Module) -> None:
         # The attribute `nn.Module.compile` sets; unset, `_wrapped_call_impl` calls `_call_impl`.
         module._compiled_call_impl = None
         marker.remove()
+        if getattr(vars(module).get("forward"), "__func__", None) is _torch_forward:
+            del module.forward
     if hasattr(model, STATE_ATTRIBUTE):
         object.__delattr__(model, STATE_ATTRIBUTE)

@@ -64,6 +64,7 @@ class OptimizerSlice:
         self._group_position = {param: position for position, index in enumerate(self.group_indices)
                                 for param in by_group[index]}
         self.optimizer: torch.optim.Optimizer | None = None
+        self.own_state: dict | None = None
         if not self.parameters:
             return
         optimizer_class = type(user_optimizer)
@@ -77,6 +78,9 @@ class OptimizerSlice:
         # Groups the slice never adds would fill from these; sharing them also keeps checks that read
         # ``defaults`` (capturable, differentiable) answering as for the user's optimizer.
         self.optimizer.defaults = user_optimizer.defaults
+        # What its constructor made (torch 2.11's Adagrad fills each parameter's state there), for a
+        # step that must not touch the user's state (`plan.static.per_parameter_step_seconds`).
+        self.own_state = self.optimizer.state
         self.optimizer.state = user_optimizer.state
 
     def _settings(self, group_index: int) -> dict:

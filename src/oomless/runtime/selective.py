@@ -42,8 +42,8 @@ def is_saved_op(func) -> bool:
 
 
 # The runtime counts the kept outputs on its ledger as they are made: torch hands them to the policy
-# from 2.6 on (``SelectiveCheckpointContext.op_output``). Without it the planner does not offer
-# selective recompute (`profile.selective`).
+# in ``SelectiveCheckpointContext.op_output`` (torch 2.13 does; 2.11 does not). Without it the
+# planner does not offer selective recompute (`profile.selective`).
 AVAILABLE = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
