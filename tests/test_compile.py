@@ -16,7 +16,8 @@ import torch._dynamo.utils
 
 import oomless
 from oomless.errors import ApplyError, InputError
-from oomless.models import TinyTransformer
+from oomless.models import TinyTransformer, UNet3D
+from oomless.models.unet3d import ConvStage
 from oomless.runtime import compile as compile_module
 from tests.test_fit_equality import _assert_same, _train
 
@@ -181,8 +182,10 @@ def test_combinations_that_do_not_compose_are_refused(fresh_dynamo, monkeypatch)
 
 
 def test_a_torch_nn_block_without_plan_hooks_is_really_compiled(fresh_dynamo):
-    """``--compile`` without a budget compiles blocks that carry no plan hooks; dynamo skips the
-    forward of a torch.nn class unless the module has a hook, so apply_compile adds a no-op one."""
+    """``--compile`` without a budget compiles blocks that carry no plan hooks. Dynamo skips a
+    ``forward`` frame in torch's files (torch 2.13 unless the module is of a torch.nn class and has a
+    hook, torch 2.11 always): a torch.nn block, and a subclass keeping torch's forward (the U-Net's
+    ConvStage, a Sequential: no graph at all before), run through a frame of oomless's."""
     from oomless.runtime.compile import apply_compile, remove_compile
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -191,6 +194,14 @@ def test_a_torch_nn_block_without_plan_hooks_is_really_compiled(fresh_dynamo):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     remove_compile(model)
     assert not model[0]._forward_pre_hooks and model[0]._compiled_call_impl is None
+    assert "forward" not in vars(model[0])
+    unet = UNet3D(base_channels=2, depth=2)
+    stages = [name for name, module in unet.named_modules() if isinstance(module, ConvStage)]
+    apply_compile(unet, stages, {"backend": "aot_eager"})
+    unet(torch.randn(1, 1, 8, 8, 8)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 + len(stages) == 7
+    remove_compile(unet)
+    assert not any("forward" in vars(module) for module in unet.modules())
 
 
 def test_more_blocks_of_one_class_than_dynamos_recompile_limit_all_run_compiled(fresh_dynamo):

@@ -187,12 +187,17 @@ def first_rank_outcome(outcome, group: dist.ProcessGroup | None = None) -> str:
     otherwise they wait in their next collective until its timeout, or fail there with "connection
     closed by peer", neither of which says what was wrong. Other ranks' outcomes are dropped, their
     refusals too (where every rank plans, the first rank's plan is the one all of them run)."""
-    shared = [_as_shared(outcome) if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(shared, group=group, group_src=0)
-    return _from_shared(shared[0])
+    shared = [shareable(outcome) if dist.get_rank(group) == 0 else None]
+    # src as a global rank: ``group_src`` is newer than the torch 2.4 the project allows.
+    dist.broadcast_object_list(shared, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    if isinstance(outcome, OomlessError) and dist.get_rank(group) == 0:
+        raise outcome       # the first rank's own, with its traceback and every attribute
+    return from_shared(shared[0])
 
 
-def _as_shared(outcome) -> dict:
+def shareable(outcome) -> dict:
+    """``outcome`` (a value, or an oomless error) as plain data that a collective can carry; `from_shared`
+    gives the value back or raises the error."""
     if not isinstance(outcome, OomlessError):
         return {"value": outcome}
     # Only the message and plain attributes travel (a PlanError's profile does not, nor any traceback).
@@ -200,7 +205,7 @@ def _as_shared(outcome) -> dict:
     return {"error": type(outcome).__name__, "message": str(outcome), "attributes": plain}
 
 
-def _from_shared(shared: dict) -> str:
+def from_shared(shared: dict) -> str:
     if "error" not in shared:
         return shared["value"]
     kind = getattr(oomless.errors, shared["error"], None)
@@ -252,7 +257,8 @@ class _SumAcrossRanks(torch.autograd.Function):
 
 # Run eagerly inside a compiled block (a graph break): torch 2.11's dynamo traced the forward's
 # all-reduce but dropped this Function's backward (the input's gradient came out as if the backward
-# returned zeros, 3.0 off in a two-rank probe; torch 2.13 traces both correctly).
+# returned zeros, 3.0 off in a two-rank probe). torch 2.13 traces both correctly; the break costs it
+# a second graph per compiled GlobalBatchNorm block, on gloo only (NCCL runs torch's SyncBatchNorm).
 @torch.compiler.disable
 def sum_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group`` (default: the world): its backward all-reduces the

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import oomless
-from oomless.parallel.process_group import first_rank_outcome, refusal_or
+from oomless.parallel.process_group import first_rank_outcome, from_shared, refusal_or, shareable
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
 from oomless.profile import profiler
@@ -63,22 +63,24 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
         inputs = inputs_by_stage[stage]
-        loss_fn = oomless.sum_of_outputs
-        if stage == pipeline.num_stages - 1:
-            if target is None:
-                raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
-            loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
         in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
                                            pipeline.microbatches, pipeline.stages_per_rank)
+        # A refusal (or any oomless error) of one stage is kept, not raised: the other stages still
+        # plan, so that their replicas' collectives pair up, and every rank raises it after.
         try:
+            loss_fn = oomless.sum_of_outputs
+            if stage == pipeline.num_stages - 1:
+                if target is None:
+                    raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
+                loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
             plan = _replica_zero_plan(pipeline, lambda: _plan_stage(
                 module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), parse_bytes(memory)), in_flight,
                 policy, optimizer_class, min_swap_bytes, pipeline.precision, compile))
-        except oomless.PlanError as refusal:    # the other stages still plan: their replicas' collectives pair up
-            refusals.append({"message": str(refusal), "minimum_bytes": refusal.minimum_bytes})
+            # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
+            oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
+        except oomless.OomlessError as refusal:
+            refusals.append(shareable(refusal))
             continue
-        # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
-        oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
         plans.append(plan)
     _refuse_on_every_rank(pipeline, refusals)
     return plans
@@ -94,11 +96,12 @@ class StageShare:
 
 
 def _refuse_on_every_rank(pipeline, refusals: list[dict]) -> None:
-    """Raise one `PlanError` on every rank of the pipeline if any stage's plan was refused on any,
-    with every refused stage's reason and the memory per rank that fits them all, after removing this
-    rank's plans. Replicas of a stage agree already (`_replica_zero_plan`): the pipeline's own group
-    sees every refusal once. Without this, the ranks whose stages fit went on to their first step
-    and failed there with "connection closed by peer"."""
+    """Raise on every rank of the pipeline what any stage's planning raised on any (`shareable`
+    errors), after removing this rank's plans: an error other than a refusal as it was, else one
+    `PlanError` with every refused stage's reason and the memory per rank that fits them all at this
+    cut. Replicas of a stage agree already (`_replica_zero_plan`): the pipeline's own group sees each
+    stage's once. Without this, the ranks whose stages fitted went on to their first step and failed
+    there with "connection closed by peer"."""
     found = refusals
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size(pipeline.group)
@@ -109,9 +112,12 @@ def _refuse_on_every_rank(pipeline, refusals: list[dict]) -> None:
     for module in pipeline.modules:
         if installed_state(module) is not None:
             oomless.remove(module)
-    needed = [refusal["minimum_bytes"] for refusal in found]
+    for other in (refusal for refusal in found if refusal["error"] != "PlanError"):
+        from_shared(other)
+    needed = [refusal["attributes"].get("minimum_bytes") for refusal in found]
     fits = None if None in needed else max(needed)
-    advice = "" if fits is None else f"; memory >= {format_bytes(fits)} per rank ({fits} bytes) fits every stage"
+    advice = "" if fits is None else \
+        f"; memory >= {format_bytes(fits)} per rank ({fits} bytes) fits every stage at this cut"
     raise oomless.PlanError("; ".join(refusal["message"] for refusal in found) + advice, minimum_bytes=fits)
 
 
@@ -178,7 +184,7 @@ def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, me
     if refusal.minimum_bytes is not None:
         exact = where.stages * (fixed + max(refusal.minimum_bytes - fixed, 0) * in_flight)
         needed = -(-exact // 2**20) * 2**20
-    in_terms = "" if needed is None else f"; it needs memory >= {format_bytes(needed)} per rank"
+    in_terms = "" if needed is None else f"; it needs memory >= {format_bytes(needed)} ({needed} bytes) per rank"
     return oomless.PlanError(
         f"stage {where.stage}: no plan fits its share of {format_bytes(where.per_rank)} per rank ({where.stages} "
         f"stage(s) on the rank, {in_flight} micro-batch(es) in flight){in_terms}. Its plan for one micro-batch, "

@@ -257,8 +257,7 @@ def per_parameter_step_seconds(optimizer, repeats: int = 20) -> float | None:
     probe = nn.Parameter(torch.zeros(1, device=device))
     probe.grad = torch.zeros(1, device=device)
     try:
-        scratch = OptimizerSlice(optimizer, [probe], {probe: 0})
-        scratch.optimizer.state = scratch.own_state     # never the user's state
+        scratch = OptimizerSlice(optimizer, [probe], {probe: 0}, share_state=False)    # never the user's state
         scratch.step()                          # state initialisation is not the per-call cost
         if device.type == "cuda":
             torch.cuda.synchronize(device)      # time the calls, not kernels queued before them

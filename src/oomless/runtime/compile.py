@@ -42,7 +42,6 @@ Combinations refused, each with what works instead (`check_compile_composes`):
 
 import collections
 import functools
-import inspect
 import types
 from pathlib import Path
 
@@ -119,17 +118,6 @@ def _traced_forward_marker(module, args):
     """A no-op forward pre-hook; see `apply_compile`."""
 
 
-def _torch_traces_forward_of_hooked_modules() -> bool:
-    """Whether this torch's dynamo traces the ``forward`` frame of a torch.nn class when the module
-    has hooks (torch 2.13's ``check_verbose``: "inbuilt nn.Module.forward allowed - module has
-    hooks"). torch 2.11 has no such rule: it skips that frame, in torch's own files, and the block
-    runs eagerly with only a log line."""
-    try:
-        return "module has hooks" in inspect.getsource(torch._dynamo.trace_rules.check_verbose)
-    except (OSError, TypeError, AttributeError):
-        return False
-
-
 def _forward_in_torchs_files(module: nn.Module) -> bool:
     code = getattr(type(module).forward, "__code__", None)
     return code is not None and Path(code.co_filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent)
@@ -137,7 +125,7 @@ def _forward_in_torchs_files(module: nn.Module) -> bool:
 
 def _torch_forward(self, *args, **kwargs):
     """A block's own ``forward``, called from a frame in oomless's files, which dynamo traces where it
-    skips the frame of a torch.nn class's ``forward`` (`apply_compile`); it inlines the call."""
+    skips the frame of a ``forward`` in torch's files (`apply_compile`); it inlines the call."""
     return type(self).forward(self, *args, **kwargs)
 
 
@@ -145,23 +133,24 @@ def apply_compile(model: nn.Module, block_names, options: dict) -> None:
     """Compile each named block of ``model`` in place (`nn.Module.compile`), but for the blocks split
     into slabs, which run eagerly (module docstring); `remove_compile` undoes it.
 
-    Each compiled block also gets a no-op forward pre-hook: dynamo traces the ``forward`` of a
-    torch.nn class (Linear, Conv3d, Sequential: torch's own files, which it skips) only when the
-    module has hooks (torch/_dynamo/trace_rules.py, ``check_verbose``); without one, a block that is
-    a plain torch.nn module would silently run eagerly. torch 2.11 has no such rule: there a block
-    whose forward is in torch's files gets `_torch_forward` as its ``forward`` (hooks still run
-    eagerly in ``_call_impl`` around it)."""
+    A block whose ``forward`` is in torch's own files (Linear, Conv3d, Sequential, and subclasses of
+    them that keep it, such as the 3D U-Net's ``ConvStage``) gets `_torch_forward` as its ``forward``,
+    an instance attribute that `remove_compile` deletes: dynamo skips a frame in torch's files, and
+    torch 2.13 makes an exception only for a module of a torch.nn class with hooks
+    (torch/_dynamo/trace_rules.py, ``check_verbose``; torch 2.11 none). Without it such blocks ran
+    eagerly with only a log line: every ConvStage of the U-Net under torch 2.13, every torch.nn
+    block under 2.11. Hooks still run eagerly in ``_call_impl`` around the compiled frame. The one
+    place oomless sets ``forward`` (STYLE.md's hook points have no way to choose dynamo's first frame);
+    a copy.copy of such a block calls the original's forward, and it does not pickle (deepcopy does).
+    Each compiled block also gets a no-op forward pre-hook (torch 2.13's exception needs hooks)."""
     if getattr(model, STATE_ATTRIBUTE, None) is not None:
         raise ApplyError("the blocks of this model are already compiled by oomless; oomless.remove(model) first")
     modules = dict(model.named_modules())
     compiled = []
-    # Where dynamo skips a torch.nn class's forward frame whatever its hooks (torch 2.11), the block's
-    # forward is called through `_torch_forward`, a frame dynamo traces; `remove_compile` takes it away.
-    through_own_frame = not _torch_traces_forward_of_hooked_modules()
     for name in block_names:
         module = modules[name]
         if module._compiled_call_impl is None and not is_split(module):
-            if through_own_frame and "forward" not in vars(module) and _forward_in_torchs_files(module):
+            if "forward" not in vars(module) and _forward_in_torchs_files(module):
                 module.forward = types.MethodType(_torch_forward, module)
             module.compile(**options)
             compiled.append((module, module.register_forward_pre_hook(_traced_forward_marker)))

@@ -52,7 +52,8 @@ def check_sliceable(optimizer: torch.optim.Optimizer) -> None:
 class OptimizerSlice:
     """The user's optimizer restricted to ``parameters`` (those it does not hold are left out)."""
 
-    def __init__(self, user_optimizer: torch.optim.Optimizer, parameters, group_of: dict[nn.Parameter, int]):
+    def __init__(self, user_optimizer: torch.optim.Optimizer, parameters, group_of: dict[nn.Parameter, int],
+                 share_state: bool = True):
         check_sliceable(user_optimizer)
         self.user_optimizer = user_optimizer
         self.parameters = [param for param in parameters if param in group_of]
@@ -64,7 +65,6 @@ class OptimizerSlice:
         self._group_position = {param: position for position, index in enumerate(self.group_indices)
                                 for param in by_group[index]}
         self.optimizer: torch.optim.Optimizer | None = None
-        self.own_state: dict | None = None
         if not self.parameters:
             return
         optimizer_class = type(user_optimizer)
@@ -78,10 +78,11 @@ class OptimizerSlice:
         # Groups the slice never adds would fill from these; sharing them also keeps checks that read
         # ``defaults`` (capturable, differentiable) answering as for the user's optimizer.
         self.optimizer.defaults = user_optimizer.defaults
-        # What its constructor made (torch 2.11's Adagrad fills each parameter's state there), for a
-        # step that must not touch the user's state (`plan.static.per_parameter_step_seconds`).
-        self.own_state = self.optimizer.state
-        self.optimizer.state = user_optimizer.state
+        # ``share_state=False``: a step that must not touch the user's state keeps what the constructor
+        # made (Adagrad fills each parameter's there; torch 2.11's steps need it), as
+        # `plan.static.per_parameter_step_seconds` times one. Shared, that is dropped (not held twice).
+        if share_state:
+            self.optimizer.state = user_optimizer.state
 
     def _settings(self, group_index: int) -> dict:
         group = self.user_optimizer.param_groups[group_index]
