@@ -482,8 +482,8 @@ def predict(calibration: dict, settings: dict):
     example = torch.empty(calibration["profiled_batch"], 1, side, side, side, device="meta")
     # The ranks share this machine's cores, each with the calibration's threads.
     cluster = {"backend": "gloo", "overlap": False, "cores_per_node": os.cpu_count() or 1,
-               "threads_per_rank": calibration["threads"]}
-    cluster["fsdp_host_seconds"] = calibration.get("fsdp_host_seconds", 0.0)
+               "threads_per_rank": calibration["threads"],
+               "fsdp_host_seconds": calibration.get("fsdp_host_seconds", 0.0)}
     if "link" in calibration:
         cluster.update(intra_node=calibration["link"], efficiency=1.0)
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,

@@ -70,9 +70,8 @@ def tiny_config(**overrides):
 def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, dict]], out_dir: str) -> None:
     torch.set_num_threads(1)
     join(rank, world_size, port)
-    from oomless.train import train
-
     from oomless.errors import OomlessError
+    from oomless.train import train
 
     results = {}
     try:

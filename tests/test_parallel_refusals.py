@@ -36,7 +36,8 @@ def test_a_stages_refusal_is_raised_on_every_rank_and_replica_zero_decides(tmp_p
                               "1 micro-batch(es) in flight)") and "rank 2 refuses" in message, message
     # The stage's plan needed 3 MiB more than its budget; with one micro-batch in flight and one
     # stage a rank, that is 3 MiB more per rank (rounded up to a whole MiB).
-    assert needed == 67 * MIB and f"memory >= 67.00 MiB per rank ({needed} bytes) fits every stage at this cut" in message
+    assert needed == 67 * MIB
+    assert f"memory >= 67.00 MiB per rank ({needed} bytes) fits every stage at this cut" in message
     assert all(outcome["minimum_bytes"] == needed and outcome["installed"] == [False] for outcome in stage_one)
     # Both stages refused by their replica 0 (and stage 1 by its replica 1 too): one error naming each
     # stage once, the larger need. Stage 0

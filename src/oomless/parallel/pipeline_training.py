@@ -46,8 +46,7 @@ from oomless.parallel.block_sequence import BlockSequence, sequence_for
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.data_parallel import Collectives
 from oomless.parallel.pipeline import PipelineParallel, cuts_from_stage_blocks, pipeline_mesh
-from oomless.parallel.process_group import first_rank_outcome, refusal_or
-from oomless.parallel.process_group import Ranks, local_batch_size, sum_across_ranks
+from oomless.parallel.process_group import Ranks, first_rank_outcome, local_batch_size, refusal_or, sum_across_ranks
 from oomless.parallel.stage_fit import UNLIMITED, compile_stages, fit_stages
 from oomless.parallel.traced import TracedSequence
 from oomless.plan.microbatches import choose_microbatches

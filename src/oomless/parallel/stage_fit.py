@@ -60,6 +60,7 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     if compile is not None:
         check_compile_available(compile)
     inputs_by_stage = _stage_inputs(pipeline)
+    per_rank = parse_bytes(memory)
     plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
         inputs = inputs_by_stage[stage]
@@ -74,7 +75,7 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
                     raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
                 loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
             plan = _replica_zero_plan(pipeline, lambda: _plan_stage(
-                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), parse_bytes(memory)), in_flight,
+                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), per_rank), in_flight,
                 policy, optimizer_class, min_swap_bytes, pipeline.precision, compile))
             # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
             oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
@@ -153,8 +154,8 @@ def _loss_on(loss_fn, target: torch.Tensor):
 
 
 def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, policy: str | None, optimizer_class,
-                min_swap_bytes: int, precision: str, compile: dict | None) -> str:
-    """The stage's plan as JSON; a refusal names the memory per rank (what the user gives) that fits."""
+                min_swap_bytes: int, precision: str, compile: dict | None) -> oomless.Plan:
+    """The stage's plan; a refusal names the memory per rank (what the user gives) that fits."""
     optimizer = optimizer_class(module.parameters())
     configured = dict(precision=precision, compile=False if compile is None else compile)
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
@@ -173,7 +174,7 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
                             min_swap_bytes=min_swap_bytes, **configured)
     except oomless.PlanError as refusal:
         raise _per_rank_refusal(refusal, where, fixed, in_flight, memory) from None
-    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight).to_json()
+    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
 
 
 def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, memory: int):
@@ -198,11 +199,11 @@ def _replica_zero_plan(pipeline, make_plan):
     (its profile read a little more memory; replica 0's plan is the one every replica runs)."""
     group = pipeline.dp_group
     if group is None or dist.get_world_size(group) == 1:
-        return oomless.Plan.from_json(make_plan())
+        return make_plan()
     previous = profiler.agree_across_replicas
     profiler.agree_across_replicas = lambda choice: _any_replica(choice, group, pipeline.device)
     try:
-        return oomless.Plan.from_json(first_rank_outcome(refusal_or(make_plan), group))
+        return oomless.Plan.from_json(first_rank_outcome(refusal_or(lambda: make_plan().to_json()), group))
     finally:
         profiler.agree_across_replicas = previous
 

@@ -258,7 +258,8 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     if not_offered:
         raise InputError(f"decisions ask for selective recompute of {not_offered[:5]}, which the profile did not "
                          "measure (compiled blocks, chains in slabs, parameters offloaded or sharded, pipeline "
-                         "stages, meta-tensor profiles, or a torch without SelectiveCheckpointContext.op_output, such as 2.11); use 'recompute' there")
+                         "stages, meta-tensor profiles, or a torch without SelectiveCheckpointContext.op_output, "
+                         "such as 2.11); use 'recompute' there")
     if solver not in ("auto", "greedy", "exact"):
         raise InputError(f"solver must be 'auto', 'greedy' or 'exact', got {solver!r}")
     use_exact = solver == "exact" or (solver == "auto" and len(names) <= EXACT_MAX_BLOCKS)

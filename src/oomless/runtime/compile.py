@@ -118,9 +118,12 @@ def _traced_forward_marker(module, args):
     """A no-op forward pre-hook; see `apply_compile`."""
 
 
+_TORCHS_FILES = Path(torch.__file__).resolve().parent
+
+
 def _forward_in_torchs_files(module: nn.Module) -> bool:
     code = getattr(type(module).forward, "__code__", None)
-    return code is not None and Path(code.co_filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent)
+    return code is not None and Path(code.co_filename).resolve().is_relative_to(_TORCHS_FILES)
 
 
 def _torch_forward(self, *args, **kwargs):
