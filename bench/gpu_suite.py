@@ -6,8 +6,8 @@
 
 On a machine with a CUDA GPU, each piece in its own process, one after the other:
 
-    cuda_tests        python -m pytest -m gpu tests/test_cuda.py tests/test_cuda_precision.py (one JSON line
-                      per test as it ends)
+    cuda_tests        python -m pytest -m gpu tests (every test marked gpu: tests/test_cuda*.py and the
+                      CUDA cases of the offload and update-in-backward files; one JSON line per test as it ends)
     swap_trace        bench/swap_trace.py: torch.profiler trace of one all-swap step, copy/compute overlap
     fit_bench         oomless bench --device cuda (bench/bench_fit.py): step time and peak against plain
                       PyTorch, torch.utils.checkpoint and save_on_cpu
@@ -51,7 +51,7 @@ TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "max_size": 80,
                        "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
-CUDA_TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_precision.py"]
+CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started
 
 
@@ -95,7 +95,7 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
           ["--size", "8", "--base-channels", "2", "--depth", "1", "--rounds", "2", "--warmup-rounds", "1"])
     pieces = [
         {"name": "cuda_tests", "writes": ["cuda-tests.json"],
-         "command": [python, "-m", "pytest", "-q", "-m", "gpu", *CUDA_TEST_FILES, "-p", "bench.pytest_jsonl",
+         "command": [python, "-m", "pytest", "-q", "-m", "gpu", *CUDA_TEST_PATHS, "-p", "bench.pytest_jsonl",
                      "--results-jsonl", str(out / "logs" / "cuda-tests.jsonl"), "-p", "no:cacheprovider"]},
         {"name": "swap_trace", "writes": ["swap-trace.json"],
          "command": [python, "bench/swap_trace.py", "--device", device_name, "--out", str(out / "swap-trace.json")]
