@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ METHODS = ("plain", "checkpoint", "save_on_cpu", "oomless", "oomless-split", "oo
 METHOD_COLORS = {"plain": "tab:red", "checkpoint": "tab:orange", "save_on_cpu": "tab:gray", "oomless": "tab:blue",
                  "oomless-split": "tab:cyan", "oomless-split-loss": "tab:green"}
 TRIAL_TIMEOUT_SECONDS = 1800
+OVER_LIMIT_EXIT_STATUS = 3   # bench/floor_child.py's exit status when its CPU trial passed the limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +110,16 @@ def run_trial(method: str, side: int, memory_bytes: int, device: str, threads: i
     lines = completed.stdout.strip().splitlines()
     if completed.returncode != 0 or not lines:
         tail = completed.stderr.strip().splitlines()[-1:] or ["no output"]
-        out_of_memory = "out of memory" in completed.stderr.lower()
-        return {"side": side, "fits": False, "error": "out of memory" if out_of_memory else tail[0][:300],
-                "wall_seconds": time.perf_counter() - started}
+        # Out of memory: the allocator's error on CUDA, the child's own stop past the limit on CPU
+        # (exit status 3), or the system's out-of-memory killer (SIGKILL). Anything else is a bug
+        # in the trial, not a size that does not fit: the run fails once the search is done.
+        out_of_memory = ("out of memory" in completed.stderr.lower()
+                         or completed.returncode in (OVER_LIMIT_EXIT_STATUS, -signal.SIGKILL))
+        trial = {"side": side, "fits": False, "error": "out of memory" if out_of_memory else tail[0][:300],
+                 "wall_seconds": time.perf_counter() - started}
+        if not out_of_memory:
+            trial["crashed"] = True
+        return trial
     result = json.loads(lines[-1])
     result.pop("config", None)
     result["side"] = side
@@ -289,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": {**described, "batch": model.trial["batch"], "classes": 2},
               "memory": memory, "memory_bytes": memory_bytes, "steps_per_trial": steps, "precision": args.precision,
               "methods": {}}
+    result["provenance"] = provenance(args.device)
+    out = Path(args.out) if args.out else ROOT / "runs" / "bench"
+    if out.suffix != ".json":
+        precision = "" if args.precision == "fp32" else f"-{args.precision}"
+        name = "" if args.model == "unet3d" else f"-{args.model}-{model.trial['backbone']}"
+        out = out / f"max-size{name}-{args.device}{precision}-{date.today().isoformat()}.json"
     started = time.perf_counter()
     for method in methods:
         if chosen:
@@ -300,23 +315,23 @@ def main(argv: list[str] | None = None) -> int:
             result["methods"][method] = summarise(method, side, trials, model)
             result["methods"][method]["bracketed"] = side is not None and any(
                 trial["side"] == side + model.multiple and not trial["fits"] for trial in trials)
-            continue
-        print(f"{method}: searching the largest side within {memory}", flush=True)
-        side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, start, stop,
-                                    lambda line: print(line, flush=True), args.precision, model)
-        result["methods"][method] = summarise(method, side, trials, model)
-    result["seconds"] = time.perf_counter() - started
-    result["provenance"] = provenance(args.device)
-    out = Path(args.out) if args.out else ROOT / "runs" / "bench"
-    if out.suffix != ".json":
-        precision = "" if args.precision == "fp32" else f"-{args.precision}"
-        name = "" if args.model == "unet3d" else f"-{args.model}-{model.trial['backbone']}"
-        out = out / f"max-size{name}-{args.device}{precision}-{date.today().isoformat()}.json"
-    write_result(out, result)
+        else:
+            print(f"{method}: searching the largest side within {memory}", flush=True)
+            side, trials = largest_side(method, memory_bytes, args.device, args.threads, steps, start, stop,
+                                        lambda line: print(line, flush=True), args.precision, model)
+            result["methods"][method] = summarise(method, side, trials, model)
+        result["seconds"] = time.perf_counter() - started
+        write_result(out, result)   # after each method: a run stopped at a time limit keeps what it found
     picture = plot(result, out.with_suffix(".png"))
     if picture is not None:
         print(f"wrote {picture}")
     print(markdown_table(result))
+    crashed = [f"{method} side {trial['side']}: {trial['error']}" for method, outcome in result["methods"].items()
+               for trial in outcome["trials"] if trial.get("crashed")]
+    if crashed:
+        print("trials that failed for another reason than memory (a bug, not a size that does not fit):\n  "
+              + "\n  ".join(crashed), file=sys.stderr)
+        return 1
     return 0
 
 

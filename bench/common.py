@@ -85,10 +85,12 @@ def provenance(device: torch.device | str, command: str | None = None, **extra) 
     ``date_utc``/``utc_date``, ``torch_version``/``torch``: the programs wrote different names before
     they shared this function, and results committed then stay comparable with later ones."""
     device = torch.device(device)
-    # A copy of the tree without .git (a GPU machine given the files only) records the commit it was
-    # told: OOMLESS_GIT_COMMIT.
-    commit = _git("rev-parse", "HEAD") or os.environ.get("OOMLESS_GIT_COMMIT") or None
-    dirty_text = _git("status", "--porcelain", "--untracked-files=no")
+    # A copy of the tree records the commit it was told, OOMLESS_GIT_COMMIT, over its own .git: the
+    # GPU machine's copy has none, or one from another moment than its files (seen: the session's
+    # first commit under later files). Whether that copy is dirty is then known only where the two agree.
+    told, head = os.environ.get("OOMLESS_GIT_COMMIT") or None, _git("rev-parse", "HEAD")
+    commit = told or head
+    dirty_text = _git("status", "--porcelain", "--untracked-files=no") if commit == head else None
     dirty = None if dirty_text is None else bool(dirty_text)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record = {
@@ -125,7 +127,9 @@ def write_result(out: Path | str, record: dict) -> Path:
     """Write a benchmark's JSON result (indented, newline-terminated), creating its folder; say where."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    partial = out.with_name(out.name + ".partial")   # whole or not at all: a run stopped mid-write keeps the last
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, out)
     print(f"wrote {out}")
     return out
 

@@ -163,13 +163,15 @@ def _stop_when_over(limit_bytes: float) -> None:
             if _current(torch.device("cpu")) > limit_bytes:
                 print(f"out of memory: resident memory passed {limit_bytes / 2**20:.0f} MiB "
                       f"({OVER_LIMIT_SHARE} x the limit above the baseline); stopped", file=sys.stderr, flush=True)
-                os._exit(3)
+                os._exit(3)   # bench_max_size.py's OVER_LIMIT_EXIT_STATUS: "does not fit"
             time.sleep(0.05)
     threading.Thread(target=watch, daemon=True).start()
 
 
 def run(config: dict) -> dict:
     device = torch.device(config.get("device", "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # set_per_process_memory_fraction needs the index
     torch.set_num_threads(config.get("threads", 2))
     return_freed_memory_to_the_system()
     mode = config["mode"]

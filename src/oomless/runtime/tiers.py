@@ -67,6 +67,11 @@ def _driver_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
 
 
+def _bytes_of(storage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (storages have no ``record_stream``)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class _CudaTicket:
     __slots__ = ("host", "host_ready", "source", "out_done", "device", "in_done")
 
@@ -120,6 +125,13 @@ class PinnedHostTier:
     def prefetch(self, ticket: _CudaTicket) -> None:
         if ticket.device is not None:
             return
+        if ticket.source is not None:
+            # The copy out has not been seen complete, so the activation itself is still on the
+            # device (the last blocks' saves, when backward follows the forward at once): backward
+            # reads it in place, with no copy back and no second device buffer. Safe: backward only
+            # reads saved tensors, as the copy out does.
+            ticket.device = _bytes_of(ticket.source)
+            return
         with torch.cuda.stream(self.copy_in_stream):
             # Hazard: reading the host buffer before the device->host copy has filled it.
             self.copy_in_stream.wait_event(ticket.out_done)
@@ -130,6 +142,8 @@ class PinnedHostTier:
 
     def get(self, ticket: _CudaTicket) -> torch.Tensor:
         self.prefetch(ticket)
+        if ticket.in_done is None:     # read in place (`prefetch`): made by the compute stream itself
+            return ticket.device
         compute_stream = torch.cuda.current_stream(self.device)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(compute_stream)
@@ -153,8 +167,10 @@ class PinnedHostTier:
             # Hazard: same as in `put`: never drop the storage while the copy may still read it.
             # Only when autograd drops a saved tensor before any poll saw its copy finish (a
             # graph freed during the forward); rare, and the storage then waits for the copy
-            # stream like a record_stream'd block would.
-            ticket.source.record_stream(self.copy_out_stream)
+            # stream like a record_stream'd block would. Also the common case at the end of the
+            # forward: backward reads the last blocks' saves in place (`prefetch`) and drops them
+            # while their copies out are still queued.
+            _bytes_of(ticket.source).record_stream(self.copy_out_stream)
         last_use = ticket.in_done or ticket.out_done
         self.pool.release(ticket.host, last_use)
         ticket.device = ticket.host = ticket.source = None

@@ -1,0 +1,136 @@
+"""Where a planned step's CUDA peak comes from: the memory live at the allocator's peak, grouped by
+the line of oomless, the model or torch that allocated it.
+
+    python bench/cuda_peak.py --model unet3d --decisions swap --out /tmp/peak.json
+
+Builds tests/test_cuda.py's large model (``unet3d``: UNet3D(8, 3) on 2 x 96^3; ``transformer``: 6 x
+256 over 8 x 1024 tokens), plans it with every block given ``--decisions`` (or planned, ``planned``)
+at ``--memory`` (default: what that plan predicts for itself, as the test does), trains one step,
+then records the allocator's history (``torch.cuda.memory._record_memory_history``) over a second
+step. Replaying that history finds the moment of the peak; the blocks live then are summed by the
+first frame in oomless's, the bench's or the tests' files (else the innermost frame). Also written:
+the plan's numbers and oomless's stats, so the peak can be read against the ledger.
+"""
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import oomless  # noqa: I001  (before torch, as the `oomless` command)
+
+import torch
+import torch.nn.functional as F
+
+BENCH_DIRECTORY = Path(__file__).resolve().parent
+if str(BENCH_DIRECTORY) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIRECTORY))
+from common import provenance, write_result  # noqa: E402  (bench/common.py)
+
+OWN_FILES = ("/oomless/", "/bench/", "/tests/")
+
+
+def _model(name: str, device: torch.device):
+    from oomless.models import TinyTransformer, UNet3D
+
+    if name == "unet3d":
+        model = UNet3D(base_channels=8, depth=3).to(device)
+        volume = torch.randn(2, 1, 96, 96, 96, device=device)
+        target = (volume[:, 0] > 0.5).long()
+        return model, volume, lambda out: F.cross_entropy(out, target)
+    model = TinyTransformer(vocab_size=512, dim=256, depth=6, heads=8, max_len=1024, dropout=0.1).to(device)
+    tokens = torch.randint(0, 512, (8, 1024), device=device)
+    return model, tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.flatten())
+
+
+def _where(frames: list[dict]) -> str:
+    """The first frame (innermost first) in oomless's, the bench's or the tests' files, else the innermost."""
+    for frame in frames:
+        if any(part in frame["filename"] for part in OWN_FILES):
+            return f"{frame['filename'].split('/src/')[-1]}:{frame['line']} {frame['name']}"
+    if frames:
+        return f"{frames[0]['filename'].split('site-packages/')[-1]}:{frames[0]['line']} {frames[0]['name']}"
+    return "(no Python frame: autograd's engine or a C++ caller)"
+
+
+def peak_from_history(trace: list[dict]) -> dict:
+    """Replay one device's allocator events: the allocated total's maximum and what was live then."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, where in at_peak.values():
+        groups[where][0] += size
+        groups[where][1] += 1
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])
+    return {"peak_above_history_start_bytes": peak,
+            "live_at_peak": [{"where": where, "bytes": size, "blocks": count} for where, (size, count) in ranked[:40]]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("unet3d", "transformer"), default="unet3d")
+    parser.add_argument("--decisions", choices=("swap", "recompute", "keep", "planned"), default="swap")
+    parser.add_argument("--memory", default=None, help="the budget (default: the plan's own prediction)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA: the allocator's history is CUDA's")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _model(args.model, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    decisions = None if args.decisions == "planned" else {block.name: args.decisions for block in profile.blocks}
+    memory = args.memory or oomless.plan(model, inputs, 2**40, decisions=decisions, profile=profile,
+                                         min_swap_bytes=0).predicted_peak_bytes
+    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
+    oomless.apply(model, plan)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+        optimizer.step()
+
+    step()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
+    step()
+    torch.cuda.synchronize(device)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    stats = oomless.stats(model)
+    found = peak_from_history(snapshot["device_traces"][device.index])
+    mib = 2**20
+    result = {"model": args.model, "decisions": args.decisions,
+              "plan": {"memory_bytes": plan.memory_bytes, "static_bytes": plan.static_bytes,
+                       "reserve_bytes": plan.reserve_bytes, "activation_budget": plan.activation_budget,
+                       "predicted_peak_bytes": plan.predicted_peak_bytes, "prefetch_bytes": plan.prefetch_bytes,
+                       "decisions": dict(plan.decisions)},
+              "allocated_before_step_bytes": before,
+              "max_allocated_in_step_bytes": torch.cuda.max_memory_allocated(device),
+              "stats": {"peak_activation_bytes": stats.peak_activation_bytes,
+                        "offloaded_bytes": stats.offloaded_bytes, "stall_seconds": stats.stall_seconds},
+              **found, "provenance": provenance(device)}
+    print(f"{args.model} {args.decisions}: memory {plan.memory_bytes / mib:.0f} MiB, max allocated "
+          f"{result['max_allocated_in_step_bytes'] / mib:.0f} MiB (before the step {before / mib:.0f}), ledger peak "
+          f"{stats.peak_activation_bytes / mib:.0f} of {plan.activation_budget / mib:.0f} MiB")
+    for row in found["live_at_peak"][:15]:
+        print(f"  {row['bytes'] / mib:8.1f} MiB {row['blocks']:5d}  {row['where']}")
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
