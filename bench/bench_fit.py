@@ -222,7 +222,10 @@ def summarise(variant: Variant, plain: Variant, reference: Variant, inputs, devi
                       predicted_step_seconds=plan.predicted_step_seconds,
                       predicted_peak_bytes=plan.predicted_peak_bytes,
                       predicted_activation_peak_bytes=plan.predicted_activation_peak_bytes,
-                      decision_counts=counts, decisions=plan.decisions, prefetch_bytes=plan.prefetch_bytes)
+                      decision_counts=counts, decisions=plan.decisions, prefetch_bytes=plan.prefetch_bytes,
+                      # The prediction's parts: where a predicted peak is off, which one is.
+                      static_bytes=plan.static_bytes, reserve_bytes=plan.reserve_bytes,
+                      static_breakdown=plan.static_breakdown, activation_budget=plan.activation_budget)
     if variant.applied:
         stats = asdict(oomless.stats(variant.model))
         steps = max(stats["steps"], 1)
@@ -270,7 +273,10 @@ def bench_model(model_name: str, sizes: dict, device: torch.device, steps: int, 
     for variant in variants:
         if variant.applied:
             oomless.remove(variant.model)
+    # The profile itself (per block: saved bytes, working memory, times): predictions on a machine
+    # can then be checked against what was measured there, after the run, without it.
     return {"sizes": sizes, "blocks": len(profile.blocks), "smallest_memory_bytes": minimum,
+            "profile": json.loads(profile.to_json()),
             "link": asdict(link) if link is not None else asdict(profile.link),
             "variants": results, "targets": check_targets(results, device)}
 

@@ -13,6 +13,7 @@ the plan's numbers and oomless's stats, so the peak can be read against the ledg
 """
 
 import argparse
+import copy
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,8 @@ import oomless  # noqa: I001  (before torch, as the `oomless` command)
 
 import torch
 import torch.nn.functional as F
+
+from oomless.plan.planner import smallest_memory
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:
@@ -76,11 +79,32 @@ def peak_from_history(trace: list[dict]) -> dict:
             "live_at_peak": [{"where": where, "bytes": size, "blocks": count} for where, (size, count) in ranked[:40]]}
 
 
+def _plain_peak_bytes(model, inputs, loss_fn, device) -> int:
+    """Two plain steps of a copy of ``model`` with Adam: their allocator peak above what was there."""
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(plain(inputs)).backward()
+        optimizer.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del plain, optimizer
+    torch.cuda.empty_cache()
+    return peak
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("unet3d", "transformer"), default="unet3d")
     parser.add_argument("--decisions", choices=("swap", "recompute", "keep", "planned"), default="swap")
     parser.add_argument("--memory", default=None, help="the budget (default: the plan's own prediction)")
+    parser.add_argument("--share", type=float, default=None,
+                        help="the budget as this share of plain PyTorch's measured peak, or the smallest budget "
+                             "if that is more (tests/test_cuda.py's test_step_on_cuda_peaks_within_memory...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,8 +113,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model, inputs, loss_fn = _model(args.model, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    plain_peak = _plain_peak_bytes(model, inputs, loss_fn, device) if args.share is not None else None
     profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     decisions = None if args.decisions == "planned" else {block.name: args.decisions for block in profile.blocks}
+    if args.share is not None:
+        args.memory = max(int(args.share * plain_peak), smallest_memory(profile, min_swap_bytes=0))
     memory = args.memory or oomless.plan(model, inputs, 2**40, decisions=decisions, profile=profile,
                                          min_swap_bytes=0).predicted_peak_bytes
     plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
@@ -113,7 +140,7 @@ def main(argv=None) -> int:
     stats = oomless.stats(model)
     found = peak_from_history(snapshot["device_traces"][device.index])
     mib = 2**20
-    result = {"model": args.model, "decisions": args.decisions,
+    result = {"model": args.model, "decisions": args.decisions, "share": args.share, "plain_peak_bytes": plain_peak,
               "plan": {"memory_bytes": plan.memory_bytes, "static_bytes": plan.static_bytes,
                        "reserve_bytes": plan.reserve_bytes, "activation_budget": plan.activation_budget,
                        "predicted_peak_bytes": plan.predicted_peak_bytes, "prefetch_bytes": plan.prefetch_bytes,

@@ -11,6 +11,8 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     swap_trace        bench/swap_trace.py: torch.profiler trace of one all-swap step, copy/compute overlap
     fit_bench         oomless bench --device cuda (bench/bench_fit.py): step time and peak against plain
                       PyTorch, torch.utils.checkpoint and save_on_cpu
+    cuda_peak         bench/cuda_peak.py: what is live at the allocator's peak of the U-Net planned at 75 % of
+                      plain's peak (tests/test_cuda.py's case), by the line that allocated it
     fit_precision     oomless bench --device cuda --model transformer --precision bf16 --compile: bf16 and
                       compiled variants against plain bf16 and torch.compile(block) (issue 11's figures)
     predict           bench/bench_predict.py: predicted against measured step time and peak
@@ -48,7 +50,8 @@ if str(BENCH_DIRECTORY) not in sys.path:
 from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_report.py)
 
 TIME_BUDGET_SECONDS = 540
-PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "max_size": 80,
+PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
+                       "max_size": 120,
                        "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
@@ -106,13 +109,20 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         {"name": "predict", "writes": ["predict.json"],
          "command": [python, "bench/bench_predict.py", "--device", device_name, "--out", str(out / "predict.json")]
          + ([] if cuda else ["--quick", "--model", "transformer", "--steps", "1"])},
+        {"name": "cuda_peak", "writes": ["cuda-peak.json"],
+         "command": [python, "bench/cuda_peak.py", "--model", "unet3d", "--decisions", "planned", "--share", "0.75",
+                     "--out", str(out / "cuda-peak.json")],
+         **({} if cuda else {"skip": "needs CUDA (the allocator's history)"})},
     ]
     max_size = {"name": "max_size", "writes": [], "command": None}
     if (BENCH_DIRECTORY / "bench_max_size.py").is_file():
-        # 8 GiB on the GPU: large enough to show the ratios, small enough for the piece's time limit.
-        memory = max_size_memory or ("8GiB" if cuda else "48MiB")
+        # On the GPU a search takes too long for the piece (each trial a fresh process, ~10 s; oomless's
+        # at large sides tens of seconds): fixed sides within 2 GiB instead, around plain's largest
+        # (152 fitted, H200, 2026-11-27) and where oomless should reach (CPU: 2.3x plain's side at 1 GiB).
+        memory = max_size_memory or ("2GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
-                               "--out", str(out / "max-size")] + ([] if cuda else ["--quick"])
+                               "--out", str(out / "max-size")] + (
+            ["--sides", "plain:160,plain:168,oomless:288,oomless:320"] if cuda else ["--quick"])
     else:
         max_size["not_present"] = "bench/bench_max_size.py is not in this checkout"
     pieces.append(max_size)
@@ -214,7 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="every piece on CPU at tiny sizes: checks the suite")
     parser.add_argument("--time-budget", type=float, default=TIME_BUDGET_SECONDS, help="seconds for the whole suite")
     parser.add_argument("--only", action="append", default=None, metavar="PIECE", help="run only these pieces")
-    parser.add_argument("--max-size-memory", default=None, help="--memory for bench_max_size (default 90%% of the GPU)")
+    parser.add_argument("--max-size-memory", default=None, help="--memory for bench_max_size (default 2GiB on CUDA, at fixed sides)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.time_budget
     environment = _environment(args.dry_run)

@@ -17,6 +17,8 @@ TARGETS = {
                  "bandwidth) and at least 2x faster than save_on_cpu; peak_over_budget <= 1",
     "predict": "predicted against measured within 10 % for step time and peak activations (|error| <= 0.10)",
     "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
+    "cuda_peak": "what is live at the allocator's peak of the U-Net planned at 75 % of plain's peak: max "
+                 "allocated within the plan's memory; its rows say which line holds the bytes where it is not",
     "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
     "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
     "linear_loss": "the fused head and loss's peak a small share of plain's (no logits whole); step time against "
@@ -84,9 +86,23 @@ def _max_size(out: Path, files: list[str]) -> dict:
     found = {}
     for name in files:
         result = _read(out, name)
-        found[name] = {key: value for key, value in result.items()
-                       if isinstance(value, (int, float, str, bool)) or value is None}
+        found[name] = {"memory": result["memory"],
+                       **{method: {"largest_side": outcome["largest_side"],
+                                   "sides_tried": {trial["side"]: trial["fits"] for trial in outcome["trials"]},
+                                   **({"crashed": [trial["error"] for trial in outcome["trials"] if trial.get("crashed")]}
+                                      if any(trial.get("crashed") for trial in outcome["trials"]) else {})}
+                          for method, outcome in result["methods"].items()}}
     return found
+
+
+def _cuda_peak(out: Path) -> dict:
+    result = _read(out, "cuda-peak.json")
+    mib = 2**20
+    return {"memory_MiB": round(result["plan"]["memory_bytes"] / mib, 1),
+            "max_allocated_MiB": round(result["max_allocated_in_step_bytes"] / mib, 1),
+            "ledger_peak_MiB": round(result["stats"]["peak_activation_bytes"] / mib, 1),
+            "activation_budget_MiB": round(result["plan"]["activation_budget"] / mib, 1),
+            "live_at_peak_MiB": {row["where"]: round(row["bytes"] / mib, 1) for row in result["live_at_peak"][:6]}}
 
 
 def _linear_loss(out: Path) -> dict:
@@ -104,7 +120,7 @@ def highlights(record: dict, out: Path) -> dict:
         return {}
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
-                  "swap_trace": _swap_trace, "linear_loss": _linear_loss,
+                  "swap_trace": _swap_trace, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
     try:

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import oomless  # noqa: E402
 from oomless.models import MLP, DictOutputModel, SmallCNN, TinyTransformer, UNet3D  # noqa: E402
+from oomless.plan.planner import smallest_memory_for  # noqa: E402
 from oomless.runtime.install import installed_state  # noqa: E402
 from tests.conftest import apply_plan_for_share, ledger_case, minimum_memory, plan_under  # noqa: E402
 
@@ -243,7 +244,7 @@ def _plain_peak_bytes(name, tracker) -> int:
     return peak
 
 
-def _planned_peak_bytes(name, tracker, memory=None, everything=None, forced_memory_from_prediction=False,
+def _planned_peak_bytes(name, tracker, memory=None, everything=None, at_smallest_memory=False,
                         precision="fp32"):
     """Peak of planning (profiling included) plus two steps under the plan, above the baseline;
     ``memory`` may be a function of the profile; ``everything`` forces that decision on every block."""
@@ -256,9 +257,8 @@ def _planned_peak_bytes(name, tracker, memory=None, everything=None, forced_memo
     decisions = {block.name: everything for block in profile.blocks} if everything else None
     if callable(memory):
         memory = memory(profile)
-    if forced_memory_from_prediction:
-        memory = oomless.plan(model, inputs, 2**40, decisions=decisions, profile=profile,
-                              min_swap_bytes=0, precision=precision).predicted_peak_bytes
+    if at_smallest_memory:
+        memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
     plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0,
                         precision=precision)
     oomless.apply(model, plan)
@@ -298,12 +298,14 @@ def test_step_on_cuda_peaks_within_memory_well_below_plain(name, share, ceiling,
 @pytest.mark.parametrize("name", LARGE)
 def test_all_swap_really_moves_bytes_off_the_gpu(name, monkeypatch):
     """A swapped storage is freed only once its copy is seen complete, so a lower allocated peak
-    means bytes really left. Budgeted at what the all-swap plan predicts for itself: without a
-    budget, compute outruns the copies and in-flight bytes pile up (printed, not asserted)."""
+    means bytes really left. Budgeted at the smallest memory the all-swap plan fits, where nothing
+    comes back before backward reaches it. (At its own prediction without a budget the plan brings
+    everything back at once, near plain's peak on the U-Net: 879 of 880 MiB, H200, 2026-11-27.)
+    Without a budget, compute outruns the copies and in-flight bytes pile up (printed, not asserted)."""
     tracker = _PeakTracker(monkeypatch)
     plain = _plain_peak_bytes(name, tracker)
     unbudgeted, _, _ = _planned_peak_bytes(name, tracker, memory=2**40, everything="swap")
-    peak, plan, stats = _planned_peak_bytes(name, tracker, everything="swap", forced_memory_from_prediction=True)
+    peak, plan, stats = _planned_peak_bytes(name, tracker, everything="swap", at_smallest_memory=True)
     mib = 2**20
     print(f"\n{name} all-swap: plain {plain / mib:.0f} MiB, swapped {peak / mib:.0f} MiB within "
           f"{plan.memory_bytes / mib:.0f} MiB, unbudgeted {unbudgeted / mib:.0f} MiB, offloaded "

@@ -3,7 +3,7 @@
 import pytest
 
 import oomless
-from oomless.plan.planner import make_plan, smallest_memory
+from oomless.plan.planner import make_plan, smallest_memory, smallest_memory_for
 from oomless.plan.simulate import simulate, with_swap_threshold
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
@@ -284,3 +284,18 @@ def test_a_profile_may_name_its_own_margin():
     profile.margin_share = MEASURED_MARGIN
     assert traced - measured == int(40 * MiB * ESTIMATED_MARGIN) - int(40 * MiB * MEASURED_MARGIN)
     assert reserve_bytes(profile) == measured
+
+
+@pytest.mark.parametrize("decision", ["swap", "recompute", "keep"])
+def test_given_decisions_plan_within_the_smallest_memory_named_for_them(decision):
+    """`smallest_memory_for`: at that budget a plan of those decisions fits (bringing swapped bytes
+    back as early as that budget allows); no budget needs less."""
+    profile = _profile([_block(f"b{i}", 100, 200) for i in range(8)], link_bytes_per_second=1e8)
+    decisions = {block.name: decision for block in profile.blocks}
+    smallest = smallest_memory_for(profile, decisions)
+    plan = make_plan(profile, smallest, decisions=decisions)
+    assert plan.predicted_peak_bytes <= smallest
+    roomy = make_plan(profile, 2**40, decisions=decisions)
+    assert roomy.predicted_peak_bytes >= smallest
+    # The whole-model minimum is no more than any one set of decisions needs.
+    assert smallest_memory(profile) <= smallest

@@ -180,6 +180,17 @@ def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None,
     return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
 
 
+def smallest_memory_for(profile: Profile, decisions: dict[str, str], max_pending_out_bytes: int | None = None,
+                        min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
+    """The smallest budget the given decisions fit, for this profile (without the margin PlanError
+    adds): swapped bytes come back only as backward reaches them (prefetch window 0). A plan of these
+    decisions at this budget fits, bringing them back as early as the budget allows."""
+    profile = with_swap_threshold(profile, min_swap_bytes)
+    timeline = simulate(profile, [decisions[block.name] for block in profile.blocks], 0,
+                        _pending_out_bound(profile, max_pending_out_bytes))
+    return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+
+
 def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int]:
     """(decisions, predicted bytes beyond static memory without the margin) of the plan the profiler's
     timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest plan; without
