@@ -33,7 +33,9 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                       held_forward_bytes=bytes_(block.held_forward_bytes),
                       held_backward_bytes=bytes_(block.held_backward_bytes),
                       forward_transient_bytes=bytes_(block.forward_transient_bytes),
-                      backward_transient_bytes=bytes_(block.backward_transient_bytes))
+                      backward_transient_bytes=bytes_(block.backward_transient_bytes),
+                      input_saved_bytes=bytes_(block.input_saved_bytes),
+                      input_held_earlier=[[bytes_(size), saver, users] for size, saver, users in block.input_held_earlier])
               for block in profile.blocks]
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
                    target_bytes=bytes_(profile.target_bytes),
@@ -71,6 +73,9 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
             forward_seconds=sum(part.forward_seconds for part in parts),
             backward_seconds=sum(part.backward_seconds for part in parts),
             saved_bytes=sum(part.saved_bytes for part in parts),
+            # Which earlier block holds an input names blocks of the profile before the merge: left
+            # out (every input of the group counts), the group's own inputs saved are its first's.
+            input_held_earlier=[],
             largest_saved_bytes=max(part.largest_saved_bytes for part in parts),
             saved_sizes=[size for part in parts for size in part.saved_sizes] if all(
                 part.saved_sizes or not part.saved_bytes for part in parts) else [],

@@ -24,6 +24,9 @@ class BlockPlan:
     # A recompute block that keeps its matmul/convolution/attention outputs and re-runs only the
     # rest of its forward (runtime/selective.py); its decision stays "recompute".
     selective: bool = False
+    # What a recompute of it makes anew: its saved bytes but its own inputs, held already
+    # (`plan.simulate.recomputed_bytes`); None: all its saved bytes.
+    recomputed_bytes: int | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import replace
 from oomless.errors import InputError, PlanError
 from oomless.plan.plan import BlockPlan, Plan
 from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, forward_other_bytes, least_other_bytes,
-                                   loss_other_bytes, phases, recompute_seconds,
+                                   loss_other_bytes, phases, recompute_seconds, recomputed_bytes,
                                    selective_offered, simulate, with_swap_threshold)
 from oomless.plan.solvers import exact, greedy, relax, simulator_for, swap_added_seconds
 from oomless.profile.profile import Profile
@@ -311,7 +311,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                         block.saved_bytes, block.forward_seconds, block.backward_seconds,
                         forward_limit_bytes=budget - forward_phases[i].other,
                         backward_limit_bytes=budget - backward_phases[i].other,
-                        selective=chosen[i] == SELECTIVE)
+                        selective=chosen[i] == SELECTIVE, recomputed_bytes=recomputed_bytes(block))
               for i, block in enumerate(profile.blocks)]
     ahead = "as far as the budget allows" if window is None else format_bytes(window)
     notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, swapped tensors brought back "

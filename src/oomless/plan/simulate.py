@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from oomless.profile.profile import BlockProfile, Profile
+from oomless.profile.tensors import RESIDENT_INPUT
 
 
 @dataclass
@@ -203,6 +204,22 @@ def selective_backward_bytes(block: BlockProfile) -> int:
     return block.input_bytes + block.saved_bytes + (block.selective_unsaved_bytes or 0)
 
 
+def recompute_held_bytes(block: BlockProfile, decisions: list[str]) -> int:
+    """What a recompute block holds from its forward to its backward: its inputs, but those an
+    earlier block holds already under ``decisions`` (`BlockProfile.input_held_earlier`): saved by a
+    kept block, or the input of a recomputed one; and parameters and the model's inputs, which are
+    resident. The runtime's entries are per storage, so such an input costs nothing more."""
+    shared = sum(size for size, saver, users in block.input_held_earlier
+                 if saver == RESIDENT_INPUT or (0 <= saver < len(decisions) and decisions[saver] == "keep")
+                 or any(0 <= user < len(decisions) and decisions[user] in RECOMPUTING for user in users))
+    return max(block.input_bytes - shared, 0)
+
+
+def recomputed_bytes(block: BlockProfile) -> int:
+    """What a recompute of the block's forward makes anew: its saves, but its own inputs (held)."""
+    return max(block.saved_bytes - block.input_saved_bytes, 0)
+
+
 def recompute_seconds(block: BlockProfile, decision: str) -> float:
     """Forward time its backward re-runs: all of it, or (selective) the share of the ops not kept."""
     if decision == SELECTIVE:
@@ -264,6 +281,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     pending_out: deque[tuple[float, int]] = deque()
     pending_bytes = 0
     per_block: list[list[_Entry]] = []
+    held_by_recompute: dict[int, int] = {}   # a recompute block's inputs held from its forward to its backward
     swapped: list[_Entry] = []
     # Swapped entries the forward still references, by the block in whose forward it frees them, with
     # how far into that forward (`BlockProfile.saved_alive_blocks`): they leave the ledger no earlier.
@@ -292,8 +310,9 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         start = now
         enter(start, forward_phases[i])
         if decision == "recompute":
-            add(start, block.input_bytes, HELD, i)
-            ledger += block.input_bytes
+            held_by_recompute[i] = recompute_held_bytes(block, decisions)
+            add(start, held_by_recompute[i], HELD, i)
+            ledger += held_by_recompute[i]
         elif decision == SELECTIVE:
             # Counted from its start: the kept outputs appear over its forward.
             add(start, selective_held_bytes(block), HELD, i)
@@ -374,9 +393,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         block, decision = blocks[i], decisions[i]
         enter(now, backward_phases[i])
         if decision in RECOMPUTING:
-            held = block.input_bytes if decision == "recompute" else selective_held_bytes(block)
-            recomputed = (block.input_bytes + block.saved_bytes if decision == "recompute"
-                          else selective_backward_bytes(block)) - held
+            recomputed = (recomputed_bytes(block) if decision == "recompute"
+                          else selective_backward_bytes(block) - selective_held_bytes(block))
             add(now, recomputed, HELD, i)
             ledger += recomputed
             now += recompute_seconds(block, decision)
@@ -407,7 +425,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 prefetch(now, i)
             now += block.backward_seconds
         if decision in RECOMPUTING:
-            held = block.input_bytes + block.saved_bytes if decision == "recompute" else selective_backward_bytes(block)
+            held = (held_by_recompute[i] + recomputed_bytes(block) if decision == "recompute"
+                    else selective_backward_bytes(block))
             add(now, -held, HELD, i)
             ledger -= held
         if next_prefetch >= 0:

@@ -42,7 +42,7 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import alive_bytes, attributes_kept, parameters_read_by, tensors_in
+from oomless.profile.tensors import InputSharing, alive_bytes, attributes_kept, parameters_read_by, tensors_in
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -110,6 +110,7 @@ class _FakeRecorder:
         self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
         self.order: list[int] = []
         self.resident = resident
+        self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had
         self.memory = MetaMemory(set(resident))
         self.peaks = PhasePeaks()
         self.phase: tuple | None = None     # as `PhasePeaks` names them
@@ -168,6 +169,8 @@ class _FakeRecorder:
             self.unassigned_saved_bytes += num_bytes
         else:
             block = self.blocks[self.forward_block]
+            if self.sharing.saved(self.forward_block, tensor):
+                block.input_saved_bytes += num_bytes
             block.saved_bytes += num_bytes
             block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
         # Keep only the description, as the profiling runtime's swap does: the saved tensor must
@@ -206,6 +209,7 @@ class _FakeRecorder:
             block = self.blocks[index]
             block.calls += 1
             block.input_bytes += _distinct_bytes(tensors_in((args, kwargs)))
+            block.input_held_earlier += self.sharing.block_started(index, tensors_in((args, kwargs)), self.resident)
             block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
             self.phase = ("forward", index)
@@ -214,6 +218,7 @@ class _FakeRecorder:
     def post_hook(self, index: int):
         def hook(module, args, output):
             self.forward_block = None
+            self.sharing.block_finished(index)
             block = self.blocks[index]
             outputs = tensors_in(output)
             block.output_bytes += _distinct_bytes(outputs)

@@ -22,7 +22,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import alive_bytes, storage_bytes, tensors_in, weak_storages
+from oomless.profile.tensors import InputSharing, alive_bytes, storage_bytes, tensors_in, weak_storages
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """As the runtime names a storage (runtime/saved.py `entry_for`)."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
 _BEFORE_BLOCKS = -2  # the forward before its first block
@@ -62,6 +68,7 @@ class Recorder:
         self.saved_freed: list[tuple[int, int, int, int, int]] = []
         self.tier_is_out = None
         self.resident: set[tuple] = set()
+        self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had (per forward)
         self.probe = MemoryProbe(device)
         self.in_backward = False
         self.in_backward_marked = False
@@ -176,6 +183,7 @@ class Recorder:
 
     def forward_started(self, resident_storages):
         self.resident = resident_storages
+        self.sharing = InputSharing(_storage_key)
         self._before_blocks = BlockProfile("")
         self._enter(("forward", _BEFORE_BLOCKS))
         if self.selective_meter is not None:
@@ -249,6 +257,8 @@ class Recorder:
                 self._look_for_freed(position, len(block.saved_sizes) + 1)
             block.saved_alive_blocks.append(ALIVE_INTO_BACKWARD)   # until seen freed
             self.saved_alive.append((entry, block_index, len(block.saved_sizes), position))
+        if tensor is not None and self.sharing.saved(block_index, tensor):
+            block.input_saved_bytes += num_bytes
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
@@ -263,6 +273,7 @@ class Recorder:
         block = self.blocks[index]
         block.calls += 1
         block.input_bytes += storage_bytes(tensors_in(args))
+        block.input_held_earlier += self.sharing.block_started(index, tensors_in(args), self.resident)
         block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
         self._enter(("forward", index))
         before, self._before_blocks = self._before_blocks, None
@@ -276,6 +287,7 @@ class Recorder:
     def block_finished(self, index, output):
         if self.in_backward:
             return
+        self.sharing.block_finished(index)
         block = self.blocks[index]
         block.forward_seconds += self.now() - self.started.pop(index)
         outputs = tensors_in(output)

@@ -212,3 +212,61 @@ def training_state_kept(model: nn.Module):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+RESIDENT_INPUT = -2   # `BlockProfile.input_held_earlier`'s saver for a parameter or model input
+
+
+class InputSharing:
+    """Which of a block's input storages an earlier block of the forward already had
+    (`BlockProfile.input_held_earlier`), and which of its saves are its own inputs
+    (`BlockProfile.input_saved_bytes`). ``key_of(tensor)`` names a tensor's storage; storages are
+    remembered weakly, so an address reused by a new storage is not mistaken for the old one."""
+
+    def __init__(self, key_of):
+        self.key_of = key_of
+        self.saved_by: dict = {}        # key: (weak storage, block that saved it first)
+        self.input_of: dict = {}        # key: (weak storage, [blocks it was an input of])
+        self.running_inputs: dict = {}  # block index: keys of its inputs, while its forward runs
+
+    def _alive(self, table: dict, key):
+        found = table.get(key)
+        if found is None or found[0].expired():
+            return None
+        return found[1]
+
+    def block_started(self, index: int, tensors, resident=frozenset()) -> list:
+        """The block's inputs that an earlier block had: [[bytes, saver or -1, [users]], ...]; a
+        storage in ``resident`` (parameters, the model's inputs: never on the ledger) as
+        [bytes, RESIDENT_INPUT, []]."""
+        shared, keys = [], set()
+        for tensor in tensors:
+            if not has_storage(tensor):
+                continue
+            key = self.key_of(tensor)
+            if key in keys:
+                continue
+            keys.add(key)
+            if key in resident:
+                shared.append([tensor.untyped_storage().nbytes(), RESIDENT_INPUT, []])
+                continue
+            saver = self._alive(self.saved_by, key)
+            users = [user for user in (self._alive(self.input_of, key) or []) if user != index]
+            if (saver is not None and saver != index) or users:
+                shared.append([tensor.untyped_storage().nbytes(), -1 if saver in (None, index) else saver, users])
+            if self._alive(self.input_of, key) is None:
+                self.input_of[key] = (StorageWeakRef(tensor.untyped_storage()), [])
+            if index not in self.input_of[key][1]:
+                self.input_of[key][1].append(index)
+        self.running_inputs[index] = keys
+        return shared
+
+    def block_finished(self, index: int) -> None:
+        self.running_inputs.pop(index, None)
+
+    def saved(self, index: int, tensor) -> bool:
+        """A storage ``index`` saved first: remembered; whether it is one of that block's inputs."""
+        key = self.key_of(tensor)
+        if self._alive(self.saved_by, key) is None:
+            self.saved_by[key] = (StorageWeakRef(tensor.untyped_storage()), index)
+        return key in self.running_inputs.get(index, ())
