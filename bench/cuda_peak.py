@@ -97,6 +97,30 @@ def _plain_peak_bytes(model, inputs, loss_fn, device) -> int:
     return peak
 
 
+def _watch_the_ledger(model) -> dict:
+    """Where the runtime's ledger is at its highest in the next step: the block and phase running,
+    the limit the runtime held it to there, and what it could not take off (copies still running,
+    storages copied out that the forward still references). Filled in as the step runs."""
+    from oomless.runtime.install import installed_state
+
+    engine = installed_state(model).engine
+    highest = {"bytes": -1}
+
+    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
+        if resident_bytes <= highest["bytes"]:
+            return
+        registry = engine.registry
+        backward = registry is not None and registry.backward_started
+        block = registry.backward_block if backward else engine.block_index
+        highest.update(bytes=resident_bytes, phase="backward" if backward else "forward", block=block,
+                       limit=(engine.backward_limit(block, block) if backward else engine.forward_limit(block))
+                       if block is not None else engine.budget_bytes,
+                       copies_running=len(engine.pending_out),
+                       copied_alive_bytes=sum(entry.num_bytes for entry in engine.copied_alive))
+    engine.ledger.observer = observe
+    return highest
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("unet3d", "transformer"), default="unet3d")
@@ -130,6 +154,7 @@ def main(argv=None) -> int:
 
     step()
     torch.cuda.synchronize(device)
+    ledger_peak = _watch_the_ledger(model)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
@@ -149,10 +174,11 @@ def main(argv=None) -> int:
               "max_allocated_in_step_bytes": torch.cuda.max_memory_allocated(device),
               "stats": {"peak_activation_bytes": stats.peak_activation_bytes,
                         "offloaded_bytes": stats.offloaded_bytes, "stall_seconds": stats.stall_seconds},
-              **found, "provenance": provenance(device)}
+              "ledger_peak_context": ledger_peak, **found, "provenance": provenance(device)}
     print(f"{args.model} {args.decisions}: memory {plan.memory_bytes / mib:.0f} MiB, max allocated "
           f"{result['max_allocated_in_step_bytes'] / mib:.0f} MiB (before the step {before / mib:.0f}), ledger peak "
           f"{stats.peak_activation_bytes / mib:.0f} of {plan.activation_budget / mib:.0f} MiB")
+    print(f"  ledger at its highest: {ledger_peak}")
     for row in found["live_at_peak"][:15]:
         print(f"  {row['bytes'] / mib:8.1f} MiB {row['blocks']:5d}  {row['where']}")
     write_result(args.out, result)

@@ -102,6 +102,7 @@ def _cuda_peak(out: Path) -> dict:
             "max_allocated_MiB": round(result["max_allocated_in_step_bytes"] / mib, 1),
             "ledger_peak_MiB": round(result["stats"]["peak_activation_bytes"] / mib, 1),
             "activation_budget_MiB": round(result["plan"]["activation_budget"] / mib, 1),
+            "ledger_peak_context": result.get("ledger_peak_context"),
             "live_at_peak_MiB": {row["where"]: round(row["bytes"] / mib, 1) for row in result["live_at_peak"][:6]}}
 
 

@@ -83,3 +83,47 @@ def test_clear_frees_idle_buffers_only():
     pool.clear()
     assert pool.held_bytes == pool.in_use_bytes == size_class(10_000)
     assert [buffer.data_ptr() for buffer in pool.buffers()] == [held.data_ptr()]
+
+
+class _CopyOut:
+    """Stands for a copy's CUDA event: done once waited for, or when the test says so."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
+    """The profiler's sizing step has no budget: `PinnedHostTier.put` waits for the oldest copies
+    out once the bytes in flight would pass ``max_pending_bytes``, so the swapped activations can
+    leave the device; copies already done, or released, count no more. (The CUDA tier without a
+    GPU: its bookkeeping, with events that finish when waited for.)"""
+    from collections import deque
+
+    from oomless.runtime.tiers import PinnedHostTier, _CudaTicket
+
+    tier = object.__new__(PinnedHostTier)
+    tier.max_pending_bytes, tier._pending, tier._pending_bytes = 100, deque(), 0
+
+    def put(size):
+        tier._wait_for_room(size)
+        ticket = _CudaTicket()
+        ticket.source, ticket.out_done = torch.empty(size, dtype=torch.uint8).untyped_storage(), _CopyOut()
+        tier._pending.append((ticket, size))
+        tier._pending_bytes += size
+        return ticket
+
+    first, second = put(40), put(40)
+    assert not first.out_done.done and tier._pending_bytes == 80
+    third = put(40)                       # 120 > 100: waits for the first only
+    assert first.out_done.done and first.source is None
+    assert not second.out_done.done and tier._pending_bytes == 80
+    second.out_done.done = True           # finished on its own: leaves without a wait
+    third.source = None                   # released
+    put(90)
+    assert tier._pending_bytes == 90 and len(tier._pending) == 1

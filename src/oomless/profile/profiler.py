@@ -21,6 +21,7 @@ from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, huge_pages_note, memory_rule_on, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
+from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
 from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, static_overhead_bytes,
                                      storage_bytes, tensors_held_by, tensors_in, training_state_kept)
 from oomless.sizes import format_bytes
@@ -91,6 +92,10 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         recorder.tier_stall_source = tier.collect_stall_seconds
         if decisions is None:
             recorder.tier_is_out = tier.is_out   # the sizing step reads when the forward frees each saved storage
+            if isinstance(tier, PinnedHostTier):
+                # No budget here: the forward must not hold every activation while the copies catch up
+                # (the disk tier bounds its writes the same way), or profiling needs plain's peak.
+                tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
     try:
         forward_started = recorder.now() - recorder.tier_stall()
         output = call_model(model, example_inputs)

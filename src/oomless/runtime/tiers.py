@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -87,8 +87,28 @@ class PinnedHostTier:
         self.copy_out_stream, self.copy_in_stream, self.dedicated_streams = dedicated_copy_streams(device)
         self.pool = PinnedPool()
         self._stall_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Bytes whose copy out may still run, bounded where set (`put` then waits for the oldest):
+        # without a bound and without a budget the forward outruns the copies, and every swapped
+        # activation stays on the device until its copy has run. The profiler's sizing step, which
+        # has no budget, so peaked at plain PyTorch's 880 MiB on the 3D U-Net (H200, 2026-11-27).
+        # None: the plan's budget bounds them (`SavedTensorEngine.make_room`).
+        self.max_pending_bytes: int | None = None
+        self._pending: deque[tuple[_CudaTicket, int]] = deque()
+        self._pending_bytes = 0
+
+    def _wait_for_room(self, num_bytes: int) -> None:
+        while self._pending:
+            ticket, size = self._pending[0]
+            if ticket.source is not None and not ticket.out_done.query():
+                if self._pending_bytes + num_bytes <= self.max_pending_bytes:
+                    return
+                self.wait_out(ticket)   # a host synchronisation: only where a bound is set
+            self._pending.popleft()
+            self._pending_bytes -= size
 
     def put(self, data: torch.Tensor) -> _CudaTicket:
+        if self.max_pending_bytes is not None:
+            self._wait_for_room(data.numel())
         ticket = _CudaTicket()
         compute_stream = torch.cuda.current_stream(self.device)
         produced = torch.cuda.Event()
@@ -110,6 +130,9 @@ class PinnedHostTier:
         # at once, yet keeps the block unusable until this stream passes an event recorded at
         # free time, behind every copy queued since, so the ledger's "out" would not mean free.
         ticket.source = data.untyped_storage()   # the storage object alone: one reference (see DiskTier.put)
+        if self.max_pending_bytes is not None:
+            self._pending.append((ticket, data.numel()))
+            self._pending_bytes += data.numel()
         return ticket
 
     def is_out(self, ticket: _CudaTicket) -> bool:
@@ -218,6 +241,8 @@ class _DiskTicket:
 
 
 DISK_MAX_PENDING_BYTES = 256 * 2**20
+# The profiler's sizing step on CUDA (no budget there): copies out in flight at most (`PinnedHostTier`).
+PROFILING_MAX_PENDING_BYTES = 256 * 2**20
 
 
 class DiskTier:
