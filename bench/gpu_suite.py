@@ -51,7 +51,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
-                       "max_size": 120,
+                       "max_size": 100,
                        "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
@@ -122,7 +122,7 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         memory = max_size_memory or ("2GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
                                "--out", str(out / "max-size")] + (
-            ["--sides", "plain:160,plain:168,oomless:288,oomless:320"] if cuda else ["--quick"])
+            ["--sides", "plain:160,oomless:288,oomless:320"] if cuda else ["--quick"])
     else:
         max_size["not_present"] = "bench/bench_max_size.py is not in this checkout"
     pieces.append(max_size)
