@@ -5,7 +5,8 @@ the line of oomless, the model or torch that allocated it.
 
 Builds tests/test_cuda.py's large model (``unet3d``: UNet3D(8, 3) on 2 x 96^3; ``transformer``: 6 x
 256 over 8 x 1024 tokens), plans it with every block given ``--decisions`` (or planned, ``planned``)
-at ``--memory`` (default: what that plan predicts for itself, as the test does), trains one step,
+at ``--memory`` (default: what that plan predicts for itself without a budget; ``--share``: a share
+of plain's measured peak, as tests/test_cuda.py's 75 % case), trains one step,
 then records the allocator's history (``torch.cuda.memory._record_memory_history``) over a second
 step. Replaying that history finds the moment of the peak; the blocks live then are summed by the
 first frame in oomless's, the bench's or the tests' files (else the innermost frame). Also written:

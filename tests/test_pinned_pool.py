@@ -99,7 +99,7 @@ class _CopyOut:
 
 
 def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
-    """The profiler's sizing step has no budget: `PinnedHostTier.put` waits for the oldest copies
+    """The profiler's steps have no budget: `PinnedHostTier.put` waits for the oldest copies
     out once the bytes in flight would pass ``max_pending_bytes``, so the swapped activations can
     leave the device; copies already done, or released, count no more. (The CUDA tier without a
     GPU: its bookkeeping, with events that finish when waited for.)"""
@@ -108,7 +108,8 @@ def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
     from oomless.runtime.tiers import PinnedHostTier, _CudaTicket
 
     tier = object.__new__(PinnedHostTier)
-    tier.max_pending_bytes, tier._pending, tier._pending_bytes = 100, deque(), 0
+    tier.max_pending_bytes, tier._pending, tier._pending_bytes, tier._waited_seconds = 100, deque(), 0, 0.0
+    tier._stall_marks = []
 
     def put(size):
         tier._wait_for_room(size)
@@ -121,8 +122,11 @@ def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
     first, second = put(40), put(40)
     assert not first.out_done.done and tier._pending_bytes == 80
     third = put(40)                       # 120 > 100: waits for the first only
-    assert first.out_done.done and first.source is None
+    assert first.out_done.done and tier._pending[0][0] is second
     assert not second.out_done.done and tier._pending_bytes == 80
+    # The storage stays with the ticket: the engine's next poll frees it and updates the ledger at once.
+    assert first.source is not None
+    assert tier.collect_stall_seconds() >= 0.0 and tier._waited_seconds == 0.0
     second.out_done.done = True           # finished on its own: leaves without a wait
     third.source = None                   # released
     put(90)

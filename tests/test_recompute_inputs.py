@@ -73,3 +73,43 @@ def test_recompute_plans_count_each_storage_once_as_the_ledger_does():
     assert stats.recomputed_blocks > 0
     for expected, actual in zip(reference.parameters(), model.parameters()):
         assert torch.equal(expected, actual)
+
+
+class _Reordered(nn.Module):
+    """Blocks registered in another order than they run (the profile lists them as they ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(WIDTH, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.first = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.out(self.act(self.norm(self.first(x))))
+
+
+@pytest.mark.parametrize("target", [None, "h100"])
+def test_the_earlier_blocks_are_named_by_their_place_in_the_profile(target):
+    torch.manual_seed(0)
+    model, inputs = _Reordered(), torch.randn(ROWS, WIDTH)
+    profile = oomless.profile(model, inputs, loss_fn=lambda out: out.square().mean(), blocks=BLOCKS, target=target)
+    names = [block.name for block in profile.blocks]
+    assert names == ["first", "norm", "act", "out"]
+    # `out` reads the norm's output that ReLU(inplace) passed on: saved first by `act`, its input too.
+    assert profile.blocks[3].input_held_earlier == [[ROWS * WIDTH * 4, 2, [2]]]
+
+
+def test_a_block_called_twice_holds_its_inputs_whatever_its_neighbours_do():
+    """A block is placed at its first call; a later call's input may be held by a block that runs
+    after that first call and is freed before this block's backward: only resident inputs are left out."""
+    from oomless.plan.simulate import recompute_held_bytes
+    from oomless.profile.profile import BlockProfile
+
+    twice = BlockProfile("shared", calls=2, input_bytes=300, input_held_earlier=[[100, 0, []], [100, -2, []]])
+    assert recompute_held_bytes(twice, 2, ["keep", "keep", "recompute"]) == 200
+    once = dataclasses.replace(twice, calls=1)
+    assert recompute_held_bytes(once, 2, ["keep", "keep", "recompute"]) == 100
+    # A holder named after the block itself (a stale or later index) is not trusted.
+    later = dataclasses.replace(once, input_held_earlier=[[100, 3, []]])
+    assert recompute_held_bytes(later, 2, ["keep", "keep", "recompute", "keep"]) == 300

@@ -204,14 +204,21 @@ def selective_backward_bytes(block: BlockProfile) -> int:
     return block.input_bytes + block.saved_bytes + (block.selective_unsaved_bytes or 0)
 
 
-def recompute_held_bytes(block: BlockProfile, decisions: list[str]) -> int:
-    """What a recompute block holds from its forward to its backward: its inputs, but those an
-    earlier block holds already under ``decisions`` (`BlockProfile.input_held_earlier`): saved by a
-    kept block, or the input of a recomputed one; and parameters and the model's inputs, which are
-    resident. The runtime's entries are per storage, so such an input costs nothing more."""
-    shared = sum(size for size, saver, users in block.input_held_earlier
-                 if saver == RESIDENT_INPUT or (0 <= saver < len(decisions) and decisions[saver] == "keep")
-                 or any(0 <= user < len(decisions) and decisions[user] in RECOMPUTING for user in users))
+def recompute_held_bytes(block: BlockProfile, index: int, decisions: list[str]) -> int:
+    """What recompute block ``index`` holds from its forward to its backward: its inputs, but those
+    an earlier block holds already under ``decisions`` (`BlockProfile.input_held_earlier`): saved by
+    a kept block, or the input of a recomputed one, whose backward comes after this one's; and
+    parameters and the model's inputs, which are resident. The runtime's entries are per storage, so
+    such an input costs nothing more. A block called more than once is placed at its first call,
+    and a later call's input may be held by a block after it: there only resident inputs are left out."""
+    def held_earlier(saver: int, users: list[int]) -> bool:
+        if saver == RESIDENT_INPUT:
+            return True
+        if block.calls > 1:
+            return False
+        return ((0 <= saver < index and decisions[saver] == "keep")
+                or any(0 <= user < index and decisions[user] in RECOMPUTING for user in users))
+    shared = sum(size for size, saver, users in block.input_held_earlier if held_earlier(saver, users))
     return max(block.input_bytes - shared, 0)
 
 
@@ -310,7 +317,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         start = now
         enter(start, forward_phases[i])
         if decision == "recompute":
-            held_by_recompute[i] = recompute_held_bytes(block, decisions)
+            held_by_recompute[i] = recompute_held_bytes(block, i, decisions)
             add(start, held_by_recompute[i], HELD, i)
             ledger += held_by_recompute[i]
         elif decision == SELECTIVE:

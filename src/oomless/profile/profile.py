@@ -28,7 +28,7 @@ class BlockProfile:
     output_bytes: int = 0
     # Of the block's input storages, those an earlier block of the same forward already had, one
     # [bytes, the earlier block that saved it first (-1: none), [earlier blocks it was an input of]]
-    # each: a recompute of this block holds only the rest, since the runtime's entries are per
+    # each, blocks by their position in this profile's list: a recompute of this block holds only the rest, since the runtime's entries are per
     # storage and that block holds it where it is kept (it saved it) or recomputed (its input).
     # Chains of in-place ops (ReLU(inplace=True) after a norm) pass one storage on this way. A
     # parameter or model input (never on the ledger) is [bytes, -2, []]. Empty where not

@@ -22,7 +22,7 @@ from oomless.profile.rss import MemoryProbe, huge_pages_note, memory_rule_on, re
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
-from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, static_overhead_bytes,
+from oomless.profile.tensors import (call_model, in_profile_order, check_inputs_device, has_storage, static_overhead_bytes,
                                      storage_bytes, tensors_held_by, tensors_in, training_state_kept)
 from oomless.sizes import format_bytes
 
@@ -92,10 +92,11 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         recorder.tier_stall_source = tier.collect_stall_seconds
         if decisions is None:
             recorder.tier_is_out = tier.is_out   # the sizing step reads when the forward frees each saved storage
-            if isinstance(tier, PinnedHostTier):
-                # No budget here: the forward must not hold every activation while the copies catch up
-                # (the disk tier bounds its writes the same way), or profiling needs plain's peak.
-                tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
+        if isinstance(tier, PinnedHostTier):
+            # No budget in the profiling steps: the forward must not hold every swapped activation
+            # while the copies catch up (the disk tier bounds its writes the same way), or profiling
+            # needs plain's peak.
+            tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
     try:
         forward_started = recorder.now() - recorder.tier_stall()
         output = call_model(model, example_inputs)
@@ -298,8 +299,11 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
     modules = dict(found)
     parameters = list(dict.fromkeys(model.parameters()))
     block_profiles = []
-    for index in recorder.order + [i for i in range(len(found)) if i not in recorder.order]:
+    order = recorder.order + [i for i in range(len(found)) if i not in recorder.order]
+    position = {index: place for place, index in enumerate(order)}
+    for index in order:
         block = recorder.blocks[index]
+        block.input_held_earlier = in_profile_order(block.input_held_earlier, position)
         block.parameter_bytes = storage_bytes(list(modules[block.name].parameters()))
         block.batchnorm_channels = batchnorm_channels(modules[block.name])
         if block.calls == 0:

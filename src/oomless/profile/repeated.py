@@ -104,7 +104,7 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
     middle = [block for i in range(1, depth - 1) for block in renamed(by_layer[1], i)]
     blocks = (profile.blocks[:first] + by_layer[0] + middle + renamed(by_layer[kept_layers - 1], depth - 1)
               + profile.blocks[last + 1:])
-    # Which earlier block holds an input names blocks by their index in the profile as measured;
+    # Which earlier block holds an input names blocks by their position in the profile as measured;
     # the copies move those: left out (every input counts).
     blocks = [replace(block, input_held_earlier=[]) for block in blocks]
     added = depth - kept_layers

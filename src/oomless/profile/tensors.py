@@ -217,6 +217,13 @@ def training_state_kept(model: nn.Module):
 RESIDENT_INPUT = -2   # `BlockProfile.input_held_earlier`'s saver for a parameter or model input
 
 
+def in_profile_order(held: list, position: dict[int, int]) -> list:
+    """`BlockProfile.input_held_earlier` as recorded (blocks numbered in the order they were found)
+    with each block's position in the profile instead (the order the blocks ran)."""
+    return [[size, saver if saver < 0 else position[saver], sorted(position[user] for user in users)]
+            for size, saver, users in held]
+
+
 class InputSharing:
     """Which of a block's input storages an earlier block of the forward already had
     (`BlockProfile.input_held_earlier`), and which of its saves are its own inputs

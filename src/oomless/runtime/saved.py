@@ -290,7 +290,8 @@ class SavedTensorEngine:
         fetched on demand): if that would pass ``limit``, the running phase's share of the
         activation budget, wait for earlier swaps' copies to finish. The plan predicts this never
         happens; when copies fall behind the prediction, waiting keeps the budget a promise (on CUDA
-        this is a host synchronisation, the only one the runtime makes, and only in that case)."""
+        this is a host synchronisation, the only one a planned step makes, and only in that case;
+        the profiler's steps, which have no budget, bound the copies in flight instead)."""
         self.poll()
         while not self.has_room(num_bytes, limit) and self.pending_out:
             entry = self.pending_out[0]

@@ -73,10 +73,11 @@ def _bytes_of(storage) -> torch.Tensor:
 
 
 class _CudaTicket:
-    __slots__ = ("host", "host_ready", "source", "out_done", "device", "in_done")
+    __slots__ = ("host", "host_ready", "source", "out_done", "device", "in_done", "whole")
 
     def __init__(self):
         self.host = self.host_ready = self.source = self.out_done = self.device = self.in_done = None
+        self.whole = False      # the bytes put are their whole storage: `prefetch` may read them in place
 
 
 class PinnedHostTier:
@@ -95,6 +96,7 @@ class PinnedHostTier:
         self.max_pending_bytes: int | None = None
         self._pending: deque[tuple[_CudaTicket, int]] = deque()
         self._pending_bytes = 0
+        self._waited_seconds = 0.0      # host time `put` waited for room, counted as stall
 
     def _wait_for_room(self, num_bytes: int) -> None:
         while self._pending:
@@ -102,7 +104,11 @@ class PinnedHostTier:
             if ticket.source is not None and not ticket.out_done.query():
                 if self._pending_bytes + num_bytes <= self.max_pending_bytes:
                     return
-                self.wait_out(ticket)   # a host synchronisation: only where a bound is set
+                # A host synchronisation, only where a bound is set. The storage stays with the
+                # ticket: the engine's next poll frees it and takes it off the ledger together.
+                started = time.perf_counter()
+                ticket.out_done.synchronize()
+                self._waited_seconds += time.perf_counter() - started
             self._pending.popleft()
             self._pending_bytes -= size
 
@@ -130,6 +136,7 @@ class PinnedHostTier:
         # at once, yet keeps the block unusable until this stream passes an event recorded at
         # free time, behind every copy queued since, so the ledger's "out" would not mean free.
         ticket.source = data.untyped_storage()   # the storage object alone: one reference (see DiskTier.put)
+        ticket.whole = data.storage_offset() == 0 and data.numel() == ticket.source.nbytes()
         if self.max_pending_bytes is not None:
             self._pending.append((ticket, data.numel()))
             self._pending_bytes += data.numel()
@@ -148,11 +155,12 @@ class PinnedHostTier:
     def prefetch(self, ticket: _CudaTicket) -> None:
         if ticket.device is not None:
             return
-        if ticket.source is not None:
-            # The copy out has not been seen complete, so the activation itself is still on the
-            # device (the last blocks' saves, when backward follows the forward at once): backward
-            # reads it in place, with no copy back and no second device buffer. Safe: backward only
-            # reads saved tensors, as the copy out does.
+        if ticket.source is not None and ticket.whole:
+            # The copy out has not been seen complete, so the bytes themselves are still on the
+            # device (the last blocks' saves, when backward follows the forward at once): they are
+            # read in place, with no copy back and no second device buffer. Safe where nothing
+            # writes them while the host copy is still wanted: backward only reads saved tensors;
+            # offloaded parameters put a clone; offloaded optimizer state is released at its `get`.
             ticket.device = _bytes_of(ticket.source)
             return
         with torch.cuda.stream(self.copy_in_stream):
@@ -199,8 +207,10 @@ class PinnedHostTier:
         ticket.device = ticket.host = ticket.source = None
 
     def collect_stall_seconds(self) -> float:
-        """Seconds the compute stream spent waiting for copies, from events already complete."""
-        total, pending = 0.0, []
+        """Seconds the compute stream spent waiting for copies, from events already complete, and
+        the host's waits for room under ``max_pending_bytes``."""
+        total, pending = self._waited_seconds, []
+        self._waited_seconds = 0.0
         for before, after in self._stall_marks:
             if after.query():
                 total += before.elapsed_time(after) / 1000.0
