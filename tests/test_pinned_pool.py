@@ -115,8 +115,7 @@ def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
         tier._wait_for_room(size)
         ticket = _CudaTicket()
         ticket.source, ticket.out_done = torch.empty(size, dtype=torch.uint8).untyped_storage(), _CopyOut()
-        tier._pending.append((ticket, size))
-        tier._pending_bytes += size
+        tier._queued(ticket, size)
         return ticket
 
     first, second = put(40), put(40)

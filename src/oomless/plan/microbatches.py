@@ -35,7 +35,8 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                       forward_transient_bytes=bytes_(block.forward_transient_bytes),
                       backward_transient_bytes=bytes_(block.backward_transient_bytes),
                       input_saved_bytes=bytes_(block.input_saved_bytes),
-                      input_held_earlier=[[bytes_(size), saver, users] for size, saver, users in block.input_held_earlier])
+                      input_held_earlier=[[bytes_(size), saver, users]
+                                          for size, saver, users in block.input_held_earlier])
               for block in profile.blocks]
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
                    target_bytes=bytes_(profile.target_bytes),

@@ -29,8 +29,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from oomless.profile.profile import BlockProfile, Profile
-from oomless.profile.tensors import RESIDENT_INPUT
+from oomless.profile.profile import RESIDENT_INPUT, BlockProfile, Profile
 
 
 @dataclass

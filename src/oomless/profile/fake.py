@@ -42,7 +42,8 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import InputSharing, alive_bytes, in_profile_order, attributes_kept, parameters_read_by, tensors_in
+from oomless.profile.tensors import (InputSharing, alive_bytes, attributes_kept, holders_by_place, parameters_read_by,
+                                     tensors_in)
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -342,15 +343,14 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     block_profiles = []
     modules = dict(found)
     order = recorder.order + [i for i in range(len(found)) if i not in recorder.order]
-    position = {index: place for place, index in enumerate(order)}
     for index in order:
         block = recorder.blocks[index]
-        block.input_held_earlier = in_profile_order(block.input_held_earlier, position)
         block.parameter_bytes = _distinct_bytes([stand_ins[id(p)] for p in modules[block.name].parameters()])
         block.batchnorm_channels = batchnorm_channels(modules[block.name])
         if block.calls == 0:
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
+    holders_by_place(block_profiles, order)
     trainable = [p for p in parameters if p.requires_grad]
     notes.append(f"{_format_flops(roofline.flops)} per step (matmuls, convolutions, attention); "
                  f"profiled in {time.perf_counter() - started:.1f} s")

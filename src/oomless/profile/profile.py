@@ -4,6 +4,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+RESIDENT_INPUT = -2   # `BlockProfile.input_held_earlier`'s saver for a parameter or model input
+
+
 @dataclass
 class BlockProfile:
     name: str
@@ -28,11 +31,11 @@ class BlockProfile:
     output_bytes: int = 0
     # Of the block's input storages, those an earlier block of the same forward already had, one
     # [bytes, the earlier block that saved it first (-1: none), [earlier blocks it was an input of]]
-    # each, blocks by their position in this profile's list: a recompute of this block holds only the rest, since the runtime's entries are per
-    # storage and that block holds it where it is kept (it saved it) or recomputed (its input).
-    # Chains of in-place ops (ReLU(inplace=True) after a norm) pass one storage on this way. A
-    # parameter or model input (never on the ledger) is [bytes, -2, []]. Empty where not
-    # measured: every input counts.
+    # each, blocks by their position in this profile's list: a recompute of this block holds only
+    # the rest, since the runtime's entries are per storage and that block holds it where it is kept
+    # (it saved it) or recomputed (its input). Chains of in-place ops (ReLU(inplace=True) after a
+    # norm) pass one storage on this way. A parameter or model input (never on the ledger) is
+    # [bytes, RESIDENT_INPUT, []]. Empty where not measured: every input counts.
     input_held_earlier: list = field(default_factory=list)
     # Bytes of the storages this block saved first that are its own inputs: its recompute makes
     # none of them anew (they are held as its inputs).

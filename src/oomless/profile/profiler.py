@@ -21,9 +21,10 @@ from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, huge_pages_note, memory_rule_on, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
+from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, holders_by_place,
+                                     static_overhead_bytes, storage_bytes, tensors_held_by, tensors_in,
+                                     training_state_kept)
 from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
-from oomless.profile.tensors import (call_model, in_profile_order, check_inputs_device, has_storage, static_overhead_bytes,
-                                     storage_bytes, tensors_held_by, tensors_in, training_state_kept)
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -300,15 +301,14 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
     parameters = list(dict.fromkeys(model.parameters()))
     block_profiles = []
     order = recorder.order + [i for i in range(len(found)) if i not in recorder.order]
-    position = {index: place for place, index in enumerate(order)}
     for index in order:
         block = recorder.blocks[index]
-        block.input_held_earlier = in_profile_order(block.input_held_earlier, position)
         block.parameter_bytes = storage_bytes(list(modules[block.name].parameters()))
         block.batchnorm_channels = batchnorm_channels(modules[block.name])
         if block.calls == 0:
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
+    holders_by_place(block_profiles, order)
     trainable = [p for p in parameters if p.requires_grad]
     return Profile(
         device=str(device),

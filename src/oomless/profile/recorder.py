@@ -22,12 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import InputSharing, alive_bytes, storage_bytes, tensors_in, weak_storages
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    """As the runtime names a storage (runtime/saved.py `entry_for`)."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
+from oomless.profile.tensors import InputSharing, alive_bytes, storage_bytes, storage_key, tensors_in, weak_storages
 
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
@@ -68,7 +63,7 @@ class Recorder:
         self.saved_freed: list[tuple[int, int, int, int, int]] = []
         self.tier_is_out = None
         self.resident: set[tuple] = set()
-        self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had (per forward)
+        self.sharing = InputSharing(storage_key)   # blocks' inputs an earlier block had (per forward)
         self.probe = MemoryProbe(device)
         self.in_backward = False
         self.in_backward_marked = False
@@ -183,7 +178,7 @@ class Recorder:
 
     def forward_started(self, resident_storages):
         self.resident = resident_storages
-        self.sharing = InputSharing(_storage_key)
+        self.sharing = InputSharing(storage_key)
         self._before_blocks = BlockProfile("")
         self._enter(("forward", _BEFORE_BLOCKS))
         if self.selective_meter is not None:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.errors import InputError
+from oomless.profile.profile import RESIDENT_INPUT
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -82,6 +83,11 @@ def has_storage(tensor: torch.Tensor) -> bool:
     return not (tensor.is_sparse or tensor.is_nested)
 
 
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """A storage's name while it lives, as the runtime's entries key it (runtime/saved.py)."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
 def weak_storages(tensors, resident=frozenset()) -> dict[tuple, tuple[StorageWeakRef, int]]:
     """{(device, data pointer): (a weak reference to the storage, its bytes)} of ``tensors`` with a
     storage on a real device, but those in ``resident``: read later (`alive_bytes`) without keeping
@@ -89,9 +95,9 @@ def weak_storages(tensors, resident=frozenset()) -> dict[tuple, tuple[StorageWea
     storages = {}
     for tensor in tensors:
         if has_storage(tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr())
+            key = storage_key(tensor)
             if key not in resident:
+                storage = tensor.untyped_storage()
                 storages[key] = (StorageWeakRef(storage), storage.nbytes())
     return storages
 
@@ -214,14 +220,14 @@ def training_state_kept(model: nn.Module):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-RESIDENT_INPUT = -2   # `BlockProfile.input_held_earlier`'s saver for a parameter or model input
-
-
-def in_profile_order(held: list, position: dict[int, int]) -> list:
-    """`BlockProfile.input_held_earlier` as recorded (blocks numbered in the order they were found)
-    with each block's position in the profile instead (the order the blocks ran)."""
-    return [[size, saver if saver < 0 else position[saver], sorted(position[user] for user in users)]
-            for size, saver, users in held]
+def holders_by_place(blocks: list, order: list[int]) -> None:
+    """Rewrite each of ``blocks``' `BlockProfile.input_held_earlier` from the recorder's numbers (the
+    order blocks were found) to positions in the profile, whose blocks are the recorder's ``order``."""
+    position = {index: place for place, index in enumerate(order)}
+    for block in blocks:
+        block.input_held_earlier = [[size, saver if saver < 0 else position[saver],
+                                     sorted(position[user] for user in users)]
+                                    for size, saver, users in block.input_held_earlier]
 
 
 class InputSharing:
@@ -258,13 +264,15 @@ class InputSharing:
                 shared.append([tensor.untyped_storage().nbytes(), RESIDENT_INPUT, []])
                 continue
             saver = self._alive(self.saved_by, key)
-            users = [user for user in (self._alive(self.input_of, key) or []) if user != index]
+            blocks_in = self._alive(self.input_of, key)
+            users = [user for user in blocks_in or [] if user != index]
             if (saver is not None and saver != index) or users:
                 shared.append([tensor.untyped_storage().nbytes(), -1 if saver in (None, index) else saver, users])
-            if self._alive(self.input_of, key) is None:
-                self.input_of[key] = (StorageWeakRef(tensor.untyped_storage()), [])
-            if index not in self.input_of[key][1]:
-                self.input_of[key][1].append(index)
+            if blocks_in is None:
+                blocks_in = []
+                self.input_of[key] = (StorageWeakRef(tensor.untyped_storage()), blocks_in)
+            if index not in blocks_in:
+                blocks_in.append(index)
         self.running_inputs[index] = keys
         return shared
 

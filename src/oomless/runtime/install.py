@@ -83,8 +83,9 @@ class InstalledPlan:
                                         device, [block.forward_limit_bytes for block in plan.blocks],
                                         [block.backward_limit_bytes for block in plan.blocks])
         self.engine.recorder = recorder
-        self.engine.recompute_bytes = {index: block.saved_bytes if block.recomputed_bytes is None else block.recomputed_bytes
-                                       for index, block in enumerate(plan.blocks)}
+        self.engine.recompute_bytes = {
+            index: block.saved_bytes if block.recomputed_bytes is None else block.recomputed_bytes
+            for index, block in enumerate(plan.blocks)}
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None

@@ -138,9 +138,13 @@ class PinnedHostTier:
         ticket.source = data.untyped_storage()   # the storage object alone: one reference (see DiskTier.put)
         ticket.whole = data.storage_offset() == 0 and data.numel() == ticket.source.nbytes()
         if self.max_pending_bytes is not None:
-            self._pending.append((ticket, data.numel()))
-            self._pending_bytes += data.numel()
+            self._queued(ticket, data.numel())
         return ticket
+
+    def _queued(self, ticket: _CudaTicket, num_bytes: int) -> None:
+        """``ticket``'s copy out is queued: its bytes count against ``max_pending_bytes`` until done."""
+        self._pending.append((ticket, num_bytes))
+        self._pending_bytes += num_bytes
 
     def is_out(self, ticket: _CudaTicket) -> bool:
         if ticket.out_done.query():
