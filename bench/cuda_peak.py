@@ -24,7 +24,7 @@ import oomless  # noqa: I001  (before torch, as the `oomless` command)
 import torch
 import torch.nn.functional as F
 
-from oomless.plan.planner import smallest_memory
+from oomless.plan.planner import smallest_memory, smallest_memory_for
 
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:
@@ -98,38 +98,76 @@ def _plain_peak_bytes(model, inputs, loss_fn, device) -> int:
     return peak
 
 
-def _watch_the_ledger(model) -> dict:
+def _watch_the_ledger(model, device) -> tuple[dict, dict]:
     """Where the runtime's ledger is at its highest in the next step: the block and phase running,
     the limit the runtime held it to there, and what it could not take off (copies still running,
-    storages copied out that the forward still references). Filled in as the step runs."""
+    storages copied out that the forward still references). And per phase (forward or backward, at
+    a place: `SavedTensorEngine.position_of`), the ledger's highest, the allocator's peak (read and
+    reset at each change of the ledger: the peak of the interval goes to the phase it ran in) and
+    the limit: the plan's working memory of a phase is its activation budget less that limit. Filled
+    in as the step runs."""
     from oomless.runtime.install import installed_state
 
     engine = installed_state(model).engine
     highest = {"bytes": -1}
+    phases: dict = {}
 
-    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
-        if resident_bytes <= highest["bytes"]:
-            return
+    def where() -> tuple[str, int | None]:
         registry = engine.registry
         backward = registry is not None and registry.backward_started
-        block = registry.backward_block if backward else engine.block_index
-        highest.update(bytes=resident_bytes, phase="backward" if backward else "forward", block=block,
-                       limit=(engine.backward_limit(block, block) if backward else engine.forward_limit(block))
-                       if block is not None else engine.budget_bytes,
+        if backward:
+            return "backward", registry.backward_block
+        return "forward", None if engine.block_index is None else engine.position_of(engine.block_index)
+
+    def limit_of(phase: str, block: int | None) -> int | None:
+        if block is None:
+            return engine.budget_bytes
+        return engine.backward_limit(block, block) if phase == "backward" else engine.forward_limit(block)
+
+    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
+        phase, block = where()
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row = phases.setdefault((phase, block), {"phase": phase, "place": block, "ledger_max": 0,
+                                                 "allocated_peak": 0, "limit": limit_of(phase, block)})
+        row["ledger_max"] = max(row["ledger_max"], resident_bytes)
+        row["allocated_peak"] = max(row["allocated_peak"], peak)
+        if resident_bytes <= highest["bytes"]:
+            return
+        highest.update(bytes=resident_bytes, phase=phase, block=block, limit=limit_of(phase, block),
                        copies_running=len(engine.pending_out),
                        copied_alive_bytes=sum(entry.num_bytes for entry in engine.copied_alive))
     engine.ledger.observer = observe
-    return highest
+    return highest, phases
+
+
+def _phase_rows(phases: dict, plan, before: int) -> list[dict]:
+    """Per phase, in the step's order: measured against the plan's working memory for it."""
+    names = list(plan.decisions)
+    rows = []
+    for row in phases.values():
+        place = row["place"]
+        limit = row["limit"]
+        measured_beyond = row["allocated_peak"] - before - row["ledger_max"]
+        rows.append({**row, "block": names[place] if place is not None and place < len(names) else None,
+                     "allocated_peak_above_before": row["allocated_peak"] - before,
+                     "measured_beyond_ledger": measured_beyond,
+                     "planned_working": None if limit is None else plan.activation_budget - limit})
+    return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("unet3d", "transformer"), default="unet3d")
     parser.add_argument("--decisions", choices=("swap", "recompute", "keep", "planned"), default="swap")
-    parser.add_argument("--memory", default=None, help="the budget (default: the plan's own prediction)")
+    parser.add_argument("--memory", default=None,
+                        help="the budget (default: the plan's own prediction; smallest: the smallest that "
+                             "--decisions fit)")
     parser.add_argument("--share", type=float, default=None,
                         help="the budget as this share of plain PyTorch's measured peak, or the smallest budget "
                              "if that is more (tests/test_cuda.py's test_step_on_cuda_peaks_within_memory...)")
+    parser.add_argument("--profile-history", action="store_true",
+                        help="also record the allocator's history over oomless.profile: what is live at its peak")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,8 +177,30 @@ def main(argv=None) -> int:
     model, inputs, loss_fn = _model(args.model, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     plain_peak = _plain_peak_bytes(model, inputs, loss_fn, device) if args.share is not None else None
+    torch.cuda.synchronize(device)
+    profiling_before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if args.profile_history:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
     profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    torch.cuda.synchronize(device)
+    # The profiler resets the allocator's peak at every reading: its own highest reading is kept.
+    profiling = {"allocated_before_bytes": profiling_before, "measured_peak_bytes": profile.measured_peak_bytes,
+                 "blocks": [{"name": block.name, "saved_bytes": block.saved_bytes,
+                             "forward_other_bytes": block.forward_other_bytes,
+                             "backward_other_bytes": block.backward_other_bytes,
+                             "forward_peak_bytes": block.forward_peak_bytes,
+                             "backward_peak_bytes": block.backward_peak_bytes} for block in profile.blocks]}
+    if args.profile_history:
+        history = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        profiling.update(peak_from_history(history["device_traces"][device.index]))
+        print(f"profiling: peak {profiling['peak_above_history_start_bytes'] / 2**20:.0f} MiB above its start; live then:")
+        for row in profiling["live_at_peak"][:15]:
+            print(f"  {row['bytes'] / 2**20:8.1f} MiB {row['blocks']:5d}  {row['where']}")
     decisions = None if args.decisions == "planned" else {block.name: args.decisions for block in profile.blocks}
+    if args.memory == "smallest":
+        args.memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
     if args.share is not None:
         args.memory = max(int(args.share * plain_peak), smallest_memory(profile, min_swap_bytes=0))
     memory = args.memory or oomless.plan(model, inputs, 2**40, decisions=decisions, profile=profile,
@@ -155,7 +215,7 @@ def main(argv=None) -> int:
 
     step()
     torch.cuda.synchronize(device)
-    ledger_peak = _watch_the_ledger(model)
+    ledger_peak, phases = _watch_the_ledger(model, device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
@@ -163,6 +223,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize(device)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    phase_rows = _phase_rows(phases, plan, before)
     stats = oomless.stats(model)
     found = peak_from_history(snapshot["device_traces"][device.index])
     mib = 2**20
@@ -172,16 +233,25 @@ def main(argv=None) -> int:
                        "predicted_peak_bytes": plan.predicted_peak_bytes, "prefetch_bytes": plan.prefetch_bytes,
                        "decisions": dict(plan.decisions)},
               "allocated_before_step_bytes": before,
-              "max_allocated_in_step_bytes": torch.cuda.max_memory_allocated(device),
+              # The phases' readings reset the allocator's peak: the step's is the highest of them.
+              "max_allocated_in_step_bytes": max([torch.cuda.max_memory_allocated(device)]
+                                                 + [row["allocated_peak"] for row in phase_rows]),
               "stats": {"peak_activation_bytes": stats.peak_activation_bytes,
                         "offloaded_bytes": stats.offloaded_bytes, "stall_seconds": stats.stall_seconds},
-              "ledger_peak_context": ledger_peak, **found, "provenance": provenance(device)}
+              "ledger_peak_context": ledger_peak, "phases": phase_rows, "profiling": profiling,
+              **found, "provenance": provenance(device)}
     print(f"{args.model} {args.decisions}: memory {plan.memory_bytes / mib:.0f} MiB, max allocated "
           f"{result['max_allocated_in_step_bytes'] / mib:.0f} MiB (before the step {before / mib:.0f}), ledger peak "
           f"{stats.peak_activation_bytes / mib:.0f} of {plan.activation_budget / mib:.0f} MiB")
     print(f"  ledger at its highest: {ledger_peak}")
     for row in found["live_at_peak"][:15]:
         print(f"  {row['bytes'] / mib:8.1f} MiB {row['blocks']:5d}  {row['where']}")
+    print("  phase     place block                     ledger  limit  allocated  beyond  planned working (MiB)")
+    for row in phase_rows:
+        limit = "-" if row["limit"] is None else f"{row['limit'] / mib:6.0f}"
+        working = "-" if row["planned_working"] is None else f"{row['planned_working'] / mib:6.0f}"
+        print(f"  {row['phase']:9} {str(row['place']):5} {str(row['block']):25} {row['ledger_max'] / mib:6.0f} {limit:>6} "
+              f"{row['allocated_peak_above_before'] / mib:9.0f} {row['measured_beyond_ledger'] / mib:7.0f} {working:>8}")
     write_result(args.out, result)
     return 0
 

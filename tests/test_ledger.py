@@ -2,10 +2,14 @@
 bytes resident on the device is within the plan's activation budget, from a budget that leaves all
 activations on the device down to the smallest budget that fits."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import oomless
+from oomless.plan.planner import smallest_memory_for
+from oomless.runtime.install import installed_state
 from tests.conftest import apply_plan_for_share, ledger_case
 
 
@@ -109,3 +113,53 @@ def test_an_all_keep_plan_counts_its_first_forwards_of_each_shape_then_runs_with
     assert peaks[0] > 0 and peaks[COUNTED_FORWARDS + 1] == peaks[0] and peaks[-1] > peaks[0]
     assert oomless.stats(model).steps == 2 * COUNTED_FORWARDS + 3
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+class _SharedActivation(torch.nn.Module):
+    """Eight layers with one activation module called after the first and before the last (as a
+    U-Net's one pooling module runs at every level): that block's second call runs late in the
+    forward, so early in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                          for _ in range(8))
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        x = self.act(self.layers[0](x))
+        for layer in self.layers[1:7]:
+            x = layer(x)
+        return self.layers[7](self.act(x))
+
+
+def test_prefetch_stays_within_the_limits_past_a_block_called_again():
+    """Backward's place is where a call ran, not the block's first call: the shared activation's
+    second call, used early in backward, must not make every later layer's entries seem to have no
+    phase left before their use. Before, the whole forward's swapped bytes came back at once there
+    (26 MiB for a budget of 8.5; a U-Net on CUDA brought back 350 MiB)."""
+    torch.manual_seed(0)
+    model, inputs = _SharedActivation(), torch.randn(2048, 256)
+    loss_fn = lambda out: out.square().mean()    # noqa: E731
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    assert [block.calls for block in profile.blocks if block.name == "act"] == [2]
+    decisions = {block.name: "swap" for block in profile.blocks}
+    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
+    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
+    # A prefetch window as wide as the budget allows (the planner's choice at larger budgets).
+    oomless.apply(model, dataclasses.replace(plan, prefetch_bytes=None))
+    engine = installed_state(model).engine
+    places = []
+    for step in range(2):
+        places.clear()     # the second step's: its first unpack finds the blocks' places filled in
+        engine.ledger.observer = lambda _: places.append(engine.registry.backward_block
+                                                         if engine.registry.backward_started else None)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+    stats = oomless.stats(model)
+    assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
+    # Backward goes down the layers one place at a time, the second call of "act" at the place it
+    # ran (before: from layers.7 straight to "act"'s first place, 2, and there to the end).
+    backward = [place for place in places if place is not None]
+    assert backward == sorted(backward, reverse=True)
+    assert len(set(backward)) >= len(profile.blocks) - 3, backward

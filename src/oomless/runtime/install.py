@@ -225,7 +225,8 @@ class InstalledPlan:
 
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):
-            self.engine.block_index, self.engine.decision = index, decision
+            self.engine.block_entered(index)
+            self.engine.decision = decision
             if self._hooks_context is not None and self._parameters_move:
                 self._mark_gathered_parameters(index, module)
             self.engine.poll()

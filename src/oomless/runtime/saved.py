@@ -18,12 +18,13 @@ KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
 class _Entry:
     """One saved storage: kept on the device, or moved to a tier and brought back for backward."""
 
-    __slots__ = ("registry", "block_index", "num_bytes", "decision", "weak", "device_data",
+    __slots__ = ("registry", "block_index", "position", "num_bytes", "decision", "weak", "device_data",
                  "ticket", "handles", "on_ledger", "fetch_issued", "fetched")
 
-    def __init__(self, registry, block_index: int, storage, decision: str):
+    def __init__(self, registry, block_index: int, storage, decision: str, position: int):
         self.registry = registry
         self.block_index = block_index
+        self.position = position    # where in the step it was saved (`SavedTensorEngine.position_of`)
         self.num_bytes = storage.nbytes()
         self.decision = decision
         self.weak = StorageWeakRef(storage)
@@ -100,7 +101,7 @@ class ForwardRegistry:
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
             return entry
-        entry = _Entry(self, block_index, storage, decision)
+        entry = _Entry(self, block_index, storage, decision, self.engine.position_of(block_index))
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
@@ -121,15 +122,15 @@ class ForwardRegistry:
             entry.device_data = tensor
         return entry
 
-    def reached(self, block_index: int) -> None:
-        """Backward is in block ``block_index``'s backward (it goes down the blocks)."""
-        if block_index < self.backward_block:
-            self.backward_block = block_index
+    def reached(self, position: int) -> None:
+        """Backward is at ``position`` (`SavedTensorEngine.position_of`): it goes down the blocks."""
+        if position < self.backward_block:
+            self.backward_block = position
 
     def fetch(self, entry: _Entry) -> torch.Tensor:
         engine = self.engine
         engine.poll()
-        self.reached(entry.block_index)
+        self.reached(entry.position)
         if not entry.fetched:
             if not entry.fetch_issued:
                 # Needed now: asked for ahead of the prefetches below, once copies out still on the
@@ -168,7 +169,7 @@ class ForwardRegistry:
                 return
             # It stays until its block's backward: it must fit the limit of every phase until then.
             if not entry.on_ledger and not engine.has_room(
-                    entry.num_bytes, engine.backward_limit(entry.block_index, self.backward_block)):
+                    entry.num_bytes, engine.backward_limit(entry.position, self.backward_block)):
                 return
             self._issue(entry)
             self.next_prefetch -= 1
@@ -223,6 +224,9 @@ class SavedTensorEngine:
         self.resident_storages: set[tuple] = set()
         self.registry: ForwardRegistry | None = None
         self.block_index: int | None = None
+        # The highest block index entered in this forward: where a block called again (a U-Net's
+        # one pooling module at every level) runs in the step (`position_of`).
+        self.forward_position = -1
         self.decision: str = KEEP
         self.recorder = None
         self.recompute_bytes: dict[int, int] = {}
@@ -232,12 +236,28 @@ class SavedTensorEngine:
         # Called once at the first unpack in backward after a forward, then cleared.
         self.backward_check = None
 
-    def recompute_started(self, block_index: int) -> None:
+    def position_of(self, block_index: int) -> int:
+        """Where in the step block ``block_index``'s running call is, as the index of the block it
+        runs among: its own index, but for a block called again after later blocks (a U-Net's one
+        pooling module at every level), the highest index the forward has entered. Backward's
+        progress and the limits of the phases until an entry's use go by it: by the block's own
+        index, its later calls' entries would seem to be used at its first call's place, and
+        once one of them was used, every later block's entries would seem to have no phase left
+        before their use, so no limit (U-Net on CUDA: 350 MiB brought back at once, 2026-11-27)."""
+        return max(block_index, self.forward_position)
+
+    def block_entered(self, block_index: int) -> None:
+        self.block_index = block_index
+        if self.registry is not None and not self.registry.backward_started:
+            self.forward_position = max(self.forward_position, block_index)
+
+    def recompute_started(self, block_index: int, position: int | None = None) -> None:
         """Put a recomputed block's saved bytes (known from the profile) on the ledger: they live
-        inside torch's checkpoint frame where no hook of ours sees them."""
+        inside torch's checkpoint frame where no hook of ours sees them. ``position``: where its
+        forward call ran (`position_of`), its own index if not given."""
         self.backward_moved()
         if self.registry is not None:
-            self.registry.reached(block_index)
+            self.registry.reached(block_index if position is None else position)
         self._recomputed_on_ledger = self.recompute_bytes.get(block_index, 0)
         # Copies out may still hold earlier blocks' bytes on the ledger (a slow disk, a short loss):
         # they finish before the recomputed tensors join them over the limit.
@@ -269,6 +289,7 @@ class SavedTensorEngine:
     def begin_forward(self, resident_storages: set[tuple]) -> None:
         self.resident_storages = resident_storages
         self.registry = ForwardRegistry(self)
+        self.forward_position = -1
 
     def forward_limit(self, block_index: int) -> int | None:
         if block_index < len(self.forward_limits):
@@ -379,7 +400,7 @@ class SavedTensorEngine:
         entry = packed.entry
         if packed.tensor is not None:
             if entry is not None and entry.registry.next_prefetch >= 0:
-                entry.registry.reached(entry.block_index)
+                entry.registry.reached(entry.position)
                 entry.registry.prefetch()   # backward is under way: bring swapped entries back
             return packed.tensor
         data = entry.registry.fetch(entry)
