@@ -281,7 +281,8 @@ class SavedTensorEngine:
         for tensor in tensors:
             if tensor.device.type == "meta":
                 continue
-            if (tensor.device, tensor.untyped_storage().data_ptr()) in self.resident_storages:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or (tensor.device, storage.data_ptr()) in self.resident_storages:
                 continue
             handles.append(_Handle(registry.entry_for(tensor, block_index, KEEP), tensor))
         return handles
@@ -365,6 +366,12 @@ class SavedTensorEngine:
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
             return tensor
         storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            # Nothing to count or move, and no address of its own: every empty storage has data
+            # pointer 0, so one entry would stand for all of them (CUDA's batch norm saves an empty
+            # reserve tensor in each call) and backward would seem to have reached the first
+            # saver's place at the last one's (U-Net on CUDA: prefetch without limits, 2026-11-27).
+            return tensor
         if (tensor.device, storage.data_ptr()) in self.resident_storages:
             return tensor  # a parameter, buffer or forward input: resident anyway, never moved
         decision = self.decision
