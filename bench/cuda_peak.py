@@ -80,6 +80,38 @@ def peak_from_history(trace: list[dict]) -> dict:
             "live_at_peak": [{"where": where, "bytes": size, "blocks": count} for where, (size, count) in ranked[:40]]}
 
 
+def _sizing_step_history(model, inputs, loss_fn, profile, device) -> dict:
+    """The profiler's sizing step once more (every block swapped, no budget), the allocator's history
+    recorded over it alone: what is live at its peak, by line, beside what that step's recorder
+    counted beyond the ledger per block. (Over the whole of `oomless.profile`, whose timing step
+    recomputes every block, torch 2.11's history with Python stacks made backward fail:
+    "run_backward returned NULL without setting an exception", H200, 2026-11-27.)"""
+    from oomless.profile.profiler import _measure_step
+
+    found = [(block.name, module) for block in profile.blocks
+             for name, module in model.named_modules() if name == block.name]
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
+    try:
+        recorder, _ = _measure_step(model, inputs, loss_fn, found, device, base_bytes=base)
+        torch.cuda.synchronize(device)
+        history = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        for parameter in model.parameters():
+            parameter.grad = None
+    found_peak = peak_from_history(history["device_traces"][device.index])
+    print(f"profiling's sizing step: peak {found_peak['peak_above_history_start_bytes'] / 2**20:.0f} MiB above "
+          "its start; live then:")
+    for row in found_peak["live_at_peak"][:15]:
+        print(f"  {row['bytes'] / 2**20:8.1f} MiB {row['blocks']:5d}  {row['where']}")
+    return {**found_peak, "blocks": [{"name": block.name, "forward_other_bytes": block.forward_other_bytes,
+                                      "backward_other_bytes": block.backward_other_bytes,
+                                      "forward_peak_bytes": block.forward_peak_bytes}
+                                     for block in recorder.blocks.values()]}
+
+
 def _plain_peak_bytes(model, inputs, loss_fn, device) -> int:
     """Two plain steps of a copy of ``model`` with Adam: their allocator peak above what was there."""
     plain = copy.deepcopy(model)
@@ -167,7 +199,8 @@ def main(argv=None) -> int:
                         help="the budget as this share of plain PyTorch's measured peak, or the smallest budget "
                              "if that is more (tests/test_cuda.py's test_step_on_cuda_peaks_within_memory...)")
     parser.add_argument("--profile-history", action="store_true",
-                        help="also record the allocator's history over oomless.profile: what is live at its peak")
+                        help="also run the profiler's sizing step once more with the allocator's history: what is "
+                             "live at its peak")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,12 +212,8 @@ def main(argv=None) -> int:
     plain_peak = _plain_peak_bytes(model, inputs, loss_fn, device) if args.share is not None else None
     torch.cuda.synchronize(device)
     profiling_before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    if args.profile_history:
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
     profile = oomless.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     torch.cuda.synchronize(device)
-    # The profiler resets the allocator's peak at every reading: its own highest reading is kept.
     profiling = {"allocated_before_bytes": profiling_before, "measured_peak_bytes": profile.measured_peak_bytes,
                  "blocks": [{"name": block.name, "saved_bytes": block.saved_bytes,
                              "forward_other_bytes": block.forward_other_bytes,
@@ -192,12 +221,7 @@ def main(argv=None) -> int:
                              "forward_peak_bytes": block.forward_peak_bytes,
                              "backward_peak_bytes": block.backward_peak_bytes} for block in profile.blocks]}
     if args.profile_history:
-        history = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        profiling.update(peak_from_history(history["device_traces"][device.index]))
-        print(f"profiling: peak {profiling['peak_above_history_start_bytes'] / 2**20:.0f} MiB above its start; live then:")
-        for row in profiling["live_at_peak"][:15]:
-            print(f"  {row['bytes'] / 2**20:8.1f} MiB {row['blocks']:5d}  {row['where']}")
+        profiling["sizing_step"] = _sizing_step_history(model, inputs, loss_fn, profile, device)
     decisions = None if args.decisions == "planned" else {block.name: args.decisions for block in profile.blocks}
     if args.memory == "smallest":
         args.memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)

@@ -12,7 +12,10 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     fit_bench         oomless bench --device cuda (bench/bench_fit.py): step time and peak against plain
                       PyTorch, torch.utils.checkpoint and save_on_cpu
     cuda_peak         bench/cuda_peak.py: what is live at the allocator's peak of the U-Net planned at 75 % of
-                      plain's peak (tests/test_cuda.py's case), by the line that allocated it
+                      plain's peak (tests/test_cuda.py's case), by the line that allocated it; per phase
+                      the allocator's peak, the ledger and the plan's working memory
+    cuda_peak_transformer  the same for the transformer, every block recomputed at the smallest budget
+                      that fits, and what is live at the peak of the profiler's sizing step
     fit_precision     oomless bench --device cuda --model transformer --precision bf16 --compile: bf16 and
                       compiled variants against plain bf16 and torch.compile(block) (issue 11's figures)
     predict           bench/bench_predict.py: predicted against measured step time and peak
@@ -51,7 +54,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
-                       "max_size": 100,
+                       "cuda_peak_transformer": 40, "max_size": 70,
                        "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
@@ -113,6 +116,12 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
          "command": [python, "bench/cuda_peak.py", "--model", "unet3d", "--decisions", "planned", "--share", "0.75",
                      "--out", str(out / "cuda-peak.json")],
          **({} if cuda else {"skip": "needs CUDA (the allocator's history)"})},
+        # The transformer's working memory as profiled on CUDA (forward 945, backward 1153 MiB beyond
+        # the ledger per block, H200, 2026-11-27) against what its recomputed step shows.
+        {"name": "cuda_peak_transformer", "writes": ["cuda-peak-transformer.json"],
+         "command": [python, "bench/cuda_peak.py", "--model", "transformer", "--decisions", "recompute",
+                     "--memory", "smallest", "--profile-history", "--out", str(out / "cuda-peak-transformer.json")],
+         **({} if cuda else {"skip": "needs CUDA (the allocator's history)"})},
     ]
     max_size = {"name": "max_size", "writes": [], "command": None}
     if (BENCH_DIRECTORY / "bench_max_size.py").is_file():
@@ -122,7 +131,7 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         memory = max_size_memory or ("2GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
                                "--out", str(out / "max-size")] + (
-            ["--sides", "plain:160,oomless:288,oomless:320"] if cuda else ["--quick"])
+            ["--sides", "plain:160,oomless:288"] if cuda else ["--quick"])
     else:
         max_size["not_present"] = "bench/bench_max_size.py is not in this checkout"
     pieces.append(max_size)

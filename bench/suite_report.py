@@ -19,6 +19,9 @@ TARGETS = {
     "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
     "cuda_peak": "what is live at the allocator's peak of the U-Net planned at 75 % of plain's peak: max "
                  "allocated within the plan's memory; its rows say which line holds the bytes where it is not",
+    "cuda_peak_transformer": "the transformer, every block recomputed at the smallest budget that fits: max "
+                             "allocated within the plan's memory; per phase, the allocator's peak beyond the ledger "
+                             "against the plan's working memory; what is live at the profiler's sizing step's peak",
     "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
     "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
     "linear_loss": "the fused head and loss's peak a small share of plain's (no logits whole); step time against "
@@ -95,10 +98,12 @@ def _max_size(out: Path, files: list[str]) -> dict:
     return found
 
 
-def _cuda_peak(out: Path) -> dict:
-    result = _read(out, "cuda-peak.json")
+def _cuda_peak(out: Path, name: str = "cuda-peak.json") -> dict:
+    result = _read(out, name)
     mib = 2**20
-    return {"memory_MiB": round(result["plan"]["memory_bytes"] / mib, 1),
+    sizing = result.get("profiling", {}).get("sizing_step")
+    return {**({"sizing_step_live_at_peak_MiB": {row["where"]: round(row["bytes"] / mib, 1)
+                                                 for row in sizing["live_at_peak"][:6]}} if sizing else {}),"memory_MiB": round(result["plan"]["memory_bytes"] / mib, 1),
             "max_allocated_MiB": round(result["max_allocated_in_step_bytes"] / mib, 1),
             "ledger_peak_MiB": round(result["stats"]["peak_activation_bytes"] / mib, 1),
             "activation_budget_MiB": round(result["plan"]["activation_budget"] / mib, 1),
@@ -122,6 +127,7 @@ def highlights(record: dict, out: Path) -> dict:
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
                   "swap_trace": _swap_trace, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
+                  "cuda_peak_transformer": lambda out: _cuda_peak(out, "cuda-peak-transformer.json"),
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
     try:
