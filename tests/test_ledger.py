@@ -215,3 +215,30 @@ def test_empty_saved_tensors_are_not_one_entry_for_every_block():
     assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
     backward = [place for place in places if place is not None]
     assert len(set(backward)) >= len(profile.blocks) - 2, backward
+
+
+def test_bytes_brought_back_are_on_the_ledger_before_the_tier_allocates_them():
+    """The CUDA tier allocates a tensor's room when asked to bring it back; the profiler reads
+    memory at each change of the ledger, so bytes allocated before the ledger counts them are read
+    as working memory on top of the ledger (and counted twice by the plans made from it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)))
+    inputs = torch.randn(1024, 256)
+    loss_fn = lambda out: out.square().mean()    # noqa: E731
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    decisions = {block.name: "swap" for block in profile.blocks}
+    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
+    oomless.apply(model, oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0))
+    state = installed_state(model)
+    on_ledger_when_allocated = []
+    tier_prefetch = state.tier.prefetch
+
+    def prefetch(ticket):
+        entry, = [entry for entry in state.engine.registry.swapped if entry.ticket is ticket]
+        on_ledger_when_allocated.append(entry.on_ledger)
+        tier_prefetch(ticket)
+    state.tier.prefetch = prefetch
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+    assert on_ledger_when_allocated and all(on_ledger_when_allocated)

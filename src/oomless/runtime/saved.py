@@ -147,12 +147,15 @@ class ForwardRegistry:
     def _issue(self, entry: _Entry) -> None:
         entry.fetch_issued = True
         self.prefetched_unused_bytes += entry.num_bytes
-        self.engine.tier.prefetch(entry.ticket)
+        # On the ledger before the tier allocates the bytes (the CUDA tier does at once): the
+        # profiler reads memory at each change of the ledger, and bytes allocated while the ledger
+        # did not count them yet would be read as the phase's working memory, on top of the ledger.
         if not entry.on_ledger:
             entry.on_ledger = True
             self.engine.ledger.add(entry.num_bytes)
             if self.engine.recorder is not None:
                 self.engine.recorder.fetched(entry.num_bytes)
+        self.engine.tier.prefetch(entry.ticket)
 
     def prefetch(self) -> None:
         """Ask for the next swapped entries in backward's order while they fit the budget's free
