@@ -5,8 +5,11 @@ on every rank with the same message, rather than the others failing in their nex
 is not taken (replica 1 of a stage) refuses nothing. gloo on CPU."""
 
 import pytest
+import torch
 
+import oomless
 from oomless.errors import InputError
+from oomless.parallel.stage_fit import StageShare, _plan_stage
 from tests.parallel_workers import results_of_rank, run_jobs, run_outcomes
 from tests.pipeline_workers import run_refusals
 
@@ -65,3 +68,22 @@ def test_the_training_loops_refusals_reach_every_rank(tmp_path):
                                "not split into 3 equal micro-batches; choose a divisor"}
     assert first["dp-too-small"]["error"] == "PlanError"
     assert first["trains"]["steps_done"] == 1      # the group still works after the refusals
+
+
+def test_a_forced_policy_that_cannot_fit_its_stage_is_refused_in_memory_per_rank():
+    """`fit_stages(..., policy=...)` forces one decision on every block; `oomless.plan` keeps given
+    decisions whatever they need, so a share they cannot fit was planned and trained over it. Now it
+    is refused before any step, naming the memory per rank that fits, and that memory given back plans."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(4)))
+    inputs = (torch.randn(512, 128),)
+
+    def plan_for(per_rank):
+        return _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 2, per_rank), 2, "recompute",
+                           torch.optim.Adam, 0, "fp32", None)
+    with pytest.raises(oomless.PlanError, match="every block recompute") as refused:
+        plan_for(2**20)
+    needed = refused.value.minimum_bytes
+    assert needed is not None and needed > 2**20 and "per rank" in str(refused.value)
+    plan = plan_for(needed)
+    assert set(plan.decisions.values()) == {"recompute"}

@@ -40,6 +40,7 @@ import oomless
 from oomless.parallel.process_group import first_rank_outcome, from_shared, refusal_or, shareable
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
+from oomless.plan.planner import smallest_memory_for
 from oomless.profile import profiler
 from oomless.profile.selective import without_selective
 from oomless.runtime.compile import check_compile_available, compile_blocks
@@ -174,6 +175,14 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
                             min_swap_bytes=min_swap_bytes, **configured)
     except oomless.PlanError as refusal:
         raise _per_rank_refusal(refusal, where, fixed, in_flight, memory) from None
+    if decisions is not None and plan.predicted_peak_bytes > memory:
+        # `oomless.plan` keeps decisions it is given whatever they need (its notes say by how much):
+        # here every rank would train on a share its stage's forced policy passes. Refused before any
+        # step, in the terms the user sets, as a plan the planner chose would be.
+        needed = smallest_memory_for(profile, decisions, min_swap_bytes=min_swap_bytes)
+        raise _per_rank_refusal(oomless.PlanError(
+            f"every block {policy}: predicted at {format_bytes(plan.predicted_peak_bytes)}, its smallest budget "
+            f"{format_bytes(needed)}", minimum_bytes=needed), where, fixed, in_flight, memory)
     return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
 
 
