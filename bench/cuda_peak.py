@@ -139,6 +139,7 @@ def _watch_the_ledger(model, device) -> tuple[dict, dict]:
     the limit: the plan's working memory of a phase is its activation budget less that limit. Filled
     in as the step runs."""
     from oomless.runtime.install import installed_state
+    from oomless.runtime.saved import ForwardRegistry
 
     engine = installed_state(model).engine
     highest = {"bytes": -1}
@@ -149,14 +150,17 @@ def _watch_the_ledger(model, device) -> tuple[dict, dict]:
         backward = registry is not None and registry.backward_started
         if backward:
             return "backward", registry.backward_block
-        return "forward", None if engine.block_index is None else engine.position_of(engine.block_index)
+        if engine.block_index is None:      # between blocks: with the block that ran last
+            return "forward", None if engine.forward_position < 0 else engine.forward_position
+        return "forward", engine.position_of(engine.block_index)
 
     def limit_of(phase: str, block: int | None) -> int | None:
         if block is None:
             return engine.budget_bytes
         return engine.backward_limit(block, block) if phase == "backward" else engine.forward_limit(block)
 
-    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
+    def read(resident_bytes: int) -> None:
+        """The allocator's peak since the last reading goes to the phase running until now."""
         phase, block = where()
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,8 +168,30 @@ def _watch_the_ledger(model, device) -> tuple[dict, dict]:
                                                  "allocated_peak": 0, "limit": limit_of(phase, block)})
         row["ledger_max"] = max(row["ledger_max"], resident_bytes)
         row["allocated_peak"] = max(row["allocated_peak"], peak)
+
+    # A phase also ends where backward or the forward moves to another block, with or without a
+    # change of the ledger (a block whose saves are all entries already made, a convolution after
+    # an in-place ReLU): read there too, or its peak goes to the next phase that changes the ledger.
+    block_entered = engine.block_entered
+
+    def entering(block_index: int) -> None:
+        if engine.registry is not None and not engine.registry.backward_started:
+            read(engine.ledger.resident_activation_bytes)
+        block_entered(block_index)
+    engine.block_entered = entering
+    reached = ForwardRegistry.reached
+
+    def reaching(registry, position: int) -> None:
+        if registry.backward_started and position < registry.backward_block:
+            read(engine.ledger.resident_activation_bytes)
+        reached(registry, position)
+    ForwardRegistry.reached = reaching
+
+    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
+        read(resident_bytes)
         if resident_bytes <= highest["bytes"]:
             return
+        phase, block = where()
         highest.update(bytes=resident_bytes, phase=phase, block=block, limit=limit_of(phase, block),
                        copies_running=len(engine.pending_out),
                        copied_alive_bytes=sum(entry.num_bytes for entry in engine.copied_alive))
