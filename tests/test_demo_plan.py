@@ -34,7 +34,7 @@ def test_the_demo_plans_the_same_in_fresh_processes():
         assert result["predicted_peak_bytes"] <= budget
         assert result["smallest_bytes"] * HEADROOM <= budget, result["smallest_bytes"]
     smallest = [result["smallest_bytes"] for result in results]
-    # One answer, to within the margin the named floor carries (planner._with_margin: 2 %, at least
+    # One answer, to within the margin the named floor carries (planner.with_margin: 2 %, at least
     # 1 MiB, then whole MiB), which is there so that a floor named in one process is a budget another
     # process's profile of the same step plans within. Resident memory of the widest convolution's
     # backward reads a little differently per process: on this session's Xeon every process named
@@ -61,7 +61,7 @@ def test_the_demo_trains_within_its_budget_in_fresh_processes():
     # glibc's heap came on top: 254-265 MiB for plans predicted at 255.7 (4 runs of 6 over), 263-266
     # MiB in this test. Quiet, it measures 252.6-254.8 MiB; with two busy threads beside it, one run
     # of two measured 257.4 MiB (its copies to disk slower than profiled): the bound is the budget and
-    # the planner's 2 % margin (`planner._with_margin`), 2-5 MiB under the old code's runs.
+    # the planner's 2 % margin (`planner.with_margin`), 2-5 MiB under the old code's runs.
     for _ in range(2):
         completed = subprocess.run([sys.executable, "-c", TRAIN_CHILD], capture_output=True, text=True,
                                    env=ENVIRONMENT, timeout=600, cwd=ROOT)

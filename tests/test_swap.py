@@ -247,8 +247,9 @@ def test_a_recomputed_block_waits_for_copies_still_on_the_ledger(monkeypatch):
 
 def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
     """Per-block backward limits: the last block's backward (first in backward) allows two outputs,
-    the others four. Once backward has left the last block its tighter limit no longer binds: the
-    prefetch of block 1's output goes out while block 4's backward runs, not two blocks later."""
+    the others four. Its tighter limit binds until its Linear has used block 4's output (that
+    output's first use, so its place), then no longer: the prefetch of block 1's output goes out
+    during block 4's backward, before its Linear needs block 3's output, not two blocks later."""
     blocks = 6
     model, reference, inputs, loss_fn, plan = _linear_relus(blocks)
     storage_bytes = BATCH * WIDTH * 4
@@ -263,7 +264,7 @@ def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
 
     assert oomless.stats(model).peak_activation_bytes == 4 * storage_bytes
-    assert tier.calls.index(("release", 5)) < tier.calls.index(("prefetch", 1)) < tier.calls.index(("get", 4))
+    assert tier.calls.index(("get", 4)) < tier.calls.index(("prefetch", 1)) < tier.calls.index(("get", 3))
     assert tier.calls.index(("release", 4)) < tier.calls.index(("prefetch", 0)) < tier.calls.index(("get", 3))
     _assert_same_gradients(reference, model)
 

@@ -208,7 +208,7 @@ def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str
     return made.decisions, made.predicted_peak_bytes - made.static_bytes - _margin_bytes(profile)
 
 
-def _with_margin(num_bytes: int) -> int:
+def with_margin(num_bytes: int) -> int:
     """``num_bytes`` plus 2 % (at least 1 MiB), rounded up to whole MiB: the step as it trains (or
     measured again) reads a little differently from the step measured."""
     padded = num_bytes + max(num_bytes // 50, 2**20)
@@ -216,7 +216,7 @@ def _with_margin(num_bytes: int) -> int:
 
 
 def named_margin_bytes(named_bytes: int) -> int:
-    """The margin `_with_margin` put in a budget it named, ``named_bytes`` (at most: what is left
+    """The margin `with_margin` put in a budget it named, ``named_bytes`` (at most: what is left
     without it is at least the smallest plan's bytes, to within a byte of integer division)."""
     return max(named_bytes // 51, 2**20)
 
@@ -252,7 +252,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         # A second profile of the same step measures a little differently: the smallest budget
         # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
         _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
-        minimum = _with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
+        minimum = with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
                                                            slower_timeline.total_peak_bytes))
         limiting_name, why = _what_limits(profile, frugal_timeline)
         floor_name = limiting_name
@@ -304,7 +304,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     if timeline.total_peak_bytes > budget and decisions is None:
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "
                         f"{format_bytes(static_bytes + margin + timeline.total_peak_bytes)}",
-                        minimum_bytes=_with_margin(static_bytes + margin + timeline.total_peak_bytes))
+                        minimum_bytes=with_margin(static_bytes + margin + timeline.total_peak_bytes))
     forward_phases, _, backward_phases = phases(profile, chosen)
     blocks = [BlockPlan(block.name, "recompute" if chosen[i] == SELECTIVE else chosen[i],
                         _reason(profile, i, chosen[i], timeline, budget, solver_name),

@@ -63,7 +63,7 @@ class RecomputeBlock:
 
         # One context per call: a block called twice in a forward is recomputed once per call, and
         # each call's inputs leave the ledger when its own recompute is done.
-        context = _RecomputeContext(self, self.engine.position_of(self.block_index))
+        context = _RecomputeContext(self, self.engine.position_of(self.block_index), self.engine.registry)
         if self.selective:
             forward_context, recompute_context = selective_contexts(context.keep)
             contexts = (forward_context, _Both(context, recompute_context))
@@ -89,9 +89,10 @@ class _RecomputeContext:
     it, twice where a zero-bubble pipeline schedule splits backward into input and weight passes
     (a generator-based context manager could be entered only once)."""
 
-    def __init__(self, block: RecomputeBlock, position: int):
+    def __init__(self, block: RecomputeBlock, position: int, registry):
         self.block = block
         self.position = position         # where this call ran in the forward (`SavedTensorEngine.position_of`)
+        self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
 
@@ -109,7 +110,7 @@ class _RecomputeContext:
         if not block.restore_queued:
             block.restore_queued = self._queue_restore(list(block.module.buffers()))
         block.engine.ledger.recomputed_blocks += 1
-        block.engine.recompute_started(block.block_index, self.position)
+        block.engine.recompute_started(block.block_index, self.position, self.registry)
 
     def _queue_restore(self, buffers: list) -> bool:
         """Put the block's buffers back as the forward left them once this backward ends. Taken at

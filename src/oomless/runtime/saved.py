@@ -100,6 +100,9 @@ class ForwardRegistry:
         # with grad and dropped) has been released: its ticket and ledger share are gone, so a
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
+            # Saved again by a later block (a skip's tensor read by a decoder): its first use in
+            # backward is that block's, so that is its place.
+            entry.position = max(entry.position, self.engine.position_of(block_index))
             return entry
         entry = _Entry(self, block_index, storage, decision, self.engine.position_of(block_index))
         self.by_storage[key] = entry
@@ -136,7 +139,7 @@ class ForwardRegistry:
                 # Needed now: asked for ahead of the prefetches below, once copies out still on the
                 # ledger have made room for it (or none is left to wait for).
                 if not entry.on_ledger:
-                    engine.make_room(entry.num_bytes, engine.backward_limit(self.backward_block, self.backward_block))
+                    engine.make_room(entry.num_bytes, engine.limit_until_use(entry, self.backward_block))
                 self._issue(entry)
             self.prefetched_unused_bytes -= entry.num_bytes
             self.prefetch()
@@ -172,7 +175,7 @@ class ForwardRegistry:
                 return
             # It stays until its block's backward: it must fit the limit of every phase until then.
             if not entry.on_ledger and not engine.has_room(
-                    entry.num_bytes, engine.backward_limit(entry.position, self.backward_block)):
+                    entry.num_bytes, engine.limit_until_use(entry, self.backward_block)):
                 return
             self._issue(entry)
             self.next_prefetch -= 1
@@ -227,9 +230,11 @@ class SavedTensorEngine:
         self.resident_storages: set[tuple] = set()
         self.registry: ForwardRegistry | None = None
         self.block_index: int | None = None
-        # The highest block index entered in this forward: where a block called again (a U-Net's
-        # one pooling module at every level) runs in the step (`position_of`).
+        # Where the forward is (`position_of`): the block last called for the first time in this
+        # forward; the blocks called so far; the place of the call running.
         self.forward_position = -1
+        self._called: set[int] = set()
+        self._call_position: int | None = None
         self.decision: str = KEEP
         self.recorder = None
         self.recompute_bytes: dict[int, int] = {}
@@ -240,27 +245,37 @@ class SavedTensorEngine:
         self.backward_check = None
 
     def position_of(self, block_index: int) -> int:
-        """Where in the step block ``block_index``'s running call is, as the index of the block it
-        runs among: its own index, but for a block called again after later blocks (a U-Net's one
-        pooling module at every level), the highest index the forward has entered. Backward's
-        progress and the limits of the phases until an entry's use go by it: by the block's own
-        index, its later calls' entries would seem to be used at its first call's place, and
-        once one of them was used, every later block's entries would seem to have no phase left
-        before their use, so no limit (U-Net on CUDA: 350 MiB brought back at once, 2026-11-27)."""
-        return max(block_index, self.forward_position)
+        """Where in the step the call of block ``block_index`` running (or about to start) is: the
+        block's own index at its first call in the forward; at a later call (a U-Net's one pooling
+        module at every level), the place of the block last called for the first time. Backward's
+        progress and the limits of the phases until an entry's use go by it. By the block's own
+        index, its later calls' entries seemed used at its first call's place, and once one was,
+        every later block's entries seemed to have no phase left before their use, so no limit
+        (U-Net on CUDA: 350 MiB brought back at once, 2026-11-27). Blocks are indexed in the order
+        their first calls ran when profiled; one that did not run then (listed last) is at its own
+        index when it first runs."""
+        if block_index == self.block_index and self._call_position is not None:
+            return self._call_position
+        return max(self.forward_position, block_index) if block_index in self._called else block_index
 
     def block_entered(self, block_index: int) -> None:
-        self.block_index = block_index
+        """A block's call starts (its forward pre-hook; also where backward recomputes it)."""
+        position = None
         if self.registry is not None and not self.registry.backward_started:
-            self.forward_position = max(self.forward_position, block_index)
+            position = self.position_of(block_index)
+            if block_index not in self._called:
+                self._called.add(block_index)
+                self.forward_position = block_index
+        self.block_index, self._call_position = block_index, position
 
-    def recompute_started(self, block_index: int, position: int | None = None) -> None:
+    def recompute_started(self, block_index: int, position: int, registry) -> None:
         """Put a recomputed block's saved bytes (known from the profile) on the ledger: they live
         inside torch's checkpoint frame where no hook of ours sees them. ``position``: where its
-        forward call ran (`position_of`), its own index if not given."""
+        forward call ran (`position_of`); ``registry``: that forward's (several forwards may run
+        before their backwards: micro-batches, a pipeline stage's schedule)."""
         self.backward_moved()
-        if self.registry is not None:
-            self.registry.reached(block_index if position is None else position)
+        if registry is not None:
+            registry.reached(position)
         self._recomputed_on_ledger = self.recompute_bytes.get(block_index, 0)
         # Copies out may still hold earlier blocks' bytes on the ledger (a slow disk, a short loss):
         # they finish before the recomputed tensors join them over the limit.
@@ -293,7 +308,7 @@ class SavedTensorEngine:
     def begin_forward(self, resident_storages: set[tuple]) -> None:
         self.resident_storages = resident_storages
         self.registry = ForwardRegistry(self)
-        self.forward_position = -1
+        self.forward_position, self._called, self._call_position = -1, set(), None
 
     def forward_limit(self, block_index: int) -> int | None:
         if block_index < len(self.forward_limits):
@@ -301,10 +316,24 @@ class SavedTensorEngine:
         return self.budget_bytes
 
     def backward_limit(self, first: int, last: int) -> int | None:
-        """The tightest limit of the backward phases of blocks ``first`` to ``last``."""
-        limits = [limit for limit in self.backward_limits[first:last + 1] if limit is not None]
+        """The tightest limit of the backward phases of blocks ``first`` to ``last``; where ``first``
+        is past ``last`` (backward has passed that place already), the limit of ``last``'s: never
+        none where the plan set limits."""
         if not self.backward_limits:
             return self.budget_bytes
+        if first > last:
+            first = last
+        limits = [limit for limit in self.backward_limits[first:last + 1] if limit is not None]
+        return min(limits) if limits else None
+
+    def limit_until_use(self, entry: _Entry, backward_block: int) -> int | None:
+        """What ``entry`` brought back now must fit until it is used: the limit of every backward
+        phase from backward's place to the entry's, and of its own block's backward (for a later
+        call of a block, a phase other than its place's)."""
+        limits = [self.backward_limit(entry.position, backward_block)]
+        if entry.block_index < len(self.backward_limits):
+            limits.append(self.backward_limits[entry.block_index])
+        limits = [limit for limit in limits if limit is not None]
         return min(limits) if limits else None
 
     def has_room(self, num_bytes: int, limit: int | None) -> bool:
@@ -379,8 +408,7 @@ class SavedTensorEngine:
             return tensor  # a parameter, buffer or forward input: resident anyway, never moved
         decision = self.decision
         movable = self._movable(tensor)
-        # Never an empty storage: nothing to free, and an empty host buffer cannot be pinned.
-        if decision == SWAP and (storage.nbytes() < max(self.min_swap_bytes, 1) or not movable):
+        if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not movable):
             decision = KEEP
         self.poll()
         # hold: the storage may already have a swap entry (saved earlier through a plain view);
