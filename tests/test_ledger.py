@@ -133,6 +133,31 @@ class _SharedActivation(torch.nn.Module):
         return self.layers[7](self.act(x))
 
 
+def _all_swapped_at_the_floor(model, inputs, loss_fn, recompute=()):
+    """(plan, profile): ``model`` planned with every block swapped (those named in ``recompute``
+    recomputed) at the smallest budget that fits, and a prefetch window as wide as the budget allows."""
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    decisions = {block.name: "recompute" if block.name in recompute else "swap" for block in profile.blocks}
+    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
+    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
+    oomless.apply(model, dataclasses.replace(plan, prefetch_bytes=None))
+    return plan, profile
+
+
+def _places_in_backward(model, inputs, loss_fn) -> list[int]:
+    """Two steps; backward's place (`ForwardRegistry.backward_block`) at each change of the ledger in
+    the second step's backward (the first's unpacks find the blocks' places not yet filled in)."""
+    engine = installed_state(model).engine
+    places = []
+    for _ in range(2):
+        places.clear()
+        engine.ledger.observer = lambda _: places.append(engine.registry.backward_block
+                                                         if engine.registry.backward_started else None)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs)).backward()
+    return [place for place in places if place is not None]
+
+
 def test_prefetch_stays_within_the_limits_past_a_block_called_again():
     """Backward's place is where a call ran, not the block's first call: the shared activation's
     second call, used early in backward, must not make every later layer's entries seem to have no
@@ -141,27 +166,13 @@ def test_prefetch_stays_within_the_limits_past_a_block_called_again():
     torch.manual_seed(0)
     model, inputs = _SharedActivation(), torch.randn(2048, 256)
     loss_fn = lambda out: out.square().mean()    # noqa: E731
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    plan, profile = _all_swapped_at_the_floor(model, inputs, loss_fn)
     assert [block.calls for block in profile.blocks if block.name == "act"] == [2]
-    decisions = {block.name: "swap" for block in profile.blocks}
-    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
-    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
-    # A prefetch window as wide as the budget allows (the planner's choice at larger budgets).
-    oomless.apply(model, dataclasses.replace(plan, prefetch_bytes=None))
-    engine = installed_state(model).engine
-    places = []
-    for step in range(2):
-        places.clear()     # the second step's: its first unpack finds the blocks' places filled in
-        engine.ledger.observer = lambda _: places.append(engine.registry.backward_block
-                                                         if engine.registry.backward_started else None)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(inputs)).backward()
-    stats = oomless.stats(model)
-    assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
+    backward = _places_in_backward(model, inputs, loss_fn)
+    assert oomless.stats(model).peak_activation_bytes <= plan.activation_budget
     # Backward visits the layers' places one by one, the second call of "act" at the place it ran
     # (before: from layers.7 straight to "act"'s first place, 2, and there to the end).
-    backward = [place for place in places if place is not None]
-    assert len(set(backward)) >= len(profile.blocks) - 3, backward
+    assert len(set(backward)) >= len(plan.blocks) - 3, backward
 
 
 class _ScaleSavingAnEmptyTensor(torch.autograd.Function):
@@ -197,23 +208,10 @@ def test_empty_saved_tensors_are_not_one_entry_for_every_block():
     model = torch.nn.Sequential(*(_LayerSavingAnEmptyTensor() for _ in range(6)))
     inputs = torch.randn(2048, 256)
     loss_fn = lambda out: out.square().mean()    # noqa: E731
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
-    decisions = {block.name: "swap" for block in profile.blocks}
-    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
-    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
-    oomless.apply(model, dataclasses.replace(plan, prefetch_bytes=None))
-    engine = installed_state(model).engine
-    places = []
-    for _ in range(2):
-        places.clear()
-        engine.ledger.observer = lambda _: places.append(engine.registry.backward_block
-                                                         if engine.registry.backward_started else None)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(inputs)).backward()
-    stats = oomless.stats(model)
-    assert stats.peak_activation_bytes <= plan.activation_budget, (stats, plan.activation_budget)
-    backward = [place for place in places if place is not None]
-    assert len(set(backward)) >= len(profile.blocks) - 2, backward
+    plan, _ = _all_swapped_at_the_floor(model, inputs, loss_fn)
+    backward = _places_in_backward(model, inputs, loss_fn)
+    assert oomless.stats(model).peak_activation_bytes <= plan.activation_budget
+    assert len(set(backward)) >= len(plan.blocks) - 2, backward
 
 
 def test_bytes_brought_back_are_on_the_ledger_before_the_tier_allocates_them():
@@ -262,17 +260,6 @@ class _SkipReadLate(torch.nn.Module):
         return h + self.gate(skip)
 
 
-def _all_swapped_at_the_floor(model, inputs, loss_fn, recompute=()):
-    """``model`` planned with every block swapped (those named in ``recompute`` recomputed) at the
-    smallest budget that fits, and a prefetch window as wide as the budget allows."""
-    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
-    decisions = {block.name: "recompute" if block.name in recompute else "swap" for block in profile.blocks}
-    memory = smallest_memory_for(profile, decisions, min_swap_bytes=0)
-    plan = oomless.plan(model, inputs, memory, decisions=decisions, profile=profile, min_swap_bytes=0)
-    oomless.apply(model, dataclasses.replace(plan, prefetch_bytes=None))
-    return plan
-
-
 def test_a_storage_saved_again_by_a_later_block_is_placed_at_its_first_use_in_backward():
     """Its first use in backward is the later block's: placed at the first saver, that use told
     backward it had reached the encoder, and every entry between seemed to have no phase left before
@@ -280,7 +267,7 @@ def test_a_storage_saved_again_by_a_later_block_is_placed_at_its_first_use_in_ba
     torch.manual_seed(0)
     model, inputs = _SkipReadLate(), torch.randn(2048, 256)
     loss_fn = lambda out: out.square().mean()    # noqa: E731
-    plan = _all_swapped_at_the_floor(model, inputs, loss_fn)
+    plan, _ = _all_swapped_at_the_floor(model, inputs, loss_fn)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         loss_fn(model(inputs)).backward()
@@ -296,7 +283,7 @@ def test_two_forwards_then_their_backwards_keep_each_backwards_place():
     model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(8)))
     batches = [torch.randn(2048, 256), torch.randn(2048, 256)]
     loss_fn = lambda out: out.square().mean()    # noqa: E731
-    plan = _all_swapped_at_the_floor(model, batches[0], loss_fn, recompute={"0.0"})
+    plan, _ = _all_swapped_at_the_floor(model, batches[0], loss_fn, recompute={"0.0"})
     ledger = installed_state(model).ledger
     loss_fn(model(batches[0])).backward()
     model.zero_grad(set_to_none=True)
