@@ -518,9 +518,14 @@ def test_chains_in_slabs_stay_within_rounding_of_plain_pytorch(case, monkeypatch
     assert loss == pytest.approx(expected_loss, rel=SPLIT_TOLERANCE)
     for (name, _), want, got in zip(reference.named_parameters(), expected, actual):
         assert (want - got).abs().max().item() <= bound, name
-    for (name, want), got in zip(reference.named_buffers(), model.buffers()):
+    # Normalisation statistics deep in the network see inputs moved by the same amplified rounding
+    # (DeepLabv3's ASPP batch norm: 1.2e-5 of its largest running mean on an AMD EPYC, 2026-11-27,
+    # where one rounding step of the input moves it more): bounded alike.
+    for (name, want), got, nudged_buffer in zip(reference.named_buffers(), model.buffers(), nudged.buffers()):
         if want.is_floating_point():
-            assert (want - got).abs().max().item() <= SPLIT_TOLERANCE * want.abs().max().item(), name
+            buffer_bound = max(SPLIT_TOLERANCE * want.abs().max().item(),
+                               ROUNDING_STEPS * (want - nudged_buffer).abs().max().item())
+            assert (want - got).abs().max().item() <= buffer_bound, name
         else:
             assert torch.equal(want, got), name
     stats = oomless.stats(model)
