@@ -24,7 +24,9 @@ class _Entry:
     def __init__(self, registry, block_index: int, storage, decision: str, position: int):
         self.registry = registry
         self.block_index = block_index
-        self.position = position    # where in the step it was saved (`SavedTensorEngine.position_of`)
+        # Where in the step it was first saved (`SavedTensorEngine.position_of`): its last use in
+        # backward, so the first place of the phases it must fit once brought back.
+        self.position = position
         self.num_bytes = storage.nbytes()
         self.decision = decision
         self.weak = StorageWeakRef(storage)
@@ -48,12 +50,14 @@ class _ParameterUse:
 
 
 class _Handle:
-    """What autograd holds instead of a saved tensor; dropping it releases its share."""
+    """What autograd holds instead of a saved tensor; dropping it releases its share. ``place``: where
+    the call that saved it ran (`SavedTensorEngine.position_of`), so where backward is when it is
+    unpacked: a storage saved by several blocks is unpacked once per save, each at its saver's place."""
 
-    __slots__ = ("entry", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
+    __slots__ = ("entry", "place", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
 
-    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, hold: bool = False):
-        self.entry = entry
+    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int = -1, hold: bool = False):
+        self.entry, self.place = entry, place
         if entry is None or entry.decision == KEEP or hold:
             self.tensor = tensor
         else:
@@ -100,9 +104,6 @@ class ForwardRegistry:
         # with grad and dropped) has been released: its ticket and ledger share are gone, so a
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
-            # Saved again by a later block (a skip's tensor read by a decoder): its first use in
-            # backward is that block's, so that is its place.
-            entry.position = max(entry.position, self.engine.position_of(block_index))
             return entry
         entry = _Entry(self, block_index, storage, decision, self.engine.position_of(block_index))
         self.by_storage[key] = entry
@@ -130,10 +131,11 @@ class ForwardRegistry:
         if position < self.backward_block:
             self.backward_block = position
 
-    def fetch(self, entry: _Entry) -> torch.Tensor:
+    def fetch(self, entry: _Entry, place: int) -> torch.Tensor:
+        """``entry``'s bytes on the device for a save made at ``place``, brought back if they are not."""
         engine = self.engine
         engine.poll()
-        self.reached(entry.position)
+        self.reached(place)
         if not entry.fetched:
             if not entry.fetch_issued:
                 # Needed now: asked for ahead of the prefetches below, once copies out still on the
@@ -302,7 +304,8 @@ class SavedTensorEngine:
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or (tensor.device, storage.data_ptr()) in self.resident_storages:
                 continue
-            handles.append(_Handle(registry.entry_for(tensor, block_index, KEEP), tensor))
+            handles.append(_Handle(registry.entry_for(tensor, block_index, KEEP), tensor,
+                                   self.position_of(block_index)))
         return handles
 
     def begin_forward(self, resident_storages: set[tuple]) -> None:
@@ -413,7 +416,8 @@ class SavedTensorEngine:
         self.poll()
         # hold: the storage may already have a swap entry (saved earlier through a plain view);
         # this view still cannot be rebuilt from bytes, so its handle keeps the tensor itself.
-        return _Handle(registry.entry_for(tensor, block_index, decision, movable), tensor, hold=not movable)
+        return _Handle(registry.entry_for(tensor, block_index, decision, movable), tensor,
+                       self.position_of(block_index), hold=not movable)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
@@ -438,9 +442,9 @@ class SavedTensorEngine:
         entry = packed.entry
         if packed.tensor is not None:
             if entry is not None and entry.registry.next_prefetch >= 0:
-                entry.registry.reached(entry.position)
+                entry.registry.reached(packed.place)
                 entry.registry.prefetch()   # backward is under way: bring swapped entries back
             return packed.tensor
-        data = entry.registry.fetch(entry)
+        data = entry.registry.fetch(entry, packed.place)
         return torch.empty(0, dtype=packed.dtype, device=data.device).set_(
             data.untyped_storage(), packed.storage_offset, packed.size, packed.stride)
