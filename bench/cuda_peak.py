@@ -88,8 +88,8 @@ def _sizing_step_history(model, inputs, loss_fn, profile, device) -> dict:
     "run_backward returned NULL without setting an exception", H200, 2026-11-27.)"""
     from oomless.profile.profiler import _measure_step
 
-    found = [(block.name, module) for block in profile.blocks
-             for name, module in model.named_modules() if name == block.name]
+    modules = dict(model.named_modules())
+    found = [(block.name, modules[block.name]) for block in profile.blocks]
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)

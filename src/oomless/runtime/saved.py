@@ -56,7 +56,7 @@ class _Handle:
 
     __slots__ = ("entry", "place", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
 
-    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int = -1, hold: bool = False):
+    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int, hold: bool = False):
         self.entry, self.place = entry, place
         if entry is None or entry.decision == KEEP or hold:
             self.tensor = tensor
@@ -96,7 +96,10 @@ class ForwardRegistry:
         self.backward_started = False
         self.backward_block = len(engine.backward_limits) - 1   # the lowest block backward has reached
 
-    def entry_for(self, tensor: torch.Tensor, block_index: int, decision: str, movable: bool = True) -> _Entry:
+    def entry_for(self, tensor: torch.Tensor, block_index: int, place: int, decision: str,
+                  movable: bool = True) -> _Entry:
+        """The entry of ``tensor``'s storage, made (and put on the ledger) at its first save in this
+        forward, by block ``block_index``'s call at ``place`` (`SavedTensorEngine.position_of`)."""
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         entry = self.by_storage.get(key)
@@ -105,7 +108,7 @@ class ForwardRegistry:
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
             return entry
-        entry = _Entry(self, block_index, storage, decision, self.engine.position_of(block_index))
+        entry = _Entry(self, block_index, storage, decision, place)
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
@@ -304,8 +307,8 @@ class SavedTensorEngine:
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or (tensor.device, storage.data_ptr()) in self.resident_storages:
                 continue
-            handles.append(_Handle(registry.entry_for(tensor, block_index, KEEP), tensor,
-                                   self.position_of(block_index)))
+            place = self.position_of(block_index)
+            handles.append(_Handle(registry.entry_for(tensor, block_index, place, KEEP), tensor, place))
         return handles
 
     def begin_forward(self, resident_storages: set[tuple]) -> None:
@@ -416,8 +419,9 @@ class SavedTensorEngine:
         self.poll()
         # hold: the storage may already have a swap entry (saved earlier through a plain view);
         # this view still cannot be rebuilt from bytes, so its handle keeps the tensor itself.
-        return _Handle(registry.entry_for(tensor, block_index, decision, movable), tensor,
-                       self.position_of(block_index), hold=not movable)
+        place = self.position_of(block_index)
+        return _Handle(registry.entry_for(tensor, block_index, place, decision, movable), tensor, place,
+                       hold=not movable)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
