@@ -146,7 +146,9 @@ def held_by_the_schedule(profile):
         return None if value is None else value + freed
 
     blocks = [dataclasses.replace(block, backward_other_bytes=held(block.backward_other_bytes),
-                                  backward_peak_bytes=held(block.backward_peak_bytes)) for block in profile.blocks]
+                                  backward_peak_bytes=held(block.backward_peak_bytes),
+                                  backward_own_peak_bytes=held(block.backward_own_peak_bytes))
+              for block in profile.blocks]
     return dataclasses.replace(profile, blocks=blocks, output_freed_bytes=0)
 
 

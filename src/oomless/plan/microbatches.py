@@ -36,7 +36,10 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                       backward_transient_bytes=bytes_(block.backward_transient_bytes),
                       input_saved_bytes=bytes_(block.input_saved_bytes),
                       input_held_earlier=[[bytes_(size), saver, users]
-                                          for size, saver, users in block.input_held_earlier])
+                                          for size, saver, users in block.input_held_earlier],
+                      # Other bytes stay as measured; so may the most of them with the block's own
+                      # saves, a bound for a smaller batch, not for a larger one.
+                      **({} if fraction <= 1 else {"forward_own_peak_bytes": None, "backward_own_peak_bytes": None}))
               for block in profile.blocks]
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
                    target_bytes=bytes_(profile.target_bytes),
@@ -48,6 +51,16 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
 def _largest(values):
     """The largest of measured values; None where any is unmeasured (the planner then estimates)."""
     return None if any(value is None for value in values) else max(values)
+
+
+def _own_peak(parts, key: str):
+    """A group's `BlockProfile.forward_own_peak_bytes` (or backward's): while one part runs, the
+    parts before it hold all their saves, in its forward and in its backward alike."""
+    peaks = [getattr(part, key) for part in parts]
+    if any(peak is None for peak in peaks):
+        return None
+    before = [sum(part.saved_bytes for part in parts[:k]) for k in range(len(parts))]
+    return max(held + peak for held, peak in zip(before, peaks))
 
 
 def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profile:
@@ -84,7 +97,8 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
             batchnorm_channels=[channels for part in parts for channels in part.batchnorm_channels],
             **{key: _largest([getattr(part, key) for part in parts])
                for key in ("forward_other_bytes", "backward_other_bytes", "forward_peak_bytes", "backward_peak_bytes",
-                           "forward_transient_bytes", "backward_transient_bytes")}))
+                           "forward_transient_bytes", "backward_transient_bytes")},
+            **{key: _own_peak(parts, key) for key in ("forward_own_peak_bytes", "backward_own_peak_bytes")}))
     return replace(profile, blocks=merged)
 
 

@@ -118,6 +118,22 @@ def backward_other_bytes(profile: Profile, block: BlockProfile) -> int:
     return block.held_backward_bytes + max(transient, block.output_bytes) + profile.unassigned_saved_bytes
 
 
+def forward_own_peak_bytes(profile: Profile, block: BlockProfile) -> int:
+    """The most at one time of ``block``'s own saved bytes and its other bytes in its forward, as a
+    plan keeping it holds them (`BlockProfile.forward_own_peak_bytes`): where not measured, all of
+    its saves on top of its most other bytes."""
+    summed = block.saved_bytes + forward_other_bytes(profile, block)
+    measured = block.forward_own_peak_bytes
+    return summed if measured is None else min(measured, summed)
+
+
+def backward_own_peak_bytes(profile: Profile, block: BlockProfile) -> int:
+    """The same as `forward_own_peak_bytes` in ``block``'s backward."""
+    summed = block.saved_bytes + backward_other_bytes(profile, block)
+    measured = block.backward_own_peak_bytes
+    return summed if measured is None else min(measured, summed)
+
+
 def loss_other_bytes(profile: Profile) -> int:
     """Bytes beyond static memory and the ledger from the end of the forward to the first backward:
     measured, or the model's output and as much again for the loss's own tensors."""
@@ -131,12 +147,16 @@ def loss_other_bytes(profile: Profile) -> int:
 class Phase:
     """What a phase of the step holds beyond static memory: ``other`` bytes on top of the ledger;
     where measured, ``peak``: the most at one time of those and the ledger in the profiling step,
-    which swapped every block's tensors (written out as saved, brought back only when used)."""
+    which swapped every block's tensors (written out as saved, brought back only when used); and
+    where the plan holds the block's own tensors through the phase (kept; recomputed, in backward),
+    ``own_peak``: the most at one time of its other bytes and its own tensors held then (the
+    ledger's bytes of other blocks come on top). None: ledger and other bytes are added."""
 
     block: int          # -1: the loss
     other: int
     peak: int | None
     kind: str = "forward"   # "forward", "backward" or "loss"
+    own_peak: int | None = None
 
 
 def gradients_absent_bytes(profile: Profile, present: int | None) -> int:
@@ -167,22 +187,28 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
         # holds: the profiling step's peak, which had them swapped, does not describe it.
         swapped = decision == "swap"
         forward_absent = before_backward + block.forward_static_absent_bytes
+        kept = decision == "keep"
         forward.append(Phase(i, forward_other_bytes(profile, block) - forward_absent,
-                             _less(block.forward_peak_bytes, forward_absent) if swapped else None))
+                             _less(block.forward_peak_bytes, forward_absent) if swapped else None,
+                             own_peak=forward_own_peak_bytes(profile, block) - forward_absent if kept else None))
         gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
         absent = gradients_absent + block.backward_static_absent_bytes
         other = backward_other_bytes(profile, block) - absent
+        own_peak = backward_own_peak_bytes(profile, block) - absent if kept or decision == "recompute" else None
         if decision in RECOMPUTING:
             # The recompute re-runs the forward in backward, where the gradients so far exist.
-            other = max(other, forward_other_bytes(profile, block) - gradients_absent
-                        - block.recompute_static_absent_bytes)
-        backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward"))
+            recompute_absent = gradients_absent + block.recompute_static_absent_bytes
+            other = max(other, forward_other_bytes(profile, block) - recompute_absent)
+            if own_peak is not None:
+                own_peak = max(own_peak, forward_own_peak_bytes(profile, block) - recompute_absent)
+        backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward",
+                              own_peak))
     loss_absent = before_backward + profile.loss_static_absent_bytes
     return forward, Phase(-1, loss_other_bytes(profile) - loss_absent,
                           _less(profile.loss_peak_bytes, loss_absent), "loss"), backward
 
 
-SWAPPED, HELD, AHEAD = 0, 1, 2
+SWAPPED, HELD, AHEAD, INPUT = 0, 1, 2, 3     # INPUT: a recompute block's held inputs (not its own saves)
 SELECTIVE = "selective"
 RECOMPUTING = ("recompute", SELECTIVE)
 
@@ -317,7 +343,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         enter(start, forward_phases[i])
         if decision == "recompute":
             held_by_recompute[i] = recompute_held_bytes(block, i, decisions)
-            add(start, held_by_recompute[i], HELD, i)
+            add(start, held_by_recompute[i], INPUT, i)
             ledger += held_by_recompute[i]
         elif decision == SELECTIVE:
             # Counted from its start: the kept outputs appear over its forward.
@@ -430,11 +456,13 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             if next_prefetch >= 0:
                 prefetch(now, i)
             now += block.backward_seconds
-        if decision in RECOMPUTING:
-            held = (held_by_recompute[i] + recomputed_bytes(block) if decision == "recompute"
-                    else selective_backward_bytes(block))
-            add(now, -held, HELD, i)
-            ledger -= held
+        if decision == "recompute":
+            add(now, -held_by_recompute[i], INPUT, i)
+            add(now, -recomputed_bytes(block), HELD, i)
+            ledger -= held_by_recompute[i] + recomputed_bytes(block)
+        elif decision == SELECTIVE:
+            add(now, -selective_backward_bytes(block), HELD, i)
+            ledger -= selective_backward_bytes(block)
         if next_prefetch >= 0:
             prefetch(now, i)
     # After backward the optimizer's step (`plan.optimizer_step`), the ledger empty by then.
@@ -479,19 +507,22 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
     # function would dominate.
     ordered = sorted((time, index) for index, (time, _, _, _, _) in enumerate(events))
     resident, held, ahead, peak, peak_seconds, total_peak, curve = 0, 0, 0, 0, 0.0, 0, []
+    own: dict[int, int] = {}    # ledger bytes per block of its own saves (not a recompute's inputs)
     phase = Phase(-1, 0, None)
     peak_phase = (phase.kind, phase.block)
     peak_position = 0
     for position, (time, index) in enumerate(ordered):
-        _, delta, kind, entered, _ = events[index]
+        _, delta, kind, entered, block = events[index]
         if entered is not None:
             phase = entered
         elif kind == AHEAD:
             ahead += delta
         else:
             resident += delta
-            if kind == HELD:
+            if kind != SWAPPED:
                 held += delta
+            if kind != INPUT:
+                own[block] = own.get(block, 0) + delta
             if resident > peak:
                 peak, peak_seconds = resident, time
         if phase.peak is not None:
@@ -501,6 +532,10 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
             total = max(phase.peak + held + ahead, resident + least_other)
         else:
             total = resident + phase.other
+            if phase.own_peak is not None:
+                # Its own tensors and its other bytes at their most together, the rest of the ledger
+                # on top: never more than the two added.
+                total = min(total, resident - own.get(phase.block, 0) + phase.own_peak)
         if total > total_peak:
             total_peak, peak_phase, peak_position = total, (phase.kind, phase.block), position
         if keep_curve:

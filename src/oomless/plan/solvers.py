@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, forward_other_bytes,
+from oomless.plan.simulate import (SELECTIVE, Timeline, backward_other_bytes, backward_own_peak_bytes,
+                                   forward_other_bytes, forward_own_peak_bytes,
                                    kept_when_swapped_bytes, loss_other_bytes, recompute_seconds,
                                    selective_backward_bytes, selective_held_bytes, selective_offered, simulate)
 from oomless.profile.profile import Profile
@@ -68,6 +69,9 @@ def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None
     forward_other = [forward_other_bytes(profile, block) for block in blocks]
     backward_other = [backward_other_bytes(profile, block) for block in blocks]
     largest = [min(block.largest_saved_bytes, block.saved_bytes) for block in blocks]
+    # A kept (or, in backward, recomputed) block's own saves and its other bytes at their most together.
+    own_forward = [forward_own_peak_bytes(profile, block) for block in blocks]
+    own_backward = [backward_own_peak_bytes(profile, block) for block in blocks]
     swap_backward = [block.backward_peak_bytes if block.backward_peak_bytes is not None else b + big
                      for block, b, big in zip(blocks, backward_other, largest)]
     swap_forward = [block.forward_peak_bytes if block.forward_peak_bytes is not None else f + big
@@ -79,13 +83,12 @@ def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None
                     SWAP: [units(kept_when_swapped_bytes(block)) for block in blocks],
                     RECOMPUTE: [units(block.input_bytes) for block in blocks],
                     SELECTIVE: [units(selective_held_bytes(block)) for block in blocks]},
-        backward_units={KEEP: [units(block.saved_bytes + b) for block, b in zip(blocks, backward_other)],
+        backward_units={KEEP: [units(value) for value in own_backward],
                         SWAP: [units(value) for value in swap_backward],
-                        RECOMPUTE: [units(block.saved_bytes + block.input_bytes + max(f, b))
-                                    for block, f, b in zip(blocks, forward_other, backward_other)],
+                        RECOMPUTE: [units(block.input_bytes + max(f, b)) for block, f, b in zip(blocks, own_forward, own_backward)],
                         SELECTIVE: [units(selective_backward_bytes(block) + max(f, b))
                                     for block, f, b in zip(blocks, forward_other, backward_other)]},
-        forward_units={KEEP: [units(block.saved_bytes + f) for block, f in zip(blocks, forward_other)],
+        forward_units={KEEP: [units(value) for value in own_forward],
                        SWAP: [units(value) for value in swap_forward],
                        RECOMPUTE: [units(block.input_bytes + f) for block, f in zip(blocks, forward_other)],
                        SELECTIVE: [units(selective_held_bytes(block) + f) for block, f in zip(blocks, forward_other)]},

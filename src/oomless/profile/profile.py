@@ -57,6 +57,14 @@ class BlockProfile:
     # back only when used: a swapped block's own tensors in use are inside it. None: not measured.
     forward_peak_bytes: int | None = None
     backward_peak_bytes: int | None = None
+    # The most at one time, in the same step, of the other bytes and the block's own saved storages as
+    # a plan keeping it holds them then: those saved so far in its forward; those not yet released in
+    # its backward (swapped out or not). Its other bytes peak where part of its own tensors is not
+    # made yet (forward) or already freed (backward): the phase's other bytes on top of all of them
+    # counted both at once (a transformer layer's attention scores: 22 % over a keep plan's step on
+    # CPU). None where not measured: the planner then adds the two.
+    forward_own_peak_bytes: int | None = None
+    backward_own_peak_bytes: int | None = None
     # The part of those beyond the held bytes (the block's own workspaces); None where not measured.
     forward_transient_bytes: int | None = None
     backward_transient_bytes: int | None = None

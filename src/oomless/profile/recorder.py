@@ -73,6 +73,11 @@ class Recorder:
         self._before_blocks: BlockProfile | None = None   # readings before the first block, merged into it
         self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
         self.ledger_bytes = 0
+        # The running block's own saved bytes as a plan keeping it holds them
+        # (`BlockProfile.forward_own_peak_bytes`): saved so far in its forward, not yet released in its
+        # backward; and each block's bytes released so far.
+        self.own_bytes = 0
+        self.released_bytes: dict[int, int] = {}
         self.base_bytes = base_bytes
         self.gradient_bytes = 0
         # Which phase each gradient was accumulated in (`BlockProfile.backward_gradient_names`):
@@ -151,10 +156,12 @@ class Recorder:
             block = self._before_blocks if index == _BEFORE_BLOCKS else self.blocks[index]
             block.forward_other_bytes = max(block.forward_other_bytes or 0, other)
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, above_static)
+            block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, other + self.own_bytes)
         else:
             block = self.blocks[index]
             block.backward_other_bytes = max(block.backward_other_bytes or 0, other)
             block.backward_peak_bytes = max(block.backward_peak_bytes or 0, above_static)
+            block.backward_own_peak_bytes = max(block.backward_own_peak_bytes or 0, other + self.own_bytes)
             if not block.backward_other_by_stretch:
                 block.backward_other_by_stretch.append(0)
                 block.backward_peak_by_stretch.append(0)
@@ -167,6 +174,9 @@ class Recorder:
         if self.phase is None:
             self.probe.mark()
         self.phase = phase
+        self.own_bytes = 0
+        if phase is not None and phase[0] == "backward":
+            self.own_bytes = self.blocks[phase[1]].saved_bytes - self.released_bytes.get(phase[1], 0)
 
     def ledger_changing(self, resident_bytes: int) -> None:
         """Called by the ledger before each change: the interval at the old value ends here."""
@@ -240,6 +250,13 @@ class Recorder:
     def fetched(self, num_bytes):
         pass
 
+    def released(self, block_index: int, num_bytes: int) -> None:
+        """Autograd dropped the last saved tensor of one of ``block_index``'s storages (after the ledger
+        took it off, where it was on)."""
+        self.released_bytes[block_index] = self.released_bytes.get(block_index, 0) + num_bytes
+        if self.phase == ("backward", block_index):
+            self.own_bytes -= num_bytes
+
     def saved(self, block_index, num_bytes, movable: bool = True, tensor=None, entry=None):
         if self.selective_meter is not None and tensor is not None:
             self.selective_meter.saved(tensor)
@@ -256,6 +273,8 @@ class Recorder:
             block.input_saved_bytes += num_bytes
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
+        if self.phase == ("forward", block_index):
+            self.own_bytes += num_bytes
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
 
     def block_started(self, index, args):
@@ -277,6 +296,7 @@ class Recorder:
             # has no phase before it, and the ledger is no fuller then.
             block.forward_other_bytes = max(block.forward_other_bytes or 0, before.forward_other_bytes)
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, before.forward_peak_bytes)
+            block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, before.forward_own_peak_bytes)
         self.started[index] = self.now()
 
     def block_finished(self, index, output):

@@ -191,6 +191,8 @@ class ForwardRegistry:
         if entry.on_ledger:
             self.engine.ledger.remove(entry.num_bytes)
             entry.on_ledger = False
+        if self.engine.recorder is not None:
+            self.engine.recorder.released(entry.block_index, entry.num_bytes)
         if entry.ticket is not None:
             self.engine.tier.release(entry.ticket)
             entry.ticket = None
