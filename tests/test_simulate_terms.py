@@ -5,6 +5,7 @@ checks those by hand), and gloo's collectives taking the cores compute runs on. 
 checked against values computed by hand."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from oomless.plan.cluster import make_cluster
 from oomless.plan.collectives import Group, batchnorm_sync_seconds
 from oomless.plan.layouts import (estimate_data_parallel, estimate_fsdp, estimate_pipeline, slowed,
                                   with_batchnorm_sync)
-from oomless.plan.microbatches import merge_blocks
+from oomless.plan.microbatches import merge_blocks, scale_profile
 from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 MiB = 2**20
@@ -204,3 +205,18 @@ def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_wa
         estimate_fsdp(profile, make_cluster("h100", 1, overrides=sharing), 1).step_seconds + 15 * 0.004)
     with pytest.raises(oomless.InputError, match="fsdp_host_seconds must be a number of seconds >= 0"):
         make_cluster("h100", 2, overrides={"fsdp_host_seconds": -1})
+
+
+def test_a_merged_group_holds_its_earlier_parts_saves_while_a_later_part_peaks():
+    first = BlockProfile("conv", 0.1, 0.1, saved_bytes=4 * MiB, forward_other_bytes=6 * MiB, backward_other_bytes=6 * MiB,
+                         forward_own_peak_bytes=7 * MiB, backward_own_peak_bytes=9 * MiB)
+    second = BlockProfile("norm", 0.1, 0.1, saved_bytes=5 * MiB, forward_other_bytes=3 * MiB, backward_other_bytes=3 * MiB,
+                          forward_own_peak_bytes=6 * MiB, backward_own_peak_bytes=5 * MiB)
+    stage = merge_blocks(_profile([first, second]), [("stage", [0, 1])]).blocks[0]
+    # While the norm runs, the conv's 4 MiB are held (kept, in forward and in backward alike).
+    assert (stage.forward_own_peak_bytes, stage.backward_own_peak_bytes) == (10 * MiB, 9 * MiB)
+    unmeasured = replace(second, backward_own_peak_bytes=None)
+    assert merge_blocks(_profile([first, unmeasured]), [("stage", [0, 1])]).blocks[0].backward_own_peak_bytes is None
+    # Scaled to a smaller batch the measured most still bounds it; to a larger one it does not.
+    assert scale_profile(_profile([first]), 0.5).blocks[0].forward_own_peak_bytes == 7 * MiB
+    assert scale_profile(_profile([first]), 2.0).blocks[0].forward_own_peak_bytes is None

@@ -534,8 +534,10 @@ def _sweep(events, keep_curve: bool, least_other: int) -> tuple[int, float, int,
             total = resident + phase.other
             if phase.own_peak is not None:
                 # Its own tensors and its other bytes at their most together, the rest of the ledger
-                # on top: never more than the two added.
-                total = min(total, resident - own.get(phase.block, 0) + phase.own_peak)
+                # on top: never more than the two added, and (as above) never less than the ledger
+                # with the least other bytes, which the activation budget promises the ledger.
+                together = resident - own.get(phase.block, 0) + phase.own_peak
+                total = max(min(total, together), resident + least_other)
         if total > total_peak:
             total_peak, peak_phase, peak_position = total, (phase.kind, phase.block), position
         if keep_curve:
