@@ -16,6 +16,7 @@ from torch import nn
 
 import oomless
 from oomless.plan.simulate import simulate
+from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 
 ROWS, WIDTH = 256, 64
 WIDE_BYTES = 16 * 2**20
@@ -98,3 +99,37 @@ def test_the_keep_plans_prediction_is_lower_by_the_overlap_and_still_covers_the_
     # The profiler's timing step ran a plan keeping every block (no memory given) and read the
     # step's real peak: the lower prediction still covers it.
     assert profile.rehearsal_excess_bytes <= 0.25 * WIDE_BYTES
+
+
+MiB = 2**20
+
+
+def _two_blocks(forward_own_peak, backward_own_peak):
+    """Block "a" saves 10 MiB and works with 8 MiB beyond its saves in each phase; block "b" saves
+    nothing and works with 1 MiB (the least other bytes of any phase); the loss with 2."""
+    a = BlockProfile("a", 0.1, 0.1, saved_bytes=10 * MiB, largest_saved_bytes=5 * MiB, saved_sizes=[5 * MiB, 5 * MiB],
+                     input_bytes=MiB, output_bytes=MiB, calls=1, forward_other_bytes=8 * MiB,
+                     backward_other_bytes=8 * MiB, forward_peak_bytes=13 * MiB, backward_peak_bytes=13 * MiB,
+                     forward_own_peak_bytes=forward_own_peak, backward_own_peak_bytes=backward_own_peak)
+    b = BlockProfile("b", 0.1, 0.1, input_bytes=MiB, output_bytes=MiB, calls=1, forward_other_bytes=MiB,
+                     backward_other_bytes=MiB, forward_peak_bytes=MiB, backward_peak_bytes=MiB)
+    return Profile(device="cpu", blocks=[a, b], parameter_bytes=0, gradient_bytes=0, buffer_bytes=0,
+                   optimizer_state_bytes=0, input_bytes=MiB, unassigned_saved_bytes=0, loss_seconds=0.01,
+                   link=LinkProfile("disk", 1e9, 1e9), loss_other_bytes=2 * MiB)
+
+
+def test_the_simulated_peak_of_a_kept_block_by_hand():
+    keep = ["keep", "keep"]
+    # Not measured: its saves and its most other bytes added, 10 + 8.
+    assert simulate(_two_blocks(None, None), keep).total_peak_bytes == 18 * MiB
+    # Measured at 12 in forward and 13 in backward: the most of those (the loss's 10 + 2 is below).
+    assert simulate(_two_blocks(12 * MiB, 13 * MiB), keep).total_peak_bytes == 13 * MiB
+    # Never more than the two added, nor less than its saves with the least other bytes (10 + 1).
+    assert simulate(_two_blocks(30 * MiB, 30 * MiB), keep).total_peak_bytes == 18 * MiB
+    assert simulate(_two_blocks(3 * MiB, 3 * MiB), keep).total_peak_bytes == 12 * MiB   # the loss's 10 + 2
+    # Recomputed: its backward holds its recompute (and its input) with the most of either phase.
+    recomputed = simulate(_two_blocks(12 * MiB, 13 * MiB), ["recompute", "keep"]).total_peak_bytes
+    assert recomputed == 14 * MiB          # its held 1 MiB input beside the 13
+    # Swapped: the profiling step's measured peak, as before.
+    assert simulate(_two_blocks(12 * MiB, 13 * MiB), ["swap", "keep"]).total_peak_bytes == \
+        simulate(_two_blocks(None, None), ["swap", "keep"]).total_peak_bytes

@@ -154,8 +154,10 @@ def test_a_stage_profile_holds_its_output_through_backward_as_the_schedule_does(
     for before, after in zip(profile.blocks, held.blocks):
         assert after.backward_other_bytes == before.backward_other_bytes + output_bytes, after.name
         assert after.backward_peak_bytes == before.backward_peak_bytes + output_bytes, after.name
+        assert after.backward_own_peak_bytes == before.backward_own_peak_bytes + output_bytes, after.name
         assert dataclasses.replace(after, backward_other_bytes=before.backward_other_bytes,
-                                   backward_peak_bytes=before.backward_peak_bytes) == before
+                                   backward_peak_bytes=before.backward_peak_bytes,
+                                   backward_own_peak_bytes=before.backward_own_peak_bytes) == before
     assert held_by_the_schedule(held) is held                   # nothing freed: unchanged
     # The plan made from it counts the output held, so more memory than from the step as profiled.
     assert oomless.plan(stage, torch.randn(512, 64), 2**40, profile=held).predicted_peak_bytes > \
