@@ -327,7 +327,9 @@ def recompute_profile(profile: Profile) -> Profile:
                               largest_saved_bytes=min(block.largest_saved_bytes, held_input), saved_sizes=[],
                               kept_when_swapped=[],
                               backward_seconds=block.backward_seconds + block.forward_seconds,
-                              forward_transient_bytes=working, backward_transient_bytes=working + block.saved_bytes))
+                              forward_transient_bytes=working, backward_transient_bytes=working + block.saved_bytes,
+                              # Measured for the block's whole saves, not the input it now holds.
+                              forward_own_peak_bytes=None, backward_own_peak_bytes=None))
     return replace(profile, blocks=blocks)
 
 

@@ -194,7 +194,11 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
         gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
         absent = gradients_absent + block.backward_static_absent_bytes
         other = backward_other_bytes(profile, block) - absent
-        own_peak = backward_own_peak_bytes(profile, block) - absent if kept or decision == "recompute" else None
+        # The static bytes a placement takes off the device in this phase are those of the stretch
+        # where its other bytes peak (`plan.static_phases`), not necessarily where its own peak is:
+        # only static bytes it adds are counted there.
+        own_peak = (backward_own_peak_bytes(profile, block) - gradients_absent
+                    - min(block.backward_static_absent_bytes, 0)) if kept or decision == "recompute" else None
         if decision in RECOMPUTING:
             # The recompute re-runs the forward in backward, where the gradients so far exist.
             recompute_absent = gradients_absent + block.recompute_static_absent_bytes

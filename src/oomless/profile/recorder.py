@@ -174,8 +174,10 @@ class Recorder:
         if self.phase is None:
             self.probe.mark()
         self.phase = phase
+        # A block's own saves not released yet: in a later call's forward its earlier calls' too,
+        # which a plan keeping it holds as well.
         self.own_bytes = 0
-        if phase is not None and phase[0] == "backward":
+        if phase is not None and phase[0] in ("forward", "backward") and phase[1] in self.blocks:
             self.own_bytes = self.blocks[phase[1]].saved_bytes - self.released_bytes.get(phase[1], 0)
 
     def ledger_changing(self, resident_bytes: int) -> None:
