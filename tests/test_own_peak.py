@@ -20,7 +20,8 @@ from oomless.profile.profile import BlockProfile, LinkProfile, Profile
 from oomless.profile.rss import MemoryProbe
 
 ROWS, WIDTH = 256, 64
-WIDE_BYTES = 16 * 2**20
+MiB = 2**20
+WIDE_BYTES = 16 * MiB
 COLUMNS = WIDE_BYTES // (ROWS * 4)
 
 
@@ -151,8 +152,6 @@ def test_a_later_call_of_a_block_peaks_with_its_earlier_calls_saves_held():
     _covers_a_plain_step(profile, model, inputs)
     # Resident memory shifts by megabytes between readings (freed pages reused): half the saves.
     assert shared.forward_own_peak_bytes >= shared.forward_other_bytes + 0.5 * WIDE_BYTES
-
-MiB = 2**20
 
 
 def _two_blocks(forward_own_peak, backward_own_peak):

@@ -85,7 +85,8 @@ def separable_model(profile: Profile, budget_bytes: int, bins: int | None = None
                     SELECTIVE: [units(selective_held_bytes(block)) for block in blocks]},
         backward_units={KEEP: [units(value) for value in own_backward],
                         SWAP: [units(value) for value in swap_backward],
-                        RECOMPUTE: [units(block.input_bytes + max(f, b)) for block, f, b in zip(blocks, own_forward, own_backward)],
+                        RECOMPUTE: [units(block.input_bytes + max(f, b))
+                                    for block, f, b in zip(blocks, own_forward, own_backward)],
                         SELECTIVE: [units(selective_backward_bytes(block) + max(f, b))
                                     for block, f, b in zip(blocks, forward_other, backward_other)]},
         forward_units={KEEP: [units(value) for value in own_forward],

@@ -73,10 +73,9 @@ class Recorder:
         self._before_blocks: BlockProfile | None = None   # readings before the first block, merged into it
         self.phase: tuple[str, int] | None = None   # ("forward" | "backward", block index) or ("loss", -1)
         self.ledger_bytes = 0
-        # The running block's own saved bytes as a plan keeping it holds them
-        # (`BlockProfile.forward_own_peak_bytes`): saved so far in its forward, not yet released in its
-        # backward; and each block's bytes released so far.
-        self.own_bytes = 0
+        # Each block's saved bytes autograd has released so far: the rest of its saves is what a plan
+        # keeping it holds (`BlockProfile.forward_own_peak_bytes`; in a later call's forward its earlier
+        # calls' saves too).
         self.released_bytes: dict[int, int] = {}
         self.base_bytes = base_bytes
         self.gradient_bytes = 0
@@ -149,6 +148,7 @@ class Recorder:
                                                      reading - self.total_gradient_bytes)
         other = max(above_static - self.ledger_bytes, 0)
         kind, index = self.phase
+        own = 0 if index < 0 else self.blocks[index].saved_bytes - self.released_bytes.get(index, 0)
         if kind == "loss":
             self.loss_other_bytes = max(self.loss_other_bytes, other)
             self.loss_peak_bytes = max(self.loss_peak_bytes, above_static)
@@ -156,12 +156,12 @@ class Recorder:
             block = self._before_blocks if index == _BEFORE_BLOCKS else self.blocks[index]
             block.forward_other_bytes = max(block.forward_other_bytes or 0, other)
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, above_static)
-            block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, other + self.own_bytes)
+            block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, other + own)
         else:
             block = self.blocks[index]
             block.backward_other_bytes = max(block.backward_other_bytes or 0, other)
             block.backward_peak_bytes = max(block.backward_peak_bytes or 0, above_static)
-            block.backward_own_peak_bytes = max(block.backward_own_peak_bytes or 0, other + self.own_bytes)
+            block.backward_own_peak_bytes = max(block.backward_own_peak_bytes or 0, other + own)
             if not block.backward_other_by_stretch:
                 block.backward_other_by_stretch.append(0)
                 block.backward_peak_by_stretch.append(0)
@@ -174,11 +174,6 @@ class Recorder:
         if self.phase is None:
             self.probe.mark()
         self.phase = phase
-        # A block's own saves not released yet: in a later call's forward its earlier calls' too,
-        # which a plan keeping it holds as well.
-        self.own_bytes = 0
-        if phase is not None and phase[0] in ("forward", "backward") and phase[1] in self.blocks:
-            self.own_bytes = self.blocks[phase[1]].saved_bytes - self.released_bytes.get(phase[1], 0)
 
     def ledger_changing(self, resident_bytes: int) -> None:
         """Called by the ledger before each change: the interval at the old value ends here."""
@@ -256,8 +251,6 @@ class Recorder:
         """Autograd dropped the last saved tensor of one of ``block_index``'s storages (after the ledger
         took it off, where it was on)."""
         self.released_bytes[block_index] = self.released_bytes.get(block_index, 0) + num_bytes
-        if self.phase == ("backward", block_index):
-            self.own_bytes -= num_bytes
 
     def saved(self, block_index, num_bytes, movable: bool = True, tensor=None, entry=None):
         if self.selective_meter is not None and tensor is not None:
@@ -275,8 +268,6 @@ class Recorder:
             block.input_saved_bytes += num_bytes
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
-        if self.phase == ("forward", block_index):
-            self.own_bytes += num_bytes
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
 
     def block_started(self, index, args):
