@@ -199,6 +199,99 @@ def test_a_deep_model_is_profiled_from_three_layers_and_extended():
     assert any("3 of the 9 identical layers" in note for note in few.notes)
 
 
+def _layout_table(simulation) -> dict:
+    return {estimate.name: (estimate.fits, estimate.step_seconds, estimate.memory_per_rank_bytes,
+                            estimate.microbatches) for estimate in simulation.layouts}
+
+
+def test_each_layout_is_traced_at_the_batch_it_runs_whatever_the_examples():
+    """dp's and fsdp's per-rank batch and each pipeline micro-batch are traced at their own batch,
+    so the answer does not depend on the example's batch; scaling one batch's profile linearly
+    instead misses what a small batch runs less efficiently (the roofline's per-kernel floor on a
+    small model: dp's 4 samples a rank from 1 sample's profile predicted ~3x slower) and the
+    working memory of a larger batch (the attention scores)."""
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=1000, dim=128, depth=4, heads=4, max_len=64)
+    simulate = lambda batch, **options: oomless.simulate(
+        model, torch.zeros(batch, 64, dtype=torch.long, device="meta"), 64, target="h100", gpus=16, nodes=2,
+        loss_fn=oomless.sum_of_outputs, **options)
+    one, four = simulate(1), simulate(4)
+    assert _layout_table(one) == _layout_table(four)
+    assert one.recommended == four.recommended
+    # dp x16 steps 4 samples a rank: the profile traced at 4, as a step of 4 would be planned alone.
+    traced = profile_few_layers(model, torch.zeros(4, 64, dtype=torch.long, device="meta"), "h100",
+                                loss_fn=oomless.sum_of_outputs)
+    by_hand = estimate_data_parallel(traced, make_cluster("h100", 16, 2), 4)
+    assert (one.layout("dp x16").step_seconds, one.layout("dp x16").memory_per_rank_bytes) == \
+        (by_hand.step_seconds, by_hand.memory_per_rank_bytes)
+    # A profile given is scaled (nothing to trace it with), and a note says so.
+    given = profile_few_layers(model, torch.zeros(1, 64, dtype=torch.long, device="meta"), "h100",
+                               loss_fn=oomless.sum_of_outputs)
+    scaled = simulate(1, profile=given)
+    assert scaled.layout("dp x16").step_seconds > 2 * by_hand.step_seconds
+    assert scaled.layout("dp x16").memory_per_rank_bytes < by_hand.memory_per_rank_bytes
+    assert any("scaled linearly" in note for note in scaled.notes)
+    assert not any("scaled linearly" in note for note in one.notes)
+
+
+def test_a_loss_of_the_examples_targets_is_traced_at_each_batch_with_example_at():
+    """A loss that reads the example's own targets cannot run on other inputs: without
+    ``example_at`` the example's batch is scaled (and a note asks for it); with it every batch is
+    traced, each with its own loss, and asked for once."""
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=1000, dim=64, depth=3, heads=4, max_len=32)
+
+    def example(batch):
+        tokens = torch.zeros(batch, 32, dtype=torch.long, device="meta")
+        return tokens, lambda logits: torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    asked = []
+
+    def example_at(batch):
+        asked.append(batch)
+        return example(batch)
+
+    tokens, loss_fn = example(2)
+    scaled = oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn)
+    assert any("pass example_at" in note for note in scaled.notes)
+    traced = oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn, example_at=example_at)
+    assert len(asked) == len(set(asked)) and 4 in asked           # dp's 16 / 4 samples a rank, traced once
+    assert all(16 % batch == 0 and batch != 2 for batch in asked)  # micro-batches; the example's own not again
+    alone = oomless.simulate(model, *example(4)[:1], 16, target="h100", gpus=4, loss_fn=example(4)[1],
+                             example_at=example)
+    assert _layout_table(traced) == _layout_table(alone)
+    with pytest.raises(oomless.InputError, match="example_at must be a function"):
+        oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn, example_at=4)
+    with pytest.raises(oomless.InputError, match=r"example_at\(4\) must return \(example_inputs, loss_fn\)"):
+        oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn,
+                         example_at=lambda batch: example(batch)[0])
+    with pytest.raises(oomless.InputError, match=r"example_at\(4\) returned inputs of 2 samples"):
+        oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn, example_at=lambda batch: example(2))
+    with pytest.raises(oomless.InputError, match="a profile or example_at, not both"):
+        oomless.simulate(model, tokens, 16, target="h100", gpus=4, loss_fn=loss_fn, example_at=example,
+                         profile=scaled_profile(model, tokens, loss_fn))
+
+
+def scaled_profile(model, tokens, loss_fn):
+    return profile_few_layers(model, tokens, "h100", loss_fn=loss_fn)
+
+
+def test_a_batch_the_step_does_not_run_at_is_scaled_and_a_note_says_why():
+    """BatchNorm in training needs two samples: dp over 8 GPUs steps one a rank. That batch is
+    scaled from the example's, as before tracing, and the simulation still answers."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[layer for _ in range(4) for layer in
+                                      (torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU())])
+    example = torch.zeros(8, 64, device="meta")
+    simulation = oomless.simulate(model, example, 8, target="h100", gpus=8, loss_fn=oomless.sum_of_outputs)
+    assert any("could not be traced at a batch of 1" in note and "Expected more than 1 value per channel" in note
+               and "scaled from the example's 8" in note for note in simulation.notes)
+    scaled = oomless.simulate(model, example, 8, target="h100", gpus=8, loss_fn=oomless.sum_of_outputs,
+                              profile=profile_few_layers(model, example, "h100", loss_fn=oomless.sum_of_outputs))
+    assert simulation.layout("dp x8").step_seconds == scaled.layout("dp x8").step_seconds
+    assert simulation.recommended is not None
+
+
 def run_oomless(*arguments: str, cwd=None) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(SOURCE)}
     return subprocess.run([sys.executable, "-m", "oomless", *arguments], capture_output=True, text=True,
@@ -216,6 +309,15 @@ def test_the_command_line_prints_json_that_parses_and_draws_the_timeline(tmp_pat
     assert result["cluster"]["gpus"] == 4 and result["cluster"]["nodes"] == 2
     assert {layout["layout"] for layout in result["layouts"]} == {"dp", "fsdp", "pipeline", "hybrid"}
     assert (tmp_path / "timeline.png").stat().st_size > 0
+    # The example's batch does not change the answer: each layout's step is traced at its own, with
+    # the next-token loss of that batch's tokens.
+    other = run_oomless("simulate", "transformer", "--input-shape", "1,32", "--global-batch", "16",
+                        "--target", "h100", "--gpus", "4", "--nodes", "2", "--json", "--model-arg", "depth=4",
+                        "--model-arg", "max_len=32")
+    assert other.returncode == 0, other.stderr
+    layouts = lambda answer: [{key: value for key, value in layout.items() if key != "timeline"}
+                              for layout in answer["layouts"]]
+    assert layouts(json.loads(other.stdout)) == layouts(result)
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -27,8 +27,14 @@ def _simulate_transformer(loss: str):
     tokens = example_input_for("transformer", shape=(BATCH, LENGTH), **MODEL_ARGS).to("meta")
     optimizer = torch.optim.Adam(model.parameters())
     planned, loss_fn = planned_step(loss, "transformer", model, tokens)
+
+    def example_at(samples):
+        """As the command line does: each layout's batch traced with the loss's own targets."""
+        inputs = example_input_for("transformer", shape=(samples, LENGTH), **MODEL_ARGS).to("meta")
+        return inputs, planned_step(loss, "transformer", model, inputs)[1]
+
     return oomless.simulate(planned, tokens, global_batch=GLOBAL_BATCH, target="h100", gpus=GPUS, loss_fn=loss_fn,
-                            optimizer=optimizer)
+                            optimizer=optimizer, example_at=example_at)
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +64,19 @@ def test_next_token_adds_the_log_probabilities_and_the_logits_gradient_to_every_
     assert added[f"fsdp x{GPUS}"] == added[f"dp x{GPUS}"]
 
 
-@pytest.mark.parametrize("schedule, held_microbatches", [("1f1b", 1), ("gpipe", GLOBAL_BATCH)])
-def test_a_pipelines_last_stage_holds_the_loss_and_runs_it_the_others_do_not(simulations, schedule,
-                                                                              held_microbatches):
-    """pp4 steps GLOBAL_BATCH samples in as many micro-batches of one. The loss runs on the last
-    stage: its log-probabilities (1 x (T - 1) x V fp32 a micro-batch) are held there, by 1F1B for one
-    micro-batch at a time, by GPipe for all of them (every forward before any backward), and its time
-    is the last stage's; the first three stages hold and take what they did with the sum."""
-    per_microbatch = (LENGTH - 1) * VOCAB * 4
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipelines_last_stage_holds_the_loss_and_runs_it_the_others_do_not(simulations, schedule):
+    """pp4 steps GLOBAL_BATCH samples in M micro-batches, each traced at its own batch. The loss
+    runs on the last stage: its log-probabilities (samples x (T - 1) x V fp32 a micro-batch) are held
+    there, by 1F1B for one micro-batch at a time, by GPipe for all of them (every forward before any
+    backward), and its time is the last stage's; the first three stages hold and take what they did
+    with the sum."""
     name = f"pipeline pp{GPUS} {schedule}"
     plain, cross_entropy = simulations["sum"].layout(name).partition, simulations["next-token"].layout(name).partition
-    assert cross_entropy.microbatches == plain.microbatches == GLOBAL_BATCH
+    assert cross_entropy.microbatches == plain.microbatches
+    microbatches = plain.microbatches
+    per_microbatch = GLOBAL_BATCH // microbatches * (LENGTH - 1) * VOCAB * 4
+    held_microbatches = 1 if schedule == "1f1b" else microbatches
     # The same cut (deterministic: meta tensors, the roofline), so that stage by stage compares.
     assert cross_entropy.stage_blocks == plain.stage_blocks and cross_entropy.stage_blocks[-1][-1] == "head"
     # Within 4 KiB: the working memory is traced on meta tensors (profile.fake_memory), and in the one

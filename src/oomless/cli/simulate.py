@@ -10,8 +10,9 @@ a cluster you may not have, and the fastest that fits (`oomless.simulate`).
     oomless simulate hf:llama --input-shape 1,2048 --global-batch 64 --gpus 8 --loss fused-next-token \\
         --model-arg num_hidden_layers=8 --model-arg hidden_size=1024 --model-arg num_attention_heads=8
 
-Nothing runs here: the model is built on the meta device and one step of the input shape's batch
-is profiled on meta tensors (a few layers of a deep model's identical stack), then scaled. The loss
+Nothing runs here: the model is built on the meta device and one step is profiled on meta tensors
+(a few layers of a deep model's identical stack) at each batch a layout runs at once (dp's per-rank
+batch, each pipeline micro-batch), with the input shape's other sides. The loss
 is `oomless plan`'s (``--loss``, `oomless.cli.planned_loss`): a language model's next-token
 cross-entropy by default, which a pipeline runs on its last stage.
 """
@@ -33,7 +34,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
                     "recommend the fastest that fits.")
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("--input-shape", required=True, metavar="B,...",
-                        help="the profiled step's input shape; its first entry is the batch profiled (then scaled)")
+                        help="an example input's shape, batch first; each layout's step is profiled at its own batch "
+                             "with the other sides")
     parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step over all GPUs")
     parser.add_argument("--target", default="h100", help="device type (default %(default)s)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in all")
@@ -88,11 +90,19 @@ def run(args: argparse.Namespace) -> int:
     example = example_input_for(args.model, shape=shape, **model_kwargs).to("meta")
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
     optimizer = optimizer(model.parameters(), lr=1e-3) if optimizer else None   # the whole model's, a head too
+    whole = model
     model, loss_fn = planned_step(args.loss, args.model, model, example)
+
+    def example_at(samples: int):
+        """The example and its loss at another batch: each layout's step is traced at its own."""
+        inputs = example_input_for(args.model, shape=(samples, *shape[1:]), **model_kwargs).to("meta")
+        return inputs, planned_step(args.loss, args.model, whole, inputs)[1]
+
     simulation = oomless.simulate(
         model, example, args.global_batch, target=args.target, gpus=args.gpus, nodes=args.nodes,
         cluster=args.cluster, loss_fn=loss_fn, optimizer=optimizer,
-        dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None, precision=args.precision)
+        dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None, precision=args.precision,
+        example_at=example_at)
     simulation.model, simulation.loss = args.model, resolve_loss(args.loss, args.model)
     print(simulation.to_json() if args.json else simulation)
     if args.plot:

@@ -2,12 +2,16 @@
 data parallel (fsdp), pipelines under each schedule and hybrids (dp x pp), each with its memory
 plan, and recommend the fastest that fits (issue 14, item 3; `oomless simulate`).
 
-    simulation = simulate_layouts(profile, profiled_batch=1, cluster=make_cluster("h100", 64, 8), global_batch=512)
-    print(simulation)                       # one row per layout; simulation.recommended
+    estimates = estimate_layouts(profile, 1, make_cluster("h100", 64, 8), global_batch=512,
+                                 profile_at=profiles_of_a_batch)
+    best = recommend(estimates)             # the fastest that fits; `oomless.simulate` prints them
 
 ``profile`` is one step of ``profiled_batch`` samples on the target (meta tensors,
-`profile.fake` / `profile.repeated`); each layout's per-rank step is that profile scaled linearly to
-its batch (`plan.microbatches.scale_profile`). Ranks are numbered node by node; data-parallel
+`profile.fake` / `profile.repeated`). Each layout's per-rank step (dp's and fsdp's batch, each
+pipeline micro-batch) is the step traced at that batch, ``profile_at(samples)``, where the caller
+can trace it (`oomless.simulate`), else that profile scaled linearly to its batch
+(`plan.microbatches.scale_profile`, which misses what a small batch runs less efficiently and the
+working memory that does not grow with the batch). Ranks are numbered node by node; data-parallel
 groups are consecutive ranks (inside a node first), pipeline stages the outer dimension.
 
 - **dp** (torch DDP): every rank holds the whole model and steps G / N samples; its memory plan is
@@ -51,11 +55,12 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
   the pipeline run on every rank at once.
 
 Assumptions: compute and communication overlap perfectly where streams allow (no slowdown of
-kernels sharing SMs with NCCL); linear scaling of time and activations with the batch; the
-collectives' model in `plan.collectives` (two levels across nodes).
+kernels sharing SMs with NCCL); where the step is not traced at a layout's batch, linear scaling of
+time and activations with the batch; the collectives' model in `plan.collectives` (two levels across nodes).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from oomless.errors import InputError, PlanError
@@ -363,13 +368,29 @@ def cut_may_fit(profile: Profile, pieces: int, limit_bytes: int) -> bool:
     return count <= pieces
 
 
+def at_batch(profile: Profile, profiled_batch: int,
+             profile_at: Callable[[int], Profile] | None = None) -> Callable[[int], Profile]:
+    """The step's profile at any batch of samples: ``profile`` at its own batch, else
+    ``profile_at(samples)`` where given (`oomless.simulate` traces the step at that batch), else
+    ``profile`` scaled linearly (`scale_profile`: what a smaller batch runs less efficiently, and
+    working memory that does not grow with the batch, are missed)."""
+    def at(samples: int) -> Profile:
+        if samples == profiled_batch:
+            return profile
+        return profile_at(samples) if profile_at is not None else scale_profile(profile, samples / profiled_batch)
+    return at
+
+
 def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, profiled_batch: int,
-                      pipeline_ranks: int, schedule: str) -> LayoutEstimate | None:
+                      pipeline_ranks: int, schedule: str,
+                      profile_at: Callable[[int], Profile] | None = None) -> LayoutEstimate | None:
     """A pipeline of ``pipeline_ranks`` stages (ranks) replicated over the rest of the GPUs; None
-    when the model has too few blocks for the stages."""
+    when the model has too few blocks for the stages. ``profile_at(samples)``: the step's profile
+    at another batch (each micro-batch's), default ``profile`` scaled linearly."""
     stages_per_rank = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
     if len(profile.blocks) < pipeline_ranks * stages_per_rank:
         return None
+    at = at_batch(profile, profiled_batch, profile_at)
     replicas = cluster.gpus // pipeline_ranks
     samples = global_batch // replicas
     group = consecutive_group(cluster, replicas)
@@ -387,30 +408,28 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
         # The partitioner's search for several stages per rank costs seconds on deep models: only
         # the most micro-batches, the fewest bytes in flight and the smallest bubble, is tried.
         candidates = candidates[-1:]
-    whole = scale_profile(profile, samples / profiled_batch)
     layout = "pipeline" if replicas == 1 else "hybrid"
     static_share = math.ceil((profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_state_bytes)
                              / pipeline_ranks)
     # A rank holds whole stages; stages of a V-shaped or interleaved schedule are not neighbours,
     # so for those only each stage alone is checked.
     pieces = pipeline_ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
-    smallest = scale_profile(profile, samples / max(candidates) / profiled_batch)
+    smallest = at(samples // max(candidates))
 
-    def cut(whole: Profile):
+    def cut(adjust):
         """(plan name, partition) of the first uniform plan some cut fits (or None), the least
-        memory a cut would need, and what was tried."""
+        memory a cut would need, and what was tried; ``adjust``: applied to each micro-batch's profile."""
         best, least, tried = None, None, []
-        for plan_name, planned in (("keep all", whole), ("recompute all", None)):
+        for plan_name, make in (("keep all", adjust), ("recompute all", lambda one: recompute_profile(adjust(one)))):
             if best is not None:
                 break       # every block kept fits: recomputing would only add time
-            planned = planned or recompute_profile(whole)
-            if not cut_may_fit(smallest if plan_name == "keep all" else recompute_profile(smallest), pieces,
-                               cluster.device.memory_bytes):
+            if not cut_may_fit(make(smallest), pieces, cluster.device.memory_bytes):
                 tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
                 continue
             try:
-                partition = choose_microbatches(planned, pipeline_ranks, samples, cluster.device.memory_bytes,
-                                                schedule, stages_per_rank, bytes_per_second, overhead, candidates)
+                partition = choose_microbatches(None, pipeline_ranks, samples, cluster.device.memory_bytes,
+                                                schedule, stages_per_rank, bytes_per_second, overhead, candidates,
+                                                microbatch_profile=lambda m, make=make: make(at(samples // m)))
             except PlanError as error:
                 least = error.minimum_bytes if least is None else min(least, error.minimum_bytes)
                 tried.append(f"{plan_name}: no cut fits")
@@ -421,16 +440,16 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
             best = (plan_name, partition)
         return best, least, tried
 
-    best, least, tried = cut(whole)
+    best, least, tried = cut(lambda one: one)
     if best is not None:
         # Ranks sharing cores: the compute, not the communication, slowed by the ranks busy on
         # average outside the bubble; cut again, as the trainer's partitioner cuts its slower profile.
         factor = cluster.contention(cluster.gpus_per_node * (1 - best[1].bubble_fraction))
         if factor > 1:
-            best = cut(slowed(whole, factor))[0] or best
+            best = cut(lambda one: slowed(one, factor))[0] or best
     if best is None:
-        compute = ((sum(b.forward_seconds + b.backward_seconds for b in whole.blocks) + whole.loss_seconds)
-                   * cluster.contention(cluster.gpus_per_node))
+        compute = ((sum(b.forward_seconds + b.backward_seconds for b in smallest.blocks) + smallest.loss_seconds)
+                   * max(candidates) * cluster.contention(cluster.gpus_per_node))
         return LayoutEstimate(layout, replicas, pipeline_ranks, schedule, 0, samples, False, compute / pipeline_ranks,
                               least or static_share, static_share, "no plan fits", 0.0, 0.0, compute / pipeline_ranks,
                               notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
@@ -470,21 +489,32 @@ def check_global_batch(global_batch: int, gpus: int) -> None:
 
 
 def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster, global_batch: int,
-                     pipeline_profile: Profile | None = None) -> list[LayoutEstimate]:
+                     pipeline_profile: Profile | None = None,
+                     profile_at: Callable[[int], tuple[Profile, Profile | None]] | None = None) -> list[LayoutEstimate]:
     """Every layout's estimate (module docstring), dp and fsdp first, then pipelines by depth.
     ``pipeline_profile``: the same step with the blocks a pipeline cuts between
-    (`plan.microbatches.merge_blocks`); default ``profile``'s own."""
+    (`plan.microbatches.merge_blocks`); default ``profile``'s own. ``profile_at(samples)``: both
+    profiles of a step of another batch (each layout's per-rank batch, each micro-batch), traced
+    at that batch; default: scaled linearly from ``profile``."""
     check_global_batch(global_batch, cluster.gpus)
     if profiled_batch < 1:
         raise InputError(f"the profiled batch must be at least 1 sample, got {profiled_batch}")
     samples_per_rank = global_batch // cluster.gpus
-    per_rank = scale_profile(profile, samples_per_rank / profiled_batch)
+
+    def traced(pipeline: bool):
+        def one(samples: int) -> Profile:
+            blocks, pipeline_blocks = profile_at(samples)
+            return pipeline_blocks if pipeline and pipeline_blocks is not None else blocks
+        return None if profile_at is None else one
+
+    per_rank = at_batch(profile, profiled_batch, traced(False))(samples_per_rank)
     estimates = [estimate_data_parallel(per_rank, cluster, samples_per_rank),
                  estimate_fsdp(per_rank, cluster, samples_per_rank)]
+    pipelined, pipelined_at = pipeline_profile or profile, traced(True)
     for pipeline_ranks in (d for d in range(2, cluster.gpus + 1) if cluster.gpus % d == 0):
         for schedule in SCHEDULES:
-            estimate = estimate_pipeline(pipeline_profile or profile, cluster, global_batch, profiled_batch,
-                                         pipeline_ranks, schedule)
+            estimate = estimate_pipeline(pipelined, cluster, global_batch, profiled_batch, pipeline_ranks, schedule,
+                                         pipelined_at)
             if estimate is not None:
                 estimates.append(estimate)
     return estimates

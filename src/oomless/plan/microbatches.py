@@ -1,7 +1,9 @@
 """Choosing the number of micro-batches for a pipeline (issue 5: "micro-batch count chosen by the
-planner"): each candidate M is partitioned on the whole-batch profile scaled to 1 / M, and the
-fastest predicted step that fits memory wins (`oomless.plan.partition`'s docstring gives the cost
-model, `oomless.plan.schedules` the step time of each schedule).
+planner"): each candidate M is partitioned on the profile of one micro-batch (the whole-batch
+profile scaled to 1 / M, or one profiled at that batch where the caller can: `oomless.simulate`
+traces each on meta tensors), and the fastest predicted step that fits memory wins
+(`oomless.plan.partition`'s docstring gives the cost model, `oomless.plan.schedules` the step time
+of each schedule).
 
     partition = choose_microbatches(whole_batch_profile, 4, 32, "20GiB", schedule="interleaved-1f1b",
                                     stages_per_rank=2)
@@ -9,6 +11,7 @@ model, `oomless.plan.schedules` the step time of each schedule).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from oomless.errors import InputError, PlanError
@@ -102,16 +105,20 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
     return replace(profile, blocks=merged)
 
 
-def choose_microbatches(profile: Profile, stages: int, batch: int, memory, schedule: str = "1f1b",
+def choose_microbatches(profile: Profile | None, stages: int, batch: int, memory, schedule: str = "1f1b",
                         stages_per_rank: int = 1, link_bytes_per_second: float | None = None,
-                        overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None) -> Partition:
+                        overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS, candidates=None,
+                        microbatch_profile: Callable[[int], Profile] | None = None) -> Partition:
     """The partition, and number of micro-batches M, with the fastest predicted step that fits
     ``memory``. ``profile`` is of the whole per-replica batch of ``batch`` samples; each candidate M
     (default: every divisor of ``batch``, so micro-batches are equal; those torch's schedule refuses
-    are skipped) is planned on the profile scaled to 1 / M, each stage paying ``overhead_seconds``
+    are skipped) is planned on the profile of one micro-batch, ``microbatch_profile(M)`` (default:
+    ``profile`` scaled to 1 / M; ``profile`` may then be None), each stage paying ``overhead_seconds``
     per micro-batch (`DEFAULT_OVERHEAD_SECONDS` is an assumption: give your device's). Ties go to
     fewer micro-batches; the notes say what each M predicted. Raises `PlanError` when none fits."""
     check_schedule(schedule, stages, stages_per_rank)
+    if profile is None and microbatch_profile is None:
+        raise InputError("choose_microbatches needs the whole batch's profile or microbatch_profile(M)")
     if batch < 1:
         raise InputError(f"batch must be at least 1, got {batch}")
     if candidates is None:
@@ -126,7 +133,8 @@ def choose_microbatches(profile: Profile, stages: int, batch: int, memory, sched
             tried.append(f"M={m}: skipped, {problem}")
             continue
         try:
-            partition = partition_stages(scale_profile(profile, 1 / m), stages, memory, m, schedule,
+            one = scale_profile(profile, 1 / m) if microbatch_profile is None else microbatch_profile(m)
+            partition = partition_stages(one, stages, memory, m, schedule,
                                          link_bytes_per_second, stages_per_rank)
         except PlanError as error:
             refusals.append((m, error.kept()))
