@@ -335,6 +335,14 @@ def test_bad_input_is_one_line_naming_what_would_work(arguments, message):
     assert len(lines) == 1 and message in lines[0], completed.stderr
 
 
+def test_an_input_shape_the_model_cannot_take_is_one_line():
+    completed = run_oomless("simulate", "mlp", "--input-shape", "2,64", "--global-batch", "16", "--gpus", "8")
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model 'mlp' fails on its example input of shape (2, 64)" in lines[0], completed.stderr
+    assert "--input-shape N,C" in lines[0]
+
+
 def test_bad_input_in_the_python_api_raises_input_error():
     model = MLP(SIZES)
     inputs = torch.randn(2, SIZES[0])

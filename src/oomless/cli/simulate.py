@@ -20,7 +20,7 @@ cross-entropy by default, which a pipeline runs on its last stage.
 import argparse
 import sys
 
-from oomless.cli.plan import _DTYPES, parse_model_args, parse_shape
+from oomless.cli.plan import _DTYPES, check_model_runs, parse_model_args, parse_shape
 from oomless.cli.planned_loss import add_loss_argument, check_loss, planned_step, resolve_loss
 from oomless.errors import InputError
 
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     example = example_input_for(args.model, shape=shape, **model_kwargs).to("meta")
     optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "none": None}[args.optimizer]
     optimizer = optimizer(model.parameters(), lr=1e-3) if optimizer else None   # the whole model's, a head too
+    check_model_runs(model, example, args.model)
     whole = model
     model, loss_fn = planned_step(args.loss, args.model, model, example)
 
