@@ -22,6 +22,8 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     max_size          bench/bench_max_size.py, if present: the largest model trained within the memory
     dp_world_1        bench/bench_dp.py --world-size 1 (NCCL)
     dp_world_2        bench/bench_dp.py --world-size 2, where two GPUs exist
+    simulate_world_1  bench/bench_simulate_cuda.py: oomless simulate (datasheet and calibrated) against dp and
+                      fsdp trained through the trainer, NCCL at world size 1 (issue 14, item 4)
     linear_loss       bench/bench_linear_loss.py: GPT-2's head and loss in bf16, whole against in chunks
 
 Needs only what a PyTorch machine has (torch with CUDA, numpy, pytest, rich, safetensors): it runs
@@ -55,7 +57,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
                        "cuda_peak_transformer": 40, "max_size": 70,
-                       "dp_world_1": 30, "dp_world_2": 30, "linear_loss": 90, "fit_precision": 120}
+                       "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started
@@ -145,6 +147,11 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
             piece["skip"] = (f"needs {world_size} GPUs (NCCL puts each rank on its own GPU); "
                              f"this machine has {device['device_count']}")
         pieces.append(piece)
+    # Issue 14's item 4 on the GPU: simulate (from the datasheet, and calibrated here) against dp and
+    # fsdp trained through the trainer's strategies, NCCL at world size 1.
+    pieces.append({"name": "simulate_world_1", "writes": ["simulate-world-1.json"],
+                   "command": [python, "bench/bench_simulate_cuda.py", "--device", device_name,
+                               "--out", str(out / "simulate-world-1.json")] + ([] if cuda else ["--quick"])})
     # GPT-2's head and loss over 16 x 1024 tokens in bf16: the logits 3.3 GB in fp32, whole or in chunks.
     pieces.append({"name": "linear_loss", "writes": ["linear-loss.json"],
                    "command": [python, "bench/bench_linear_loss.py", "--device", device_name,

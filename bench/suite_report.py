@@ -24,6 +24,8 @@ TARGETS = {
                              "against the plan's working memory; what is live at the profiler's sizing step's peak",
     "dp_world_1": "overlapped within noise of plain_ddp at world size 1 (nothing to hide)",
     "dp_world_2": "overlapped faster than plain_ddp; exposed communication after backward near 0",
+    "simulate_world_1": "dp x1 and fsdp x1: predicted / measured step within 0.85-1.15 and peak within 0.90-1.10, "
+                        "from the datasheet (nothing measured) and calibrated (this GPU's profile) (issue 14, item 4)",
     "linear_loss": "the fused head and loss's peak a small share of plain's (no logits whole); step time against "
                    "plain's at each chunk size, the default's within 10 % on the CPU machine (issue 15, item 2)",
     "fit_precision": "keep_bf16 and keep_compiled within 3 % of their references (plain_bf16, plain_compiled); "
@@ -71,6 +73,12 @@ def _dp(name: str):
                           "paired_ratio_vs_plain_ddp": round(values["paired_ratio_vs_plain_ddp"], 3)}
                 for variant, values in summary.items()}
     return extract
+
+
+def _simulate(out: Path) -> dict:
+    rows = _read(out, "simulate-world-1.json")["rows"]
+    return {row["layout"]: {kind: {name: round(value, 3) for name, value in ratio.items()}
+                            for kind, ratio in row["ratio"].items()} for row in rows}
 
 
 def _swap_trace(out: Path) -> dict:
@@ -126,7 +134,7 @@ def highlights(record: dict, out: Path) -> dict:
         return {}
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
-                  "swap_trace": _swap_trace, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
+                  "swap_trace": _swap_trace, "simulate_world_1": _simulate, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
                   "cuda_peak_transformer": lambda out: _cuda_peak(out, "cuda-peak-transformer.json"),
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
