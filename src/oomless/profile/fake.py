@@ -21,6 +21,8 @@ Per block, the same numbers the real profiler measures:
 - working memory ("other" and peak bytes per phase, as the real profiler's all-swap step measures
   them): the meta storages alive after each op (`profile.fake_memory`), without kernels' workspaces
   or the allocator's rounding, for which the planner keeps its larger margin.
+- attention (`torch.nn.functional.scaled_dot_product_attention`) as the GPU's fused kernel, not the
+  math fallback meta tensors would take (`profile.fake_attention`).
 """
 
 import itertools
@@ -38,6 +40,7 @@ from torch.utils.flop_counter import flop_registry
 from oomless.errors import InputError
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
 from oomless.profile.blocks import batchnorm_channels, find_blocks
+from oomless.profile.fake_attention import FusedAttention
 from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
@@ -308,7 +311,8 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                     attributes_kept(model):
                 args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
                 kwargs = inputs if isinstance(inputs, dict) else {}
-                with FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
+                # Attention as the GPU's fused kernel (outside autocast's mode: it sees autocast's dtypes).
+                with FusedAttention(), FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
                     output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
                                                         strict=False)
                 recorder.phase = ("loss", _LOSS)

@@ -1,0 +1,161 @@
+"""Attention profiled for a GPU on meta tensors runs as the GPU's fused kernel: no B x H x T x T
+scores saved or made (`oomless.profile.fake_attention`), where the math fallback meta tensors
+would take makes and saves them. Bytes are counted on meta tensors, nothing is timed."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import oomless
+from oomless.profile.fake import profile_for_target
+from oomless.profile.fake_attention import attention_kernel
+
+BATCH, HEADS, LENGTH, HEAD_DIM = 2, 4, 1024, 64
+DIM = HEADS * HEAD_DIM
+
+
+class Attention(nn.Module):
+    """One attention layer: projections, scaled_dot_product_attention (or the same by hand)."""
+
+    def __init__(self, fused: bool = True, mask: bool = False, key_heads: int = HEADS):
+        super().__init__()
+        self.fused, self.mask, self.key_heads = fused, mask, key_heads
+        self.query = nn.Linear(DIM, DIM)
+        self.key_value = nn.Linear(DIM, 2 * key_heads * HEAD_DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.query(x).view(b, t, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = self.key_value(x).view(b, t, 2, self.key_heads, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        if not self.fused:
+            scores = (q @ k.transpose(-2, -1)) / HEAD_DIM ** 0.5
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            attended = scores.softmax(-1) @ v
+        elif self.mask:
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      enable_gqa=self.key_heads != HEADS)
+        return self.out(attended.transpose(1, 2).reshape(b, t, DIM))
+
+
+class Layers(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.attention = Attention(**options)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.head(self.attention(self.embed(x)))
+
+
+def _attention_block(precision: str = "fp32", **options):
+    with torch.device("meta"):
+        model = Layers(**options)
+    x = torch.empty(BATCH, LENGTH, DIM, device="meta")
+    profile = profile_for_target(model, x, "h100", loss_fn=oomless.sum_of_outputs, precision=precision,
+                                 blocks=["embed", "attention", "head"])
+    return next(block for block in profile.blocks if block.name == "attention"), profile
+
+
+def _scores_bytes(element_size: int) -> int:
+    return BATCH * HEADS * LENGTH * LENGTH * element_size
+
+
+@pytest.mark.parametrize("precision, element_size", [("bf16", 2), ("fp32", 4)])
+def test_attention_saves_and_makes_no_scores_as_the_gpu_kernel_does(precision, element_size):
+    """bf16 runs FlashAttention, fp32 memory-efficient attention: each saves its inputs, output and
+    one log-sum-exp per row. The same attention written by hand (what the math fallback runs) saves
+    the B x H x T x T scores' softmax: in bf16 here 54.5 MiB by hand against 5.5 MiB fused, the
+    scores alone 16 MiB."""
+    fused, _ = _attention_block(precision)
+    by_hand, _ = _attention_block(precision, fused=False)
+    scores = _scores_bytes(element_size)
+    token_bytes = BATCH * LENGTH * DIM * element_size          # one of q, k, v or the output
+    assert 4 * token_bytes <= fused.saved_bytes < 12 * token_bytes < scores
+    assert by_hand.saved_bytes >= fused.saved_bytes + scores
+    # Working memory: the scores are never whole in the fused kernel.
+    assert fused.forward_other_bytes < scores <= by_hand.forward_other_bytes
+    assert fused.backward_other_bytes < scores <= by_hand.backward_other_bytes
+
+
+def test_a_masked_attention_runs_the_memory_efficient_kernel_and_keeps_its_mask():
+    """A boolean mask rules out FlashAttention: memory-efficient attention takes it as an additive
+    bias, kept for backward (T x T, expanded over batch and heads without copying), no scores."""
+    masked, _ = _attention_block("bf16", mask=True)
+    plain, _ = _attention_block("bf16")
+    bias = LENGTH * LENGTH * 2
+    assert masked.saved_bytes <= plain.saved_bytes + bias + LENGTH * LENGTH   # the mask and its bias
+    assert masked.saved_bytes < _scores_bytes(2)
+
+
+def test_grouped_query_attention_reads_fewer_key_heads_as_they_are():
+    """FlashAttention reads keys and values of fewer heads natively: the block saves less than with
+    as many key as query heads, by their projection's share (no repeated copies)."""
+    grouped, _ = _attention_block("bf16", key_heads=1)
+    full, _ = _attention_block("bf16")
+    key_value_bytes = BATCH * LENGTH * HEAD_DIM * 2      # one head of k or v, bf16
+    assert full.saved_bytes - grouped.saved_bytes >= 2 * (HEADS - 1) * key_value_bytes
+
+
+def test_the_kernel_chosen_follows_cuda_s_rules():
+    def tensor(dtype, head_dim=64, heads=2):
+        return torch.empty(1, heads, 8, head_dim, dtype=dtype, device="meta")
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    mask = torch.empty(8, 8, dtype=torch.bool, device="meta")
+    qkv = lambda dtype, head_dim=64: (tensor(dtype, head_dim),) * 3     # noqa: E731
+    assert attention_kernel(*qkv(bf16), None) == "flash"
+    assert attention_kernel(*qkv(bf16, 12), None) == "flash"                 # padded to 16
+    assert attention_kernel(*qkv(torch.float16), mask) == "efficient"
+    assert attention_kernel(*qkv(fp32), None) == "efficient"
+    assert attention_kernel(*qkv(fp32, 12), None) == "efficient"              # 4-aligned in fp32
+    assert attention_kernel(*qkv(bf16, 512), None) == "efficient"
+    assert attention_kernel(*qkv(bf16, 12), mask) == "math"                   # 8-aligned in half precision
+    assert attention_kernel(*qkv(fp32, 6), None) == "math"
+    assert attention_kernel(*qkv(torch.float64), None) == "math"
+    # Value heads of another size than the queries': not flash.
+    assert attention_kernel(tensor(bf16, 192), tensor(bf16, 192), tensor(bf16, 128), None) == "efficient"
+    # Fewer key heads: flash reads them; the efficient kernel has no grouped path; without enable_gqa torch refuses.
+    grouped = (tensor(bf16, heads=4), tensor(bf16, heads=2), tensor(bf16, heads=2))
+    assert attention_kernel(*grouped, None, enable_gqa=True) == "flash"
+    assert attention_kernel(*grouped, mask, enable_gqa=True) == "math"
+    assert attention_kernel(*grouped, None) == "math"
+    assert attention_kernel(tensor(bf16)[0], tensor(bf16)[0], tensor(bf16)[0], None) == "math"    # 3-D
+
+
+@pytest.mark.parametrize("dtype, head_dims, mask", [
+    (torch.bfloat16, (12, 12, 12), None),       # flash, padded and sliced back
+    (torch.bfloat16, (192, 192, 128), None),    # efficient, the value's head dimension
+    (torch.float32, (64, 64, 64), "bool"),      # efficient, a boolean mask made additive
+    (torch.bfloat16, (64, 64, 64), "float"),    # efficient, an additive mask
+])
+def test_the_fused_kernels_give_the_shapes_and_gradients_torch_gives(dtype, head_dims, mask):
+    from oomless.profile.fake_attention import FusedAttention
+
+    q, k, v = (torch.empty(2, 4, 16, dim, dtype=dtype, device="meta", requires_grad=True) for dim in head_dims)
+    masks = {None: None, "bool": torch.ones(16, 16, dtype=torch.bool, device="meta"),
+             "float": torch.zeros(2, 1, 16, 16, dtype=dtype, device="meta")}
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[mask])
+    with FusedAttention():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[mask])
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_the_roofline_counts_the_fused_kernels_flops():
+    """Forward and backward of attention: 4 B H T^2 D FLOPs forward (two matrix products), counted
+    from torch's formulas for the fused kernels; the projections add 8 B T DIM^2 x 3."""
+    _, profile = _attention_block("bf16")
+    attention = 4 * BATCH * HEADS * LENGTH * LENGTH * HEAD_DIM
+    note = next(note for note in profile.notes if "FLOP per step" in note)
+    value, prefix = re.match(r"([\d.]+) ([PTGM]?)FLOP per step", note).groups()
+    flops = float(value) * {"": 1, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}[prefix]
+    assert flops >= 3 * attention      # forward once, backward twice the forward's
