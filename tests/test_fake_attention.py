@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 import oomless
 from oomless.profile.fake import profile_for_target
@@ -20,9 +21,9 @@ DIM = HEADS * HEAD_DIM
 class Attention(nn.Module):
     """One attention layer: projections, scaled_dot_product_attention (or the same by hand)."""
 
-    def __init__(self, fused: bool = True, mask: bool = False, key_heads: int = HEADS):
+    def __init__(self, fused: bool = True, mask: bool = False, key_heads: int = HEADS, causal: bool = True):
         super().__init__()
-        self.fused, self.mask, self.key_heads = fused, mask, key_heads
+        self.fused, self.mask, self.key_heads, self.causal = fused, mask, key_heads, causal
         self.query = nn.Linear(DIM, DIM)
         self.key_value = nn.Linear(DIM, 2 * key_heads * HEAD_DIM)
         self.out = nn.Linear(DIM, DIM)
@@ -39,7 +40,7 @@ class Attention(nn.Module):
             keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         else:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
                                                       enable_gqa=self.key_heads != HEADS)
         return self.out(attended.transpose(1, 2).reshape(b, t, DIM))
 
@@ -150,15 +151,24 @@ def test_the_fused_kernels_give_the_shapes_and_gradients_torch_gives(dtype, head
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
-def test_the_roofline_counts_the_fused_kernels_flops():
-    """Forward and backward of attention: 4 B H T^2 D FLOPs forward (two matrix products), counted
-    from torch's formulas for the fused kernels; the projections add 8 B T DIM^2 x 3."""
-    _, profile = _attention_block("bf16")
-    attention = 4 * BATCH * HEADS * LENGTH * LENGTH * HEAD_DIM
+def _flops(profile) -> float:
     note = next(note for note in profile.notes if "FLOP per step" in note)
     value, prefix = re.match(r"([\d.]+) ([PTGM]?)FLOP per step", note).groups()
-    flops = float(value) * {"": 1, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}[prefix]
-    assert flops >= 3 * attention      # forward once, backward twice the forward's
+    return float(value) * {"": 1, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}[prefix]
+
+
+def test_the_roofline_counts_the_fused_kernels_flops_half_of_them_when_causal():
+    """torch's formulas for the fused kernels (forward 4 B H T^2 D, backward 2.5 times that); a
+    causal kernel skips the blocks above the diagonal, half of them."""
+    shape = (BATCH, HEADS, LENGTH, HEAD_DIM)
+    attention = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    causal, full = _attention_block("bf16")[1], _attention_block("bf16", causal=False)[1]
+    # The notes keep three digits: within 1 %.
+    assert _flops(full) - _flops(causal) == pytest.approx(attention / 2, rel=0.01)
+    assert _flops(full) > attention
+    attention_seconds = lambda profile: next(block.forward_seconds + block.backward_seconds  # noqa: E731
+                                             for block in profile.blocks if block.name == "attention")
+    assert attention_seconds(causal) < attention_seconds(full)
 
 
 @pytest.mark.gpu

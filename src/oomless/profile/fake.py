@@ -55,6 +55,13 @@ _FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand"
          "lift_fresh", "_reshape_alias", "reshape", "empty", "empty_like", "empty_strided", "new_empty",
          "unflatten", "flatten", "view_as", "expand_as", "narrow", "diagonal"}
 
+# The fused attention kernels (`profile.fake_attention`): with ``is_causal`` they skip the blocks of
+# scores above the diagonal, half of them, which torch's FLOP formulas count; a mask broadcast over
+# batch and heads is read once, not once per head.
+_FUSED_ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+                    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"}
+
 _LOSS = -1
 
 
@@ -64,6 +71,16 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _argument(func, args, kwargs, name: str):
+    """The value of argument ``name`` of an aten op's call (None where its schema has none)."""
+    names = [argument.name for argument in func._schema.arguments]
+    if name in kwargs:
+        return kwargs[name]
+    if name in names and names.index(name) < len(args):
+        return args[names.index(name)]
+    return None
 
 
 class _Roofline(TorchDispatchMode):
@@ -97,6 +114,10 @@ class _Roofline(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
+        if name in _FUSED_ATTENTION:
+            moved = sum(min(_tensor_bytes(t), t.untyped_storage().nbytes()) for t in tensors)
+            if _argument(func, args, kwargs, "is_causal"):
+                flops /= 2
         floats = [t for t in tensors if t.is_floating_point()]
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "float32"
         kind = "convolution" if name in _CONVOLUTIONS else "matmul"
