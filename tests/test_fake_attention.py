@@ -171,6 +171,37 @@ def test_the_roofline_counts_the_fused_kernels_flops_half_of_them_when_causal():
     assert attention_seconds(causal) < attention_seconds(full)
 
 
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute", "planned"])
+def test_the_transformer_with_fused_attention_trains_as_plain_pytorch_under_every_plan(policy):
+    """`TinyTransformer(fused_attention=True)` (scaled_dot_product_attention, dropout inside it) on
+    the CPU: oomless's plans equal plain PyTorch bit for bit, dropout's draws recomputed alike."""
+    import copy
+
+    from oomless.models import TinyTransformer
+    from tests.conftest import plan_under, train_steps
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=64, dim=32, depth=3, heads=4, max_len=32, fused_attention=True)
+    tokens = torch.randint(0, 64, (2, 32))
+    loss_fn = lambda logits: F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())  # noqa: E731
+    plain = copy.deepcopy(model)
+    train_steps(plain, torch.optim.SGD(plain.parameters(), lr=0.1), tokens, loss_fn)
+    planned = copy.deepcopy(model)
+    plan, _ = plan_under(planned, tokens, loss_fn, policy)
+    oomless.apply(planned, plan)
+    train_steps(planned, torch.optim.SGD(planned.parameters(), lr=0.1), tokens, loss_fn)
+    oomless.remove(planned)
+    for (name, mine), theirs in zip(planned.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+
+
+def test_fused_attention_must_be_a_bool():
+    from oomless.models import TinyTransformer
+
+    with pytest.raises(oomless.InputError, match="fused_attention must be True or False, got 'yes'"):
+        TinyTransformer(fused_attention="yes")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision, options", [("bf16", {}), ("fp32", {}), ("bf16", {"mask": True}),

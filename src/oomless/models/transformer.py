@@ -2,7 +2,10 @@
 
 It deliberately carries the features that break naive activation offloading: an output head whose
 weight *is* the token embedding (a parameter used twice), in-place ops on tensors autograd has saved
-nothing of, and dropout, whose recompute must draw the same mask.
+nothing of, and dropout, whose recompute must draw the same mask. Its attention is plain
+matmul/softmax by default, so that its saved scores are there to plan; ``fused_attention=True``
+calls `torch.nn.functional.scaled_dot_product_attention` instead, as models at scale do (on a GPU,
+FlashAttention: no B x H x T x T scores saved).
 
     model = TinyTransformer(vocab_size=256, dim=64, depth=4, heads=4, max_len=128)
     logits = model(torch.randint(0, 256, (2, 32)))   # (2, 32, 256)
@@ -18,13 +21,14 @@ from oomless.errors import InputError
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention with plain matmul/softmax (no fused kernel hides the saved tensors)."""
+    """Multi-head causal attention with plain matmul/softmax (no fused kernel hides the saved
+    tensors), or with ``fused``, `F.scaled_dot_product_attention`."""
 
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float, fused: bool = False):
         super().__init__()
         if dim % heads:
             raise InputError(f"dim {dim} must be divisible by heads {heads}")
-        self.heads = heads
+        self.heads, self.fused, self.dropout_p = heads, fused, dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.attn_dropout = nn.Dropout(dropout)
@@ -33,6 +37,10 @@ class CausalSelfAttention(nn.Module):
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).split(dim, dim=2)
         q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                                 is_causal=True)
+            return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dim // self.heads))
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).triu_(1)
         # In place is legal: neither matmul nor the scalar multiply saved their output for backward.
@@ -45,10 +53,10 @@ class CausalSelfAttention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float, fused_attention: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.attn = CausalSelfAttention(dim, heads, dropout, fused_attention)
         self.ln2 = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, 4 * dim)
         self.fc_out = nn.Linear(4 * dim, dim)
@@ -69,13 +77,15 @@ class TinyTransformer(nn.Module):
     """Token + learned position embeddings, ``depth`` blocks, final LayerNorm, tied output head."""
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, depth: int = 4, heads: int = 4,
-                 max_len: int = 128, dropout: float = 0.1):
+                 max_len: int = 128, dropout: float = 0.1, fused_attention: bool = False):
         super().__init__()
+        if not isinstance(fused_attention, bool):
+            raise InputError(f"fused_attention must be True or False, got {fused_attention!r}")
         self.max_len = max_len
         self.token_embedding = nn.Embedding(vocab_size, dim)
         self.position_embedding = nn.Embedding(max_len, dim)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout) for _ in range(depth))
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout, fused_attention) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one Parameter, two uses, one gradient accumulated twice.
