@@ -28,13 +28,18 @@ DEFAULT_OUTPUT = Path("runs") / "bench"      # relative to where the program run
 
 # Sizes: on a 2-core CPU one plain step takes ~0.3-1 s; on an H100 the models are large enough
 # that a step's saved activations (GiB) take as long over PCIe as the step's compute.
+# "gpt2" (Hugging Face's, needs transformers; `--model gpt2`, not in "all"): on the CPU the model of
+# issue 15's table, 6 layers of 256, 8 x 256 tokens, a vocabulary of 2000; on CUDA GPT-2 small.
 SIZES = {
     "cpu": {"transformer": dict(dim=256, depth=8, heads=8, vocab_size=512, batch=2, length=256),
-            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48)},
+            "unet3d": dict(base_channels=8, depth=3, batch=2, side=48),
+            "gpt2": dict(dim=256, depth=6, heads=8, vocab_size=2000, batch=8, length=256)},
     "cuda": {"transformer": dict(dim=1024, depth=8, heads=16, vocab_size=8192, batch=4, length=1024),
-             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128)},
+             "unet3d": dict(base_channels=16, depth=3, batch=2, side=128),
+             "gpt2": dict(dim=768, depth=12, heads=12, vocab_size=50257, batch=8, length=1024)},
     "quick": {"transformer": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16),
-              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8)},
+              "unet3d": dict(base_channels=2, depth=2, batch=1, side=8),
+              "gpt2": dict(dim=32, depth=2, heads=2, vocab_size=64, batch=2, length=16)},
 }
 
 
@@ -53,7 +58,16 @@ def build_model(name: str, sizes: dict, device: torch.device):
         volume = torch.randn(sizes["batch"], 1, side, side, side, device=device)
         labels = (volume[:, 0] > 0.5).long()
         return model.to(device), volume, lambda out: F.cross_entropy(out, labels)
-    raise InputError(f"unknown benchmark model {name!r}; choose transformer, unet3d or all")
+    if name == "gpt2":
+        from oomless.models import build_model as build_registered
+
+        model = build_registered("hf:gpt2", n_layer=sizes["depth"], n_embd=sizes["dim"], n_head=sizes["heads"],
+                                 vocab_size=sizes["vocab_size"], n_positions=sizes["length"])
+        tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["length"]), device=device)
+        # The next-token loss: each position's logits against the next token.
+        return model.to(device), tokens, lambda out: F.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                                                     tokens[:, 1:].flatten())
+    raise InputError(f"unknown benchmark model {name!r}; choose transformer, unet3d, gpt2 or all")
 
 
 def _git(*arguments: str) -> str | None:

@@ -22,7 +22,8 @@ BENCH_PROGRAM = Path(__file__).resolve().parents[3] / "bench" / "bench_fit.py"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default %(default)s)")
-    parser.add_argument("--model", choices=("transformer", "unet3d", "all"), default="all")
+    parser.add_argument("--model", choices=("transformer", "unet3d", "gpt2", "all"), default="all",
+                        help="all: transformer and unet3d; gpt2 (Hugging Face's, needs transformers) on its own")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant (default 7 CPU, 10 CUDA)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured warm-up steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
