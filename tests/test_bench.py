@@ -43,6 +43,20 @@ def test_quick_benchmark_writes_every_variant_with_provenance(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_quick_benchmark_of_gpt2_plans_the_hugging_face_model_and_checkpoints_its_layers(tmp_path):
+    """`--model gpt2`: Hugging Face's GPT-2 with its next-token loss; checkpointing wraps every block
+    the profile found (its layers among them) and recomputes each; the plans train it."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "fit.json"
+    assert main(["bench", "--quick", "--device", "cpu", "--threads", "1", "--model", "gpt2", "--out", str(out)]) == 0
+    variants = json.loads(out.read_text())["models"]["gpt2"]["variants"]
+    assert set(variants) == VARIANTS
+    assert any(name.startswith("transformer.h.") for name in variants["keep"]["decisions"])
+    assert set(variants["keep"]["decisions"].values()) == {"keep"}
+    assert "recompute" in variants["plan_ckpt_memory"]["decisions"].values()
+    assert "in-place" not in " ".join(variants["checkpoint"]["notes"])
+
+
 def test_quick_pipeline_benchmark_measures_each_schedules_bubble(tmp_path):
     """bench/bench_pipeline.py --quick: every schedule at P = 2, M in (1, 2), refusals recorded with
     their reason, and GPipe's one-micro-batch step really serialises its two ranks (half of it is
