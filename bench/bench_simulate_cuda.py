@@ -23,6 +23,7 @@ H100's: a check that the code runs, not a comparison. Output: JSON with provenan
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -36,7 +37,7 @@ import torch
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from bench_simulate import TARGETS, _build, _train_config, median_profile  # noqa: E402
+from bench_simulate import TARGETS, _build, _free_port, _train_config, median_profile  # noqa: E402
 from common import provenance, result_path, write_result  # noqa: E402
 
 SIZES = {"cuda": {"size": 96, "base_channels": 16, "depth": 3, "global_batch": 4},
@@ -247,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     record = {"provenance": provenance(device, backend="nccl" if device.type == "cuda" else "gloo"),
               "settings": {**settings, "model": "UNet3D", "world_size": 1, "target": target}, "targets": TARGETS}
+    # A world of one on a port of its own: variables inherited from a parent that ran one itself (a
+    # test process) would name a port that parent still listens on.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
     ranks = join_process_group(ParallelConfig(mode="dp", timeout_seconds=300), device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
