@@ -367,6 +367,19 @@ def _warm_up(settings: dict) -> None:
         dist.all_reduce(torch.ones(4))
 
 
+def prepared(strategy, config, device: torch.device, example):
+    """The trainer's model and Adam for ``config``, seeded, on ``device``, and the module ``strategy``
+    trains (its ``prepare`` given this rank's first batch ``example``), in training mode."""
+    from oomless.train.loop import build_segmentation_model, seed_everything
+
+    seed_everything(config.seed)
+    model = build_segmentation_model(config).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    train_model = strategy.prepare(model, optimizer, None, example=example)
+    model.train()
+    return model, optimizer, train_model
+
+
 def _train_layout(rank: int, world_size: int, settings: dict) -> dict:
     """``settings["steps"]`` steps of one layout through the trainer's strategy: each step's end
     (time.monotonic, one clock for every process of the machine) and the peak resident memory over
@@ -374,7 +387,6 @@ def _train_layout(rank: int, world_size: int, settings: dict) -> dict:
     from oomless.data.synthetic import SyntheticVolumes
     from oomless.parallel import ParallelConfig, Ranks, make_strategy
     from oomless.profile.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-    from oomless.train.loop import build_segmentation_model, seed_everything
 
     device = torch.device("cpu")
     _warm_up(settings)
@@ -390,11 +402,7 @@ def _train_layout(rank: int, world_size: int, settings: dict) -> dict:
     # two (its clone below); the loader's time is not the step's.
     batches = [dataset.batch(*strategy.shard(step, config.global_batch)) for step in range(steps)]
     baseline = current_rss_bytes()
-    seed_everything(config.seed)
-    model = build_segmentation_model(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    train_model = strategy.prepare(model, optimizer, None, example=batches[0])
-    model.train()
+    model, optimizer, train_model = prepared(strategy, config, device, batches[0])
     ends = []
     for step, (volumes, labels) in enumerate(batches):
         if step == settings["warmup"]:

@@ -37,7 +37,7 @@ import torch
 BENCH_DIRECTORY = Path(__file__).resolve().parent
 if str(BENCH_DIRECTORY) not in sys.path:
     sys.path.insert(0, str(BENCH_DIRECTORY))
-from bench_simulate import TARGETS, _build, _free_port, _train_config, median_profile  # noqa: E402
+from bench_simulate import TARGETS, _build, _free_port, _train_config, median_profile, prepared  # noqa: E402
 from common import provenance, result_path, write_result  # noqa: E402
 
 SIZES = {"cuda": {"size": 96, "base_channels": 16, "depth": 3, "global_batch": 4},
@@ -98,7 +98,6 @@ def measure(layout: str, device: torch.device, settings: dict) -> dict:
 
     from oomless.data.synthetic import SyntheticVolumes
     from oomless.parallel import ParallelConfig, Ranks, make_strategy
-    from oomless.train.loop import build_segmentation_model, seed_everything
 
     parallel = ParallelConfig(mode=layout, timeout_seconds=300)
     config = _train_config(settings, parallel)
@@ -109,11 +108,7 @@ def measure(layout: str, device: torch.device, settings: dict) -> dict:
     gc.collect()
     _synchronize(device)
     baseline = _allocated(device)
-    seed_everything(config.seed)
-    model = build_segmentation_model(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    train_model = strategy.prepare(model, optimizer, None, example=batches[0])
-    model.train()
+    model, optimizer, train_model = prepared(strategy, config, device, batches[0])
     seconds = []
     for step, (volumes, labels) in enumerate(batches):
         if step == settings["warmup"]:
