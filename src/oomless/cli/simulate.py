@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     model, loss_fn = planned_step(args.loss, args.model, model, example)
 
     def example_at(samples: int):
-        """The example and its loss at another batch: each layout's step is traced at its own."""
-        inputs = example_input_for(args.model, shape=(samples, *shape[1:]), **model_kwargs).to("meta")
+        """The example and its loss at another batch: each layout's step is traced at its own (on
+        meta tensors, which hold no values: none is drawn)."""
+        inputs = torch.empty((samples, *shape[1:]), dtype=example.dtype, device="meta")
         return inputs, planned_step(args.loss, args.model, whole, inputs)[1]
 
     simulation = oomless.simulate(
