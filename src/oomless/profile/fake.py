@@ -109,15 +109,15 @@ class _Roofline(TorchDispatchMode):
         if name in _FREE or getattr(func, "is_view", False):
             return out
         tensors = [t for t in tensors_in((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(_tensor_bytes(t) for t in tensors)
+        fused_attention = name in _FUSED_ATTENTION
+        moved = sum(min(_tensor_bytes(t), t.untyped_storage().nbytes()) if fused_attention else _tensor_bytes(t)
+                    for t in tensors)
         flops = 0
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
-        if name in _FUSED_ATTENTION:
-            moved = sum(min(_tensor_bytes(t), t.untyped_storage().nbytes()) for t in tensors)
-            if _argument(func, args, kwargs, "is_causal"):
-                flops /= 2
+        if fused_attention and _argument(func, args, kwargs, "is_causal"):
+            flops /= 2
         floats = [t for t in tensors if t.is_floating_point()]
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "float32"
         kind = "convolution" if name in _CONVOLUTIONS else "matmul"
