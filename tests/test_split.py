@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import oomless
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.models.unet3d import ConvStage, DecoderStage, UNet3D
-from oomless.plan.splitting import NEAR_FLOOR, plan_splitting_near_the_floor, plan_splitting_the_floor
+from oomless.plan.splitting import NEAR_FLOOR, lowest_floor, plan_splitting_near_the_floor, plan_splitting_the_floor
 from oomless.runtime import slabs as slabs_module
 from oomless.runtime.rows import HostRows
 from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
@@ -181,6 +181,75 @@ def test_on_cpu_a_slab_after_an_upsampling_is_as_thick_as_onednn_needs_in_the_up
     for up, convolution, x, expected in cases:
         graph = SlabGraph.of(nn.Sequential(up, convolution))
         assert slabs_module._most_slabs(graph, 1, graph.shapes((x,)), torch.device("cpu")) == expected
+
+
+def test_on_cpu_a_convolution_too_thin_for_onednn_even_whole_sets_no_limit_on_slabs():
+    """Batch 1, 8 channels, 48 x 48 rows: 1 x 8 x 48 x 48 = 18432 elements, under oneDNN's threshold
+    whole, so PyTorch runs its im2col convolution (a buffer of 27 x the input) whatever the slabs:
+    thin slabs shrink that buffer, and the chain takes as many as it has rows. At batch 2 the whole
+    input is on oneDNN, and the slabs stay thick enough to keep it there."""
+    chain = nn.Sequential(nn.Conv3d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(), nn.Conv3d(8, 8, 3, padding=1))
+    graph = SlabGraph.of(chain)
+    thin = torch.randn(1, 8, 48, 48, 48)
+    assert 1 * 8 * 48 * 48 <= slabs_module.ONEDNN_MIN_INPUT_ELEMENTS < 2 * 8 * 48 * 48
+    assert slabs_module._most_slabs(graph, 1, graph.shapes((thin,)), torch.device("cpu")) == 48
+    thick = torch.randn(2, 8, 48, 48, 48)
+    assert slabs_module._most_slabs(graph, 2, graph.shapes((thick,)), torch.device("cpu")) == \
+        48 // (slabs_module.ONEDNN_MIN_INPUT_ELEMENTS // (2 * 8 * 48) + 1)
+
+
+class _ThinVolumeNet(nn.Module):
+    """Two stages of 8 channels at batch 1: every convolution too thin for oneDNN, so unsplit each
+    holds an im2col buffer of 27 x its input (the SegResNet case at 48^3 on CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv3d(1, 8, 3, padding=1)
+        self.stages = nn.ModuleList(nn.Sequential(nn.Conv3d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
+                                                  nn.Conv3d(8, 8, 3, padding=1)) for _ in range(2))
+        self.head = nn.Conv3d(8, 2, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            x = x + stage(x)
+        return self.head(x)
+
+
+def test_the_budget_a_plan_at_one_byte_names_is_the_lower_of_unsplit_and_every_chain_split():
+    """Asked for 1 byte (a user's way to ask for the floor), `plan` names the lower of the smallest
+    budgets without splitting and with every chain in slabs; given back, that budget plans the
+    chains split."""
+    torch.manual_seed(0)
+    model, volume = _ThinVolumeNet(), torch.randn(1, 1, 24, 24, 24)
+    target = torch.randint(0, 2, (1, 24, 24, 24))
+    loss_fn = lambda out: F.cross_entropy(out, target)      # noqa: E731
+    with pytest.raises(PlanError) as unsplit:
+        oomless.plan(model, volume, 1, loss_fn=loss_fn, split=False)
+    with pytest.raises(PlanError) as chosen:
+        oomless.plan(model, volume, 1, loss_fn=loss_fn)
+    assert chosen.value.minimum_bytes < unsplit.value.minimum_bytes
+    assert "every chain" in str(chosen.value) and "without: smallest budget" in str(chosen.value)
+    plan = oomless.plan(model, volume, chosen.value.minimum_bytes, loss_fn=loss_fn)
+    assert plan.split and plan.memory_bytes == chosen.value.minimum_bytes
+
+
+def test_the_lowest_floor_is_the_split_steps_only_where_lower():
+    """plan/splitting.py's `lowest_floor` with fakes: one measurement with every chain split; its
+    refusal where it names less, else the refusal without splitting."""
+    floors = {(): ("encoders.1.3", 100), ("encoders.0", "encoders.1"): ("pool", 60)}
+    fakes = FakeFloors(floors, memory=1)
+    first = PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
+    everything = {"encoders.0": DEFAULT_SLABS, "encoders.1": DEFAULT_SLABS}
+    lower = lowest_floor(first, everything, fakes.plan_profile, fakes.profile_split)
+    assert lower.minimum_bytes == 60 and lower.profile == ("encoders.0", "encoders.1")
+    assert "every chain (2) computed in slabs" in str(lower) and fakes.asked == [("encoders.0", "encoders.1")]
+    floors[("encoders.0", "encoders.1")] = ("pool", 100)
+    assert lowest_floor(first, everything, fakes.plan_profile, fakes.profile_split) is first
+
+    def out_of_memory(chains):
+        raise torch.OutOfMemoryError("the split step did not fit")
+    assert lowest_floor(first, everything, fakes.plan_profile, out_of_memory) is first
 
 
 class _CountClones(TorchDispatchMode):

@@ -612,7 +612,9 @@ def _sum_to(value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 # saves; aten/src/ATen/native/Convolution.cpp, ConvParams::use_mkldnn). A slab is kept thick enough
 # for every convolution of four or more input channels to stay on oneDNN; one of fewer channels has a
 # small im2col buffer anyway, and so has an upsampling (kernel = stride: its column buffer is the
-# size of its output).
+# size of its output). One whose whole input is too thin for oneDNN (batch 1, 8 channels, 48^3: 18432)
+# runs im2col unsplit too, its buffer 27 x its input (117 MiB for MONAI SegResNet's 3.4 MiB feature
+# map): it sets no limit, and each slab's buffer is the slab's share.
 ONEDNN_MIN_INPUT_ELEMENTS = 20480
 ONEDNN_MIN_CHANNELS = 4
 
@@ -626,7 +628,8 @@ def _most_slabs(graph: SlabGraph, batch: int, shapes: list[tuple[int, int]], dev
         if node.kind == "conv" and node.module.in_channels >= ONEDNN_MIN_CHANNELS and node.module.groups == 1:
             depth, height = shapes[node.inputs[0]]
             rows = ONEDNN_MIN_INPUT_ELEMENTS // (batch * node.module.in_channels * height) + 1
-            most = min(most, max(1, depth // rows))
+            if depth >= rows:   # else not on oneDNN even whole: im2col's buffer shrinks with the slab
+                most = min(most, max(1, depth // rows))
     return most
 
 
