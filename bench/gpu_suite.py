@@ -25,6 +25,8 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     simulate_world_1  bench/bench_simulate_cuda.py: oomless simulate (datasheet and calibrated) against dp and
                       fsdp trained through the trainer, NCCL at world size 1 (issue 14, item 4)
     linear_loss       bench/bench_linear_loss.py: GPT-2's head and loss in bf16, whole against in chunks
+    floors            bench/bench_floors.py --models unet3d: the floor guarantee against checkpointing and
+                      save_on_cpu (issue 15, item 5)
 
 Needs only what a PyTorch machine has (torch with CUDA, numpy, pytest, rich, safetensors): it runs
 from the source tree (``PYTHONPATH=src``), installs nothing. Each piece has a time limit; one that
@@ -57,7 +59,7 @@ from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_r
 TIME_BUDGET_SECONDS = 540
 PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
                        "cuda_peak_transformer": 40, "max_size": 70,
-                       "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "fit_precision": 120}
+                       "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "floors": 100, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started
@@ -159,6 +161,11 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
                    + (["--rows", "16384", "--precision", "bf16", "--chunk-rows", "default,256,1024,4096"] if cuda else
                       ["--rows", "256", "--width", "16", "--classes", "1000", "--steps", "1", "--threads", "1",
                        "--chunk-rows", "default"])})
+    # Issue 15's floor guarantee on CUDA: the U-Net under plain PyTorch, checkpointing, save_on_cpu and
+    # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece).
+    pieces.append({"name": "floors", "writes": ["floors.json"],
+                   "command": [python, "bench/bench_floors.py", "--device", device_name, "--models", "unet3d",
+                               "--out", str(out / "floors.json")] + ([] if cuda else ["--quick", "--threads", "1"])})
     # Last: inductor compiles the transformer's block first (tens of seconds on a GPU). The dry run
     # checks the bf16 variants only: compiling on CI's CPU takes a minute more.
     pieces.append({"name": "fit_precision", "writes": ["fit-precision.json"],

@@ -28,6 +28,8 @@ TARGETS = {
                         "from the datasheet (nothing measured) and calibrated (this GPU's profile) (issue 14, item 4)",
     "linear_loss": "the fused head and loss's peak a small share of plain's (no logits whole); step time against "
                    "plain's at each chunk size, the default's within 10 % on the CPU machine (issue 15, item 2)",
+    "floors": "oomless accepts checkpointing's and save_on_cpu's peak memory and trains within each, no slower "
+              "than they are (step ratios <= 1), and names a smallest budget below both (issue 15, item 5)",
     "fit_precision": "keep_bf16 and keep_compiled within 3 % of their references (plain_bf16, plain_compiled); "
                      "plan_50_bf16's activation peak about half the fp32 plan_50's (issue 11)",
 }
@@ -44,6 +46,24 @@ def _cuda_tests(out: Path) -> dict:
             "not_passed": [f"{test['nodeid'].split('::')[-1]}: {test['outcome']}" for test in result["tests"]
                            if test["outcome"] in ("failed", "error")],
             "printed": printed[:20]}
+
+
+def _floors(out: Path) -> dict:
+    result = _read(out, "floors.json")
+    found = {}
+    for model, report in result["models"].items():
+        if "skipped" in report:
+            found[model] = report["skipped"]
+            continue
+        found[model] = {"peak_MiB": {mode: round(run["steps_peak_bytes"] / 2**20, 1) for mode, run in report["runs"].items()
+                                     if "steps_peak_bytes" in run},
+                        "smallest_budget_MiB": round((report["smallest_budget_bytes"] or 0) / 2**20, 1),
+                        "guarantee": report["guarantee"],
+                        "step_vs_checkpoint": {name: None if ratio is None else round(ratio, 3)
+                                               for name, ratio in report["step_vs_checkpoint"].items()}}
+        if "step_vs_save_on_cpu" in report:
+            found[model]["step_vs_save_on_cpu"] = round(report["step_vs_save_on_cpu"], 3)
+    return found
 
 
 def _fit_bench(out: Path, file: str = "fit.json", ratio: str = "paired_ratio_vs_plain") -> dict:
@@ -135,7 +155,7 @@ def highlights(record: dict, out: Path) -> dict:
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
                   "swap_trace": _swap_trace, "simulate_world_1": _simulate, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
-                  "cuda_peak_transformer": lambda out: _cuda_peak(out, "cuda-peak-transformer.json"),
+                  "cuda_peak_transformer": lambda out: _cuda_peak(out, "cuda-peak-transformer.json"), "floors": _floors,
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}
     try:

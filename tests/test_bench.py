@@ -87,6 +87,35 @@ def test_quick_pipeline_benchmark_measures_each_schedules_bubble(tmp_path):
     assert all(len(row["busy_seconds_per_rank"]) == 2 and min(row["busy_seconds_per_rank"]) > 0 for row in real)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
+def test_quick_floors_benchmark_measures_the_guarantee_for_each_model_asked(tmp_path):
+    """bench/bench_floors.py --quick on the 3D U-Net: its four runs, each in a process of its own, and
+    the guarantee's terms as read from them."""
+    out = tmp_path / "floors.json"
+    program = Path(__file__).resolve().parents[1] / "bench" / "bench_floors.py"
+    completed = subprocess.run([sys.executable, str(program), "--quick", "--models", "unet3d", "--out", str(out)],
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert PROVENANCE <= set(report["provenance"]) and report["quick"] and set(report["models"]) == {"unet3d"}
+    result = report["models"]["unet3d"]
+    runs = result["runs"]
+    assert set(runs) == {"plain", "checkpoint", "oomless at checkpoint's memory", "oomless at its floor"}
+    for name, run in runs.items():
+        assert len(run["step_seconds"]) == report["steps"] and run["median_step_seconds"] > 0, name
+        assert run["peak_bytes"] == max(run["steps_peak_bytes"], run["planning_peak_bytes"]) > 0, name
+    at_checkpoint, at_floor = runs["oomless at checkpoint's memory"], runs["oomless at its floor"]
+    assert at_checkpoint["memory_bytes"] == result["checkpoint_peak_bytes"] == runs["checkpoint"]["peak_bytes"]
+    assert at_floor["memory_bytes"] == at_floor["floor_bytes"]
+    guarantee = result["guarantee"]
+    assert guarantee["accepts_checkpoints_memory"] == ("refused" not in at_checkpoint)
+    assert guarantee["within_it"] == (at_checkpoint["peak_bytes"] <= result["checkpoint_peak_bytes"])
+    assert guarantee["smallest_budget_below_checkpoints_peak"] == (result["smallest_budget_bytes"]
+                                                                   < result["checkpoint_peak_bytes"])
+    assert guarantee["floor_steps_within_its_budget"] == (at_floor["steps_peak_bytes"] <= at_floor["memory_bytes"])
+    assert "unet3d" in completed.stdout     # the table
+
+
 def test_results_go_to_runs_bench_unless_out_says_otherwise(tmp_path, monkeypatch):
     """Benchmarks never write into the source tree by default: runs/bench/ under the current
     directory, one date format (YYYY-MM-DD); --out names a folder or a .json file."""

@@ -19,7 +19,7 @@ from gpu_suite import CUDA_TEST_PATHS, run_piece  # noqa: E402  (bench/gpu_suite
 from swap_trace import summarize_trace  # noqa: E402  (bench/swap_trace.py)
 
 PIECES = {"cuda_tests", "swap_trace", "fit_bench", "predict", "cuda_peak", "cuda_peak_transformer", "max_size", "dp_world_1", "dp_world_2",
-          "simulate_world_1", "linear_loss", "fit_precision"}
+          "simulate_world_1", "linear_loss", "floors", "fit_precision"}
 PROVENANCE = {"device_name", "torch_version", "cuda_version", "git_commit", "date_utc", "command"}
 
 
@@ -52,7 +52,7 @@ def test_the_dry_run_reports_every_piece_with_provenance(dry_run):
     # The pieces that need no GPU to exist really ran; bench_max_size.py is there or said not to be.
     assert all(records[name]["status"] == "passed" for name in ("cuda_tests", "swap_trace", "fit_bench", "predict",
                                                                 "dp_world_1", "simulate_world_1", "linear_loss",
-                                                                "fit_precision"))
+                                                                "floors", "fit_precision"))
     present = (REPOSITORY / "bench" / "bench_max_size.py").is_file()
     assert records["max_size"]["status"] == ("passed" if present else "not_present")
 

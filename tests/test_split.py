@@ -7,6 +7,7 @@ largest value (float32 rounding of sums over ~1e5 terms; measured ~1e-6).
 
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import oomless
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.models.unet3d import ConvStage, DecoderStage, UNet3D
-from oomless.plan.splitting import NEAR_FLOOR, lowest_floor, plan_splitting_near_the_floor, plan_splitting_the_floor
+from oomless.plan.splitting import (NEAR_FLOOR, WORKSPACE_SHARE, floor_is_a_workspace, plan_or_lowest_floor,
+                                   plan_splitting_near_the_floor, plan_splitting_the_floor)
+from oomless.profile.profile import BlockProfile
 from oomless.runtime import slabs as slabs_module
 from oomless.runtime.rows import HostRows
 from oomless.runtime.slabs import SlabGraph, leaves, run_in_slabs
@@ -221,8 +224,8 @@ def test_the_budget_a_plan_at_one_byte_names_is_the_lower_of_unsplit_and_every_c
     budgets without splitting and with every chain in slabs; given back, that budget plans the
     chains split."""
     torch.manual_seed(0)
-    model, volume = _ThinVolumeNet(), torch.randn(1, 1, 24, 24, 24)
-    target = torch.randint(0, 2, (1, 24, 24, 24))
+    model, volume = _ThinVolumeNet(), torch.randn(1, 1, 32, 32, 32)
+    target = torch.randint(0, 2, (1, 32, 32, 32))
     loss_fn = lambda out: F.cross_entropy(out, target)      # noqa: E731
     with pytest.raises(PlanError) as unsplit:
         oomless.plan(model, volume, 1, loss_fn=loss_fn, split=False)
@@ -234,22 +237,48 @@ def test_the_budget_a_plan_at_one_byte_names_is_the_lower_of_unsplit_and_every_c
     assert plan.split and plan.memory_bytes == chosen.value.minimum_bytes
 
 
-def test_the_lowest_floor_is_the_split_steps_only_where_lower():
-    """plan/splitting.py's `lowest_floor` with fakes: one measurement with every chain split; its
-    refusal where it names less, else the refusal without splitting."""
+def test_every_chain_is_split_at_the_floor_only_where_that_floor_is_a_kernels_workspace():
+    """`floor_is_a_workspace`: the block setting the floor holds, in a phase, more than WORKSPACE_SHARE
+    times its input and output bytes as working memory (an im2col buffer), not a chain's whole tensors."""
+    mib = 2**20
+    profile = SimpleNamespace(blocks=[BlockProfile(name="stage", input_bytes=mib, output_bytes=mib,
+                                                   forward_other_bytes=3 * mib, backward_other_bytes=17 * mib)])
+    assert WORKSPACE_SHARE == 8 and floor_is_a_workspace(profile, "stage")
+    profile.blocks[0].backward_other_bytes = 15 * mib
+    assert not floor_is_a_workspace(profile, "stage")
+    assert not floor_is_a_workspace(profile, "another") and not floor_is_a_workspace(profile, None)
+
+
+def test_every_chain_split_plans_where_it_fits_else_the_lower_refusal_is_raised():
+    """plan/splitting.py's `plan_or_lowest_floor` with fakes: one measurement with every chain split;
+    a plan where it fits, else its refusal where it names less, else the refusal of the step measured
+    once more as it was."""
     floors = {(): ("encoders.1.3", 100), ("encoders.0", "encoders.1"): ("pool", 60)}
     fakes = FakeFloors(floors, memory=1)
     first = PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
     everything = {"encoders.0": DEFAULT_SLABS, "encoders.1": DEFAULT_SLABS}
-    lower = lowest_floor(first, everything, fakes.plan_profile, fakes.profile_split)
-    assert lower.minimum_bytes == 60 and lower.profile == ("encoders.0", "encoders.1")
-    assert "every chain (2) computed in slabs" in str(lower) and fakes.asked == [("encoders.0", "encoders.1")]
+    with pytest.raises(PlanError) as lower:
+        plan_or_lowest_floor(first, {}, everything, fakes.plan_profile, fakes.profile_split)
+    assert lower.value.minimum_bytes == 60 and lower.value.profile == ("encoders.0", "encoders.1")
+    assert "every chain (2) computed in slabs" in str(lower.value) and fakes.asked == [("encoders.0", "encoders.1")]
+    fakes.memory = 70
+    made = plan_or_lowest_floor(first, {}, everything, fakes.plan_profile, fakes.profile_split)
+    assert made.split == everything and "every chain" in made.notes[-1]
+    fakes.memory = 1
     floors[("encoders.0", "encoders.1")] = ("pool", 100)
-    assert lowest_floor(first, everything, fakes.plan_profile, fakes.profile_split) is first
+    # Not lower: the step without splitting is measured again (after the split step, which left its
+    # caches held), and its refusal raised.
+    fakes.asked.clear()
+    with pytest.raises(PlanError) as again:
+        plan_or_lowest_floor(first, {}, everything, fakes.plan_profile, fakes.profile_split)
+    assert again.value.minimum_bytes == 100 and again.value.profile == ()
+    assert fakes.asked == [("encoders.0", "encoders.1"), ()]
 
     def out_of_memory(chains):
         raise torch.OutOfMemoryError("the split step did not fit")
-    assert lowest_floor(first, everything, fakes.plan_profile, out_of_memory) is first
+    with pytest.raises(PlanError) as same:
+        plan_or_lowest_floor(first, {}, everything, fakes.plan_profile, out_of_memory)
+    assert same.value is first
 
 
 class _CountClones(TorchDispatchMode):

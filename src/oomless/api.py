@@ -10,8 +10,8 @@ from oomless.arguments import check_fp16_loss_parameters, check_model, check_pla
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan, named_margin_bytes
-from oomless.plan.splitting import (can_split_at, lowest_floor, plan_splitting_near_the_floor,
-                                    plan_splitting_the_floor, unsplit_floor_estimate)
+from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_lowest_floor,
+                                    plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate)
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
@@ -189,20 +189,15 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             if not may_split:
                 raise
             if error.limiting_block is None:
-                # Static bytes alone exceed the budget: no split makes it fit. But the budget it names
-                # (a user's way to ask for the floor: plan at 1 byte) is the lower of the step's without
-                # and with every chain split (MONAI SegResNet, 48^3, batch 1, CPU: 141 MiB unsplit, 57
-                # split). Where the loss sets the floor, no split lowers it.
-                if can_split_at(model, error.floor_block):
-                    raise lowest_floor(error, _split_request(model, True), plan_profile, measure)
-                raise
+                raise   # static bytes alone exceed the budget (or the loss sets the floor): no split makes it fit
             return plan_splitting_the_floor(model, error, plan_profile, measure)
 
-    try:
+    def plan_splitting_where_needed() -> Plan:
+        nonlocal profile
         if estimate is not None:
             # Even the estimate is over the budget: the step is measured split from the start.
             try:
-                made = plan_splitting_the_floor(model, estimate, plan_profile, measure, estimated=True)
+                return plan_splitting_the_floor(model, estimate, plan_profile, measure, estimated=True)
             except PlanError as split_refused:
                 if (split_refused.minimum_bytes or 0) < (estimate.minimum_bytes or 0):
                     raise   # below even the estimate of the unsplit floor: the lowest there is
@@ -214,13 +209,34 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
                     profile = measure(chosen_split)
                 except torch.OutOfMemoryError:
                     raise split_refused from None   # the device could not even measure the step unsplit
-                made = plan_measured(profile)
-        elif given_back is not None:
-            made = _plan_given_back(profile, memory_bytes, given_back, plan_profile, plan_measured)
-        else:
-            made = plan_measured(profile)
-            if not made.split and not profile.split and may_split and split_candidates(model):
-                made = plan_splitting_near_the_floor(model, made, profile, plan_profile, measure)
+                return plan_measured(profile)
+        if given_back is not None:
+            return _plan_given_back(profile, memory_bytes, given_back, plan_profile, plan_measured)
+        made = plan_measured(profile)
+        if not made.split and not profile.split and may_split and split_candidates(model):
+            made = plan_splitting_near_the_floor(model, made, profile, plan_profile, measure)
+        return made
+
+    def with_every_chain_split(refused: PlanError) -> Plan:
+        """Where splitting the chains that set the floor, round by round, did not fit (or the budget is
+        below the static bytes, a user's way to ask for the floor) and that floor is a kernel's
+        workspace slabs shrink (`plan.splitting.floor_is_a_workspace`), the step with every chain
+        split: a plan if it fits, else the lower of the two refusals, so that the budget named, given
+        back in a fresh process, fits there too (MONAI SegResNet, 48^3, batch 1, CPU: 141 MiB unsplit,
+        the rounds 70, every chain split 55)."""
+        everything = _split_request(model, True) if split_candidates(model) or stream_outer_modules(model) else {}
+        measured = refused.profile or profile   # None: refused by the estimate on meta tensors, nothing measured
+        if (not may_split or given_back is not None or not everything or measured is None
+                or not can_split_at(model, refused.floor_block) or measured.split == everything
+                or not floor_is_a_workspace(measured, refused.floor_block)):
+            raise refused
+        return plan_or_lowest_floor(refused, measured.split, everything, plan_profile, measure)
+
+    try:
+        try:
+            made = plan_splitting_where_needed()
+        except PlanError as refused:
+            made = with_every_chain_split(refused)
     except PlanError as error:
         named_by = error.profile or profile
         if step_key is not None and error.minimum_bytes is not None and named_by is not None:

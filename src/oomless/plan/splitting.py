@@ -146,27 +146,65 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
         return made
 
 
-def lowest_floor(error: PlanError, everything: dict[str, int], plan_profile: Callable,
-                 profile_split: Callable[[dict[str, int]], object]) -> PlanError:
-    """``error`` (a budget below the static bytes, refused for the step without splitting), or the
-    refusal of the step measured with ``everything`` split where the budget it names is lower: one
-    more measurement, where `plan_splitting_the_floor`'s rounds (a step measured per block that sets
-    the floor) would take several to answer a question no split makes fit (MONAI SegResNet, 48^3,
-    batch 1, CPU: 141 MiB unsplit; its rounds named 70 in 80 s, every chain split 57 in 15 s)."""
+# Working memory of the block that sets the floor, against its input and output bytes, above which the
+# floor is taken to be a kernel's workspace that slabs shrink (PyTorch's im2col convolution on CPU,
+# 27 x its input for a 3x3x3 kernel: MONAI SegResNet at 48^3, batch 1, 37x), and the step with every
+# chain split is measured. Below it the slabs save little (a chain's whole inputs, output and their
+# gradients stay: the 3D U-Net's outer decoder stage, 3-4x, 58 MiB unsplit at 48^3 and not lower
+# split), and measuring the split step would cost the training that follows the caches it leaves
+# held (oneDNN's kernels for every slab's shape: 4-6 MiB there, which the budget named then counts).
+WORKSPACE_SHARE = 8
+
+
+def floor_is_a_workspace(profile, block_name: str | None) -> bool:
+    """Whether the block ``block_name`` (that sets ``profile``'s floor) has a phase whose working
+    memory is over `WORKSPACE_SHARE` times its input and output bytes."""
+    block = next((block for block in getattr(profile, "blocks", []) if block.name == block_name), None)
+    if block is None:
+        return False
+    working = max(block.forward_other_bytes or 0, block.backward_other_bytes or 0)
+    return working > WORKSPACE_SHARE * max(block.input_bytes + block.output_bytes, 1)
+
+
+def plan_or_lowest_floor(refused: PlanError, refused_chains: dict[str, int], everything: dict[str, int],
+                         plan_profile: Callable, profile_split: Callable[[dict[str, int]], object]):
+    """A plan of the step measured with ``everything`` split, where one fits; else the lower of its
+    refusal and ``refused`` (the step measured with ``refused_chains`` split: none, or those that set
+    the floor), raised. One measurement more, after `plan_splitting_the_floor`'s rounds (or in their
+    place, for a budget below the static bytes, which no split makes fit): those split only the
+    chains overlapping the block that sets each floor, and can stop above what every chain split
+    reaches (MONAI SegResNet, 48^3, batch 1, CPU: 141 MiB unsplit, the rounds 70, every chain split
+    55). Where that is not lower, ``refused_chains``' step is measured once more: the split step left
+    memory held in the process (kernels' caches for its shapes) that training holds too and that only
+    a later profile counts (the 3D U-Net at 48^3 named 58 MiB and its step measured 58.1, 54.5 before)."""
     try:
         profile = profile_split(dict(everything))
-        plan_profile(profile)
     except torch.OutOfMemoryError:
-        return error    # the split step did not even measure within the device
-    except PlanError as split_error:
-        if (split_error.minimum_bytes or 0) < (error.minimum_bytes or 0):
-            lower = split_error.kept()
+        raise refused from None     # the split step did not even measure within the device
+    try:
+        made = plan_profile(profile)
+    except PlanError as split_refused:
+        if (split_refused.minimum_bytes or 0) < (refused.minimum_bytes or 0):
+            lower = split_refused.kept()
             lower.profile = profile
             chains = len([chain for chain in everything if chain != STREAM])
-            every = f"every chain ({chains}) computed in slabs" + (", the outer level streamed" if STREAM in everything else "")
-            lower.args = (f"{lower.args[0]} (with {every}; without: {_without(error.minimum_bytes, False)})",)
-            return lower
-    return error
+            every = f"every chain ({chains}) computed in slabs" + (", the outer level streamed" if STREAM in everything
+                                                                    else "")
+            lower.args = (f"{lower.args[0]} (with {every}; without: smallest budget "
+                          f"{format_bytes(refused.minimum_bytes or 0)})",)
+            raise lower.to_raise() from None
+        again = profile_split(dict(refused_chains))
+        try:
+            made = plan_profile(again)
+        except PlanError as measured_again:
+            measured_again.profile = again
+            raise
+        made.split = dict(refused_chains)
+        return made
+    made.split = dict(everything)
+    made.notes.append(f"split into slabs: every chain (splitting only those that set the floor did not fit: "
+                      f"{format_bytes(refused.minimum_bytes or 0)} at least)")
+    return made
 
 
 def _without(minimum: int | None, estimated: bool) -> str:
