@@ -8,9 +8,10 @@ checkpointing's measured peak, and oomless at the smallest budget it names.
 
 Every run is a fresh process (bench/floor_child.py): the peak is the rise above a baseline taken after
 a warm-up step at a small size (on CPU the resident set with glibc told to return freed memory, on
-CUDA the allocator's peak), of the training steps; building the model and planning are reported
+CUDA the allocator's peak), of the training steps; the peak mark as planning left it is reported
 apart (planning profiles the model whole on the device: where a plan moves the parameters off, it
-holds more than the steps). Step time is the median of the steps after the first.
+holds more than the steps; the profiler resets the mark as it measures, so that is at least its last
+profiling step's peak). Step time is the median of the steps after the first.
 Writes JSON with provenance (default runs/bench/floors-<device>-<date>.json) and prints a table.
 
 What the issue asks, per model: oomless accepts checkpointing's memory and trains within it, no

@@ -288,8 +288,10 @@ def run(config: dict) -> dict:
                       decisions=sorted(set(plan.decisions.values())), reserve_bytes=plan.reserve_bytes,
                       static_bytes=plan.static_bytes, activation_budget=plan.activation_budget,
                       split=plan.split)
-    # Planning's own peak apart: it profiles the model whole on the device ("Parameters off the
-    # device" in the README), so a plan that moves parameters off trains below what planning held.
+    # Planning's peak apart: it profiles the model whole on the device ("Parameters off the device" in
+    # the README), so a plan that moves parameters off trains below what planning held. (The
+    # profiler resets the peak mark as it measures, on CPU and CUDA: this is the mark as planning left
+    # it, at least its last profiling step's peak.)
     planning_peak = _peak(device) - baseline
     _reset_peak(device)
     step_seconds = []
@@ -312,7 +314,7 @@ def run(config: dict) -> dict:
             torch.cuda.synchronize(device)
         step_seconds.append(time.perf_counter() - started)
     result["steps_peak_bytes"] = _peak(device) - baseline     # the training steps (and what they hold)
-    result["planning_peak_bytes"] = planning_peak               # building the model, the optimizer, planning
+    result["planning_peak_bytes"] = planning_peak               # the model, the optimizer, planning's last marks
     result["peak_bytes"] = max(planning_peak, result["steps_peak_bytes"])   # planning's profiling steps included
     result["step_seconds"] = step_seconds
     if mode == "oomless":
