@@ -105,10 +105,10 @@ def measure(name: str, config: dict, steps: int, device: str, threads: int) -> d
         runs["oomless at save_on_cpu's memory"] = at_offload = trial({**common, "mode": "oomless",
                                                                       "memory": offload_peak})
         offloaded = {"accepts_save_on_cpus_memory": "refused" not in at_offload,
-                     "within_save_on_cpus_memory": bool(at_offload.get("fits"))}
+                     "within_save_on_cpus_memory": bool(at_offload.get("steps_fit"))}
 
-    def ratio(run: dict) -> float | None:
-        reference = runs["checkpoint"]["median_step_seconds"]
+    def ratio(run: dict, baseline: dict | None = None) -> float | None:
+        reference = (baseline or runs["checkpoint"])["median_step_seconds"]
         return None if not (run.get("median_step_seconds") and reference) else run["median_step_seconds"] / reference
 
     floor = at_checkpoint.get("floor_bytes", at_floor.get("floor_bytes"))
@@ -118,7 +118,7 @@ def measure(name: str, config: dict, steps: int, device: str, threads: int) -> d
         "smallest_budget_bytes": floor,
         "guarantee": {
             "accepts_checkpoints_memory": "refused" not in at_checkpoint,
-            "within_it": bool(at_checkpoint.get("fits")),
+            "within_it": bool(at_checkpoint.get("steps_fit")),
             "smallest_budget_below_checkpoints_peak": floor is not None and floor < checkpoint_peak,
             # The training steps: planning profiles the model whole on the device, so where the plan
             # moves parameters off (a model whose weights and Adam state dominate, ResNet-50) planning
@@ -128,8 +128,8 @@ def measure(name: str, config: dict, steps: int, device: str, threads: int) -> d
         },
         "step_vs_checkpoint": {"plain": ratio(runs["plain"]), "at checkpoint's memory": ratio(at_checkpoint),
                                "at its floor": ratio(at_floor)},
-        **({"step_vs_save_on_cpu": runs["oomless at save_on_cpu's memory"].get("median_step_seconds", 0)
-            / runs["save_on_cpu"]["median_step_seconds"]} if offloaded else {}),
+        **({"step_vs_save_on_cpu": ratio(runs["oomless at save_on_cpu's memory"], runs["save_on_cpu"])}
+           if offloaded else {}),
     }
 
 
@@ -143,8 +143,9 @@ def table(results: dict) -> None:
     for column in ("model", *modes, "oomless's smallest budget", "guarantee"):
         shown.add_column(column, justify="left" if column in ("model", "guarantee") else "right")
     for name, result in results.items():
-        if "skipped" in result:
-            shown.add_row(name, *["-"] * (len(modes) + 1), result["skipped"])
+        if "skipped" in result or "failed" in result:
+            why = result.get("skipped") or "FAILED: " + result["failed"].strip().splitlines()[-1][:80]
+            shown.add_row(name, *["-"] * (len(modes) + 1), why)
             continue
         cells = []
         for mode in modes:
@@ -194,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         config = MODELS[name][1] if args.quick else CUDA_CONFIGS.get(name, MODELS[name][0]) if cuda else MODELS[name][0]
         print(f"{name}: {json.dumps(config)}", flush=True)
-        results[name] = measure(name, config, steps, args.device, args.threads)
-    record = {"provenance": provenance(args.device), "steps": steps, "quick": args.quick, "models": results}
-    write_result(out, record)
+        try:
+            results[name] = measure(name, config, steps, args.device, args.threads)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:   # a run that crashed: recorded, the others go on
+            results[name] = {"config": config, "failed": str(error)[-3000:]}
+        # Written after each model: a run stopped part way keeps what it measured.
+        write_result(out, {"provenance": provenance(args.device, threads=args.threads), "steps": steps,
+                           "quick": args.quick, "models": results})
     table(results)
-    return 0
+    return 1 if any("failed" in result for result in results.values()) else 0
 
 
 if __name__ == "__main__":

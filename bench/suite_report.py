@@ -52,8 +52,8 @@ def _floors(out: Path) -> dict:
     result = _read(out, "floors.json")
     found = {}
     for model, report in result["models"].items():
-        if "skipped" in report:
-            found[model] = report["skipped"]
+        if "skipped" in report or "failed" in report:
+            found[model] = report.get("skipped") or "failed: " + report["failed"].strip().splitlines()[-1][:200]
             continue
         found[model] = {"peak_MiB": {mode: round(run["steps_peak_bytes"] / 2**20, 1) for mode, run in report["runs"].items()
                                      if "steps_peak_bytes" in run},

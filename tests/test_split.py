@@ -232,7 +232,7 @@ def test_the_budget_a_plan_at_one_byte_names_is_the_lower_of_unsplit_and_every_c
     with pytest.raises(PlanError) as chosen:
         oomless.plan(model, volume, 1, loss_fn=loss_fn)
     assert chosen.value.minimum_bytes < unsplit.value.minimum_bytes
-    assert "every chain" in str(chosen.value) and "without: smallest budget" in str(chosen.value)
+    assert "every chain" in str(chosen.value) and "without splitting: smallest budget" in str(chosen.value)
     plan = oomless.plan(model, volume, chosen.value.minimum_bytes, loss_fn=loss_fn)
     assert plan.split and plan.memory_bytes == chosen.value.minimum_bytes
 

@@ -217,26 +217,29 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             made = plan_splitting_near_the_floor(model, made, profile, plan_profile, measure)
         return made
 
-    def with_every_chain_split(refused: PlanError) -> Plan:
+    def with_every_chain_split(refusal: PlanError) -> Plan:
         """Where splitting the chains that set the floor, round by round, did not fit (or the budget is
         below the static bytes, a user's way to ask for the floor) and that floor is a kernel's
         workspace slabs shrink (`plan.splitting.floor_is_a_workspace`), the step with every chain
         split: a plan if it fits, else the lower of the two refusals, so that the budget named, given
         back in a fresh process, fits there too (MONAI SegResNet, 48^3, batch 1, CPU: 141 MiB unsplit,
         the rounds 70, every chain split 55)."""
-        everything = _split_request(model, True) if split_candidates(model) or stream_outer_modules(model) else {}
-        measured = refused.profile or profile   # None: refused by the estimate on meta tensors, nothing measured
-        if (not may_split or given_back is not None or not everything or measured is None
-                or not can_split_at(model, refused.floor_block) or measured.split == everything
-                or not floor_is_a_workspace(measured, refused.floor_block)):
-            raise refused
-        return plan_or_lowest_floor(refused, measured.split, everything, plan_profile, measure)
+        measured = refusal.profile or profile   # None: refused by the estimate on meta tensors, nothing measured
+        # Not for a profile the caller gave (step_key None: its refusals are not remembered, and its
+        # budget named from a step measured here would not be the caller's).
+        if (not may_split or step_key is None or given_back is not None or measured is None
+                or not floor_is_a_workspace(measured, refusal.floor_block) or not can_split_at(model, refusal.floor_block)):
+            raise refusal
+        everything = _split_request(model, True)
+        if measured.split == everything:
+            raise refusal
+        return plan_or_lowest_floor(refusal, measured.split, everything, plan_profile, measure)
 
     try:
         try:
             made = plan_splitting_where_needed()
-        except PlanError as refused:
-            made = with_every_chain_split(refused)
+        except PlanError as refusal:
+            made = with_every_chain_split(refusal)
     except PlanError as error:
         named_by = error.profile or profile
         if step_key is not None and error.minimum_bytes is not None and named_by is not None:

@@ -15,6 +15,11 @@ tensors (`unsplit_floor_estimate`, nothing allocated, under a second for a U-Net
 estimate, which counts no kernel workspaces and no copy that lags, is over the budget, splitting
 starts from the block the estimate names, and the step is measured unsplit only if no split plan
 fits and the split floor is not below the estimate (`oomless.api.plan`).
+
+Where none of that fits (or the budget is below the static bytes: a request for the floor), and the
+block setting the floor holds a kernel's workspace that slabs shrink (`floor_is_a_workspace`), the
+step is measured once more with every chain split (`plan_or_lowest_floor`): the rounds split only
+the chains overlapping each floor's block and can stop above that.
 """
 
 from collections.abc import Callable
@@ -157,53 +162,65 @@ WORKSPACE_SHARE = 8
 
 
 def floor_is_a_workspace(profile, block_name: str | None) -> bool:
-    """Whether the block ``block_name`` (that sets ``profile``'s floor) has a phase whose working
-    memory is over `WORKSPACE_SHARE` times its input and output bytes."""
+    """Whether the block ``block_name`` (that sets ``profile``'s floor) has a phase whose transient
+    working memory (net of the tensors held then: skips, gradients alive) is over `WORKSPACE_SHARE`
+    times its input and output bytes (per call)."""
     block = next((block for block in getattr(profile, "blocks", []) if block.name == block_name), None)
     if block is None:
         return False
-    working = max(block.forward_other_bytes or 0, block.backward_other_bytes or 0)
-    return working > WORKSPACE_SHARE * max(block.input_bytes + block.output_bytes, 1)
+    working = max(block.forward_other_bytes if block.forward_transient_bytes is None else block.forward_transient_bytes,
+                  block.backward_other_bytes if block.backward_transient_bytes is None else block.backward_transient_bytes)
+    per_call = (block.input_bytes + block.output_bytes) / max(block.calls, 1)
+    return (working or 0) > WORKSPACE_SHARE * max(per_call, 1)
 
 
-def plan_or_lowest_floor(refused: PlanError, refused_chains: dict[str, int], everything: dict[str, int],
+def plan_or_lowest_floor(refusal: PlanError, refused_chains: dict[str, int], everything: dict[str, int],
                          plan_profile: Callable, profile_split: Callable[[dict[str, int]], object]):
     """A plan of the step measured with ``everything`` split, where one fits; else the lower of its
-    refusal and ``refused`` (the step measured with ``refused_chains`` split: none, or those that set
+    refusal and ``refusal`` (the step measured with ``refused_chains`` split: none, or those that set
     the floor), raised. One measurement more, after `plan_splitting_the_floor`'s rounds (or in their
     place, for a budget below the static bytes, which no split makes fit): those split only the
     chains overlapping the block that sets each floor, and can stop above what every chain split
     reaches (MONAI SegResNet, 48^3, batch 1, CPU: 141 MiB unsplit, the rounds 70, every chain split
     55). Where that is not lower, ``refused_chains``' step is measured once more: the split step left
     memory held in the process (kernels' caches for its shapes) that training holds too and that only
-    a later profile counts (the 3D U-Net at 48^3 named 58 MiB and its step measured 58.1, 54.5 before)."""
+    a later profile counts (the 3D U-Net at 48^3 named 58 MiB and its step measured 58.1, 54.5 before).
+    A split step that cannot be measured (out of memory, an op slabs refuse) leaves ``refusal``."""
     try:
         profile = profile_split(dict(everything))
-    except torch.OutOfMemoryError:
-        raise refused from None     # the split step did not even measure within the device
+    except (torch.OutOfMemoryError, OomlessError, RuntimeError):
+        raise refusal from None
     try:
-        made = plan_profile(profile)
+        return _every_chain(plan_profile(profile), everything, refusal)
     except PlanError as split_refused:
-        if (split_refused.minimum_bytes or 0) < (refused.minimum_bytes or 0):
-            lower = split_refused.kept()
-            lower.profile = profile
-            chains = len([chain for chain in everything if chain != STREAM])
-            every = f"every chain ({chains}) computed in slabs" + (", the outer level streamed" if STREAM in everything
-                                                                    else "")
-            lower.args = (f"{lower.args[0]} (with {every}; without: smallest budget "
-                          f"{format_bytes(refused.minimum_bytes or 0)})",)
-            raise lower.to_raise() from None
+        lower = split_refused.kept() if (split_refused.minimum_bytes or 0) < (refusal.minimum_bytes or 0) else None
+    if lower is not None:
+        lower.profile = profile
+        chains = len([chain for chain in everything if chain != STREAM])
+        every = f"every chain ({chains}) computed in slabs" + (", the outer level streamed" if STREAM in everything else "")
+        before = "only the chains that set the floor split" if refused_chains else "without splitting"
+        lower.args = (f"{lower.args[0]} (with {every}; {before}: smallest budget "
+                      f"{format_bytes(refusal.minimum_bytes or 0)})",)
+        raise lower.to_raise()
+    try:
         again = profile_split(dict(refused_chains))
-        try:
-            made = plan_profile(again)
-        except PlanError as measured_again:
-            measured_again.profile = again
-            raise
+    except torch.OutOfMemoryError:
+        raise refusal from None
+    try:
+        made = plan_profile(again)
+    except PlanError as measured_again:
+        measured = measured_again.kept()
+    else:
         made.split = dict(refused_chains)
         return made
+    measured.profile = again
+    raise measured.to_raise()
+
+
+def _every_chain(made, everything: dict[str, int], refusal: PlanError):
     made.split = dict(everything)
     made.notes.append(f"split into slabs: every chain (splitting only those that set the floor did not fit: "
-                      f"{format_bytes(refused.minimum_bytes or 0)} at least)")
+                      f"{format_bytes(refusal.minimum_bytes or 0)} at least)")
     return made
 
 
