@@ -89,7 +89,7 @@ def trial(config: dict) -> dict:
     return result
 
 
-def measure(name: str, config: dict, steps: int, device: str, threads: int) -> dict:
+def measure(config: dict, steps: int, device: str, threads: int) -> dict:
     """The four runs of one model, and how they compare."""
     common = {**config, "steps": steps, "device": device, "threads": threads}
     runs = {"plain": trial({**common, "mode": "plain"}), "checkpoint": trial({**common, "mode": "checkpoint"})}
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         config = MODELS[name][1] if args.quick else CUDA_CONFIGS.get(name, MODELS[name][0]) if cuda else MODELS[name][0]
         print(f"{name}: {json.dumps(config)}", flush=True)
         try:
-            results[name] = measure(name, config, steps, args.device, args.threads)
+            results[name] = measure(config, steps, args.device, args.threads)
         except (RuntimeError, subprocess.TimeoutExpired) as error:   # a run that crashed: recorded, the others go on
             results[name] = {"config": config, "failed": str(error)[-3000:]}
         # Written after each model: a run stopped part way keeps what it measured.

@@ -264,9 +264,7 @@ def run(config: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
+    _reset_peak(device)
     baseline = _current(device)
     if device.type == "cuda" and config.get("memory_limit_bytes"):
         # The caching allocator refuses to grow past this: going over is an out-of-memory error.

@@ -188,7 +188,7 @@ def plan_or_lowest_floor(refusal: PlanError, refused_chains: dict[str, int], eve
     A split step that cannot be measured (out of memory, an op slabs refuse) leaves ``refusal``."""
     try:
         profile = profile_split(dict(everything))
-    except (torch.OutOfMemoryError, OomlessError, RuntimeError):
+    except (OomlessError, RuntimeError):     # torch.OutOfMemoryError among them
         raise refusal from None
     try:
         return _every_chain(plan_profile(profile), everything, refusal)
