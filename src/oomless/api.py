@@ -10,6 +10,7 @@ from oomless.arguments import check_fp16_loss_parameters, check_model, check_pla
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan, named_margin_bytes
+from oomless.plan.segments import best_of_granularities
 from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_lowest_floor,
                                     plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate)
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
@@ -143,10 +144,14 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     # step it measured (its loss) is not known here, and the refusal stands.
     can_measure_again = profile is None or loss_fn is not None
     def plan_profile(measured: Profile, budget: int = memory_bytes) -> Plan:
+        def make(device_profile: Profile) -> Plan:
+            return make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
+        # Segments (modules around blocks, recomputed as one) where blocks are the profile's own:
+        # not for given decisions, nor chains in slabs or compiled blocks (planned per block).
+        whole_segments = decisions is None and not measured.split and not measured.compiled
         return plan_with_static_decisions(
             measured, model, optimizer, request,
-            lambda device_profile: make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes,
-                                             solver=solver))
+            (lambda device_profile: best_of_granularities(device_profile, make)) if whole_segments else make)
 
     def measure(chains: dict[str, int]) -> Profile:
         """The step measured with ``chains`` split (none: unsplit), on this device."""

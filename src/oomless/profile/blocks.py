@@ -109,3 +109,20 @@ def find_blocks(model: nn.Module, blocks: Iterable | None = None) -> list[tuple[
                          f"(its children do not run); name {inside[0][1]} or a module around it as the block, "
                          "or plan with split=False")
     return found
+
+
+def segment_modules(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Modules around two or more of the blocks ``found`` and no part of any (each under its first
+    name), the model itself and a module around every block left out: the units a plan may
+    recompute as one (`profile.profile.SegmentProfile`). Outermost first, in registration order."""
+    block_names = [name for name, _ in found]
+    block_ids = {id(module) for _, module in found}
+    chosen, seen = [], set()
+    for name, module in model.named_modules():
+        if not name or id(module) in seen or id(module) in block_ids:
+            continue
+        seen.add(id(module))
+        inner = sum(block.startswith(name + ".") for block in block_names)
+        if 2 <= inner < len(block_names):
+            chosen.append((name, module))
+    return chosen

@@ -105,6 +105,22 @@ class BlockProfile:
 
 
 @dataclass
+class SegmentProfile:
+    """A module around consecutive blocks (a U-Net stage's ``nn.Sequential``, a transformer layer
+    whose attention and MLP are blocks), which the planner may recompute as one, as
+    ``torch.utils.checkpoint`` on it would: from its own inputs, holding none of its blocks' inputs
+    (`plan.segments`). Called once in the step, around the blocks ``first`` to ``last`` (positions in
+    the profile's list) and no other."""
+
+    name: str
+    first: int
+    last: int
+    input_bytes: int = 0
+    # As `BlockProfile.input_held_earlier`, for the module's own inputs, by blocks' positions.
+    input_held_earlier: list = field(default_factory=list)
+
+
+@dataclass
 class LinkProfile:
     """Measured bandwidth of the swap tier, bytes per second, each direction."""
 
@@ -181,6 +197,9 @@ class Profile:
     # knows it better than the planner's rule (measured 5 %, estimated or traced 20 %): the unsplit
     # floor's estimate, a lower bound, carries the measured share (`plan.splitting`). None: the rule.
     margin_share: float | None = None
+    # Modules around consecutive blocks that a plan may recompute as one (`SegmentProfile`), outermost
+    # first; measured in the sizing step. Empty where not measured (meta profiles, pipeline stages).
+    segments: list[SegmentProfile] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -194,4 +213,5 @@ class Profile:
         data = json.loads(text)
         data["blocks"] = [BlockProfile(**block) for block in data["blocks"]]
         data["link"] = LinkProfile(**data["link"])
+        data["segments"] = [SegmentProfile(**segment) for segment in data.get("segments", [])]
         return cls(**data)

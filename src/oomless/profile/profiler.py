@@ -14,9 +14,9 @@ import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
 from oomless.plan.planner import rehearsal_plan
-from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_blocks
+from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_blocks, segment_modules
 from oomless.profile.links import measure_link
-from oomless.profile.profile import LinkProfile, Profile
+from oomless.profile.profile import LinkProfile, Profile, SegmentProfile
 from oomless.profile.recorder import Recorder
 from oomless.profile.rss import MemoryProbe, huge_pages_note, memory_rule_on, return_freed_memory_to_the_system
 from oomless.profile.selective import SelectiveMeter
@@ -86,6 +86,9 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                         parameter_names={id(parameter): name for name, parameter in model.named_parameters()})
     install_plan(model, measuring, device, recorder=recorder)
     state = installed_state(model)
+    # The sizing step reads the inputs of the modules around blocks too (`SegmentProfile`).
+    segment_hooks = [module.register_forward_pre_hook(_segment_hook(recorder, name), with_kwargs=True)
+                     for name, module in (segment_modules(model, found) if decisions is None else [])]
     tier = state.tier
     if decisions is None and measure_selective:
         recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
@@ -133,9 +136,18 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
             recorder.selective_meter.fill(recorder.blocks)
         del loss
     finally:
+        for hook in segment_hooks:
+            hook.remove()
         recorder.close()
         uninstall_plan(model)
     return recorder, loss_seconds
+
+
+def _segment_hook(recorder: Recorder, name: str):
+    def hook(module, args, kwargs):
+        if torch.is_grad_enabled():
+            recorder.segment_started(name, (args, kwargs))
+    return hook
 
 
 # A first step that keeps more than a fiftieth of its own peak rise made caches for its shapes (or
@@ -309,6 +321,7 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
     holders_by_place(block_profiles, order)
+    segments = _segments(found, recorder, order)
     trainable = [p for p in parameters if p.requires_grad]
     return Profile(
         device=str(device),
@@ -332,4 +345,23 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
         loss_peak_bytes=recorder.loss_peak_bytes,
         output_freed_bytes=recorder.output_freed_bytes,
         loss_gradient_names=recorder.loss_gradient_names,
+        segments=segments,
     )
+
+
+def _segments(found, recorder: Recorder, order: list[int]) -> list[SegmentProfile]:
+    """The modules around blocks the sizing step saw called once, around blocks each called once and
+    at consecutive places in the profile (``order``, the recorder's block numbers in place order)."""
+    place = {index: position for position, index in enumerate(order)}
+    names = [name for name, _ in found]
+    segments = []
+    for name, (calls, input_bytes, held) in recorder.segments.items():
+        inner = sorted(place[index] for index, block in enumerate(names) if block.startswith(name + "."))
+        if calls != 1 or not inner or inner != list(range(inner[0], inner[-1] + 1)):
+            continue
+        if any(recorder.blocks[order[position]].calls != 1 for position in inner):
+            continue
+        segment = SegmentProfile(name, inner[0], inner[-1], input_bytes, held)
+        holders_by_place([segment], order)
+        segments.append(segment)
+    return segments

@@ -64,6 +64,8 @@ class Recorder:
         self.tier_is_out = None
         self.resident: set[tuple] = set()
         self.sharing = InputSharing(storage_key)   # blocks' inputs an earlier block had (per forward)
+        # Modules around blocks (`SegmentProfile`): name -> [calls, input bytes, inputs held earlier].
+        self.segments: dict[str, list] = {}
         self.probe = MemoryProbe(device)
         self.in_backward = False
         self.in_backward_marked = False
@@ -269,6 +271,15 @@ class Recorder:
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
+
+    def segment_started(self, name: str, args) -> None:
+        """A module around blocks starts its forward (its pre-hook runs before its first block's)."""
+        if self.in_backward:
+            return
+        tensors = tensors_in(args)
+        calls, num_bytes, held = self.segments.setdefault(name, [0, 0, []])
+        self.segments[name] = [calls + 1, num_bytes + storage_bytes(tensors),
+                               held + self.sharing.held_before(tensors, self.resident)]
 
     def block_started(self, index, args):
         if self.in_backward:

@@ -276,6 +276,27 @@ class InputSharing:
         self.running_inputs[index] = keys
         return shared
 
+    def held_before(self, tensors, resident=frozenset()) -> list:
+        """As `block_started`'s answer, for a module that is no block (a segment around blocks,
+        `profile.profile.SegmentProfile`), its inputs recorded nowhere: the blocks later on do not
+        share them with it."""
+        shared, keys = [], set()
+        for tensor in tensors:
+            if not has_storage(tensor):
+                continue
+            key = self.key_of(tensor)
+            if key in keys:
+                continue
+            keys.add(key)
+            if key in resident:
+                shared.append([tensor.untyped_storage().nbytes(), RESIDENT_INPUT, []])
+                continue
+            saver = self._alive(self.saved_by, key)
+            users = list(self._alive(self.input_of, key) or [])
+            if saver is not None or users:
+                shared.append([tensor.untyped_storage().nbytes(), -1 if saver is None else saver, users])
+        return shared
+
     def block_finished(self, index: int) -> None:
         self.running_inputs.pop(index, None)
 

@@ -1,0 +1,182 @@
+"""Recompute segments: modules around consecutive blocks, planned as one block.
+
+A block holds its own inputs while it waits to be recomputed. Where the blocks are a U-Net stage's
+convolution, normalisation and activation, each recomputed alone holds the one before's output, and
+recomputing all of them saves nothing; ``torch.utils.checkpoint`` on the stage holds the stage's input
+alone. The profile lists the modules around blocks (`profile.profile.SegmentProfile`); here a profile
+is made coarser, each chosen module's blocks merged into one block of its name, and the planner plans
+that profile like any other. Installed, such a block is its module: kept, swapped or recomputed as one
+(`runtime.install` hooks the module). `best_of_granularities` plans the profile as measured and at
+each depth of the modules around blocks, and takes the plan predicted fastest.
+"""
+
+import math
+from dataclasses import replace
+
+from oomless.errors import PlanError
+from oomless.profile.profile import BlockProfile, Profile, SegmentProfile
+
+
+def depth_cuts(profile: Profile) -> list[list[SegmentProfile]]:
+    """For each depth of nesting among the profile's segments, the segments at it, and those less
+    deep with none inside them; never overlapping. Outermost first; none where there are none."""
+    segments = profile.segments
+
+    def inside(inner: SegmentProfile, outer: SegmentProfile) -> bool:
+        return inner.name.startswith(outer.name + ".")
+    depth = {segment.name: sum(inside(segment, other) for other in segments) for segment in segments}
+    leaf = {segment.name: not any(inside(other, segment) for other in segments) for segment in segments}
+    cuts = []
+    for level in range(max(depth.values(), default=-1) + 1):
+        cut = [segment for segment in segments
+               if depth[segment.name] == level or (depth[segment.name] < level and leaf[segment.name])]
+        cut.sort(key=lambda segment: segment.first)
+        if all(a.last < b.first for a, b in zip(cut, cut[1:])) and cut not in cuts:
+            cuts.append(cut)
+    return cuts
+
+
+def coarsened(profile: Profile, cut: list[SegmentProfile]) -> Profile:
+    """``profile`` with the blocks of each segment in ``cut`` (not overlapping) merged into one block
+    named after it; the other blocks as they were, their places renumbered."""
+    blocks = profile.blocks
+    starts = {segment.first: segment for segment in cut}
+    groups: list[tuple[SegmentProfile | None, list[int]]] = []
+    position = 0
+    while position < len(blocks):
+        segment = starts.get(position)
+        members = list(range(position, segment.last + 1)) if segment else [position]
+        groups.append((segment, members))
+        position = members[-1] + 1
+    coarse_of = {member: index for index, (_, members) in enumerate(groups) for member in members}
+    merged_places = {index for index, (segment, _) in enumerate(groups) if segment is not None}
+
+    def place(fine: float) -> float:
+        """A place in the forward (`BlockProfile.saved_alive_blocks`' units) in the coarse profile."""
+        whole = math.floor(fine)
+        if whole >= len(blocks):
+            return len(groups) + (fine - len(blocks))
+        index = coarse_of[whole]
+        members = groups[index][1]
+        return index + (members.index(whole) + fine - whole) / len(members)
+
+    def held(entries: list) -> list:
+        # A user inside a merged block is left out: whether it held this storage as its own input or
+        # as the segment's is not known here, and left out the storage counts (never too few bytes).
+        return [[size, saver if saver < 0 else coarse_of[saver],
+                 sorted({coarse_of[user] for user in users if coarse_of[user] not in merged_places})]
+                for size, saver, users in entries]
+
+    def alive(block: BlockProfile, fine_place: int, coarse_place: int) -> list[float]:
+        return [value if value < 0 else place(fine_place + value) - coarse_place
+                for value in block.saved_alive_blocks]
+
+    coarse = []
+    for index, (segment, members) in enumerate(groups):
+        if segment is None:
+            block = blocks[members[0]]
+            coarse.append(replace(block, saved_alive_blocks=alive(block, members[0], index),
+                                  input_held_earlier=held(block.input_held_earlier)))
+        else:
+            coarse.append(_merged(segment, [blocks[m] for m in members],
+                                  [alive(blocks[m], m, index) for m in members], held(segment.input_held_earlier)))
+    return replace(profile, blocks=coarse, segments=[])
+
+
+def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[list[float]],
+            held_earlier: list) -> BlockProfile:
+    """One block for ``members`` (a segment's blocks, in order), as if profiled as its module."""
+    first, last = members[0], members[-1]
+    before = [sum(block.saved_bytes for block in members[:k]) for k in range(len(members))]
+
+    def most(values):
+        return None if any(value is None for value in values) else max(values)
+
+    def own_peak(field: str, other: str):
+        # A kept segment's own saves so far (forward), or not yet released (backward), on top of one
+        # member's own peak: the members before it hold theirs either way.
+        values = [getattr(block, field) if getattr(block, field) is not None
+                  else (None if getattr(block, other) is None else getattr(block, other) + block.saved_bytes)
+                  for block in members]
+        return None if any(value is None for value in values) else max(v + b for v, b in zip(values, before))
+
+    kept, offset = [], 0
+    for block in members:
+        kept += [offset + k for k in block.kept_when_swapped]
+        offset += len(block.saved_sizes)
+    measured_alive = all(len(values) == len(block.saved_sizes) for values, block in zip(alive, members))
+    names, other_stretches, peak_stretches = [], [], []
+    stretched = all(len(block.backward_other_by_stretch) == len(block.backward_gradient_names) + 1
+                    and len(block.backward_peak_by_stretch) == len(block.backward_gradient_names) + 1
+                    for block in members)
+    for block in reversed(members):     # backward runs the last member first
+        names += block.backward_gradient_names
+        if stretched:
+            other_stretches = _joined(other_stretches, block.backward_other_by_stretch)
+            peak_stretches = _joined(peak_stretches, block.backward_peak_by_stretch)
+    return BlockProfile(
+        name=segment.name,
+        forward_seconds=sum(block.forward_seconds for block in members),
+        backward_seconds=sum(block.backward_seconds for block in members),
+        saved_bytes=sum(block.saved_bytes for block in members),
+        largest_saved_bytes=max(block.largest_saved_bytes for block in members),
+        saved_sizes=[size for block in members for size in block.saved_sizes],
+        kept_when_swapped=kept,
+        saved_alive_blocks=[value for values in alive for value in values] if measured_alive else [],
+        input_bytes=segment.input_bytes,
+        output_bytes=last.output_bytes,
+        input_held_earlier=held_earlier,
+        input_saved_bytes=min(first.input_saved_bytes, segment.input_bytes),
+        parameter_bytes=sum(block.parameter_bytes for block in members),
+        calls=1,
+        held_forward_bytes=first.held_forward_bytes,
+        held_backward_bytes=last.held_backward_bytes,
+        forward_other_bytes=most([block.forward_other_bytes for block in members]),
+        backward_other_bytes=most([block.backward_other_bytes for block in members]),
+        forward_peak_bytes=most([block.forward_peak_bytes for block in members]),
+        backward_peak_bytes=most([block.backward_peak_bytes for block in members]),
+        forward_own_peak_bytes=own_peak("forward_own_peak_bytes", "forward_other_bytes"),
+        backward_own_peak_bytes=own_peak("backward_own_peak_bytes", "backward_other_bytes"),
+        forward_transient_bytes=most([block.forward_transient_bytes for block in members]),
+        backward_transient_bytes=most([block.backward_transient_bytes for block in members]),
+        backward_gradient_bytes=first.backward_gradient_bytes,
+        backward_gradient_names=names,
+        backward_other_by_stretch=other_stretches if stretched else [],
+        backward_peak_by_stretch=peak_stretches if stretched else [],
+        forward_static_absent_bytes=min(block.forward_static_absent_bytes for block in members),
+        backward_static_absent_bytes=min(block.backward_static_absent_bytes for block in members),
+        recompute_static_absent_bytes=min(block.recompute_static_absent_bytes for block in members),
+        batchnorm_channels=[channels for block in members for channels in block.batchnorm_channels],
+    )
+
+
+def _joined(stretches: list[int], following: list[int]) -> list[int]:
+    """Backward stretches of one block, then of the block whose backward runs next: the last of the
+    first and the first of the next are one stretch (no gradient accumulated between them)."""
+    if not stretches:
+        return list(following)
+    return stretches[:-1] + [max(stretches[-1], following[0])] + following[1:]
+
+
+def best_of_granularities(profile: Profile, make):
+    """``make(profile)`` (a Plan, or PlanError) for the profile as measured and coarsened at each depth
+    of its segments (`depth_cuts`): the plan that fits predicted fastest; where none fits, the
+    measured profile's refusal (its floor and the block that sets it are named by its own blocks).
+    A coarse plan is taken only where it recomputes a segment: what it does otherwise, keep or swap
+    every block of one, a plan of the measured blocks can do too."""
+    try:
+        best, refusal = make(profile), None
+    except PlanError as error:
+        best, refusal = None, error
+    for cut in depth_cuts(profile):
+        names = {segment.name for segment in cut}
+        try:
+            candidate = make(coarsened(profile, cut))
+        except PlanError:
+            continue
+        recomputes_one = any(block.name in names and block.decision == "recompute" for block in candidate.blocks)
+        if recomputes_one and (best is None or candidate.predicted_step_seconds < best.predicted_step_seconds):
+            best = candidate
+    if best is None:
+        raise refusal
+    return best
