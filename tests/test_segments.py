@@ -156,3 +156,22 @@ def test_a_recomputed_unet_stage_updates_batchnorm_once_and_equals_plain():
     assert oomless.stats(model).recomputed_blocks >= 2 * len(names)
     for expected, actual in zip(reference.state_dict().values(), model.state_dict().values()):
         assert torch.equal(expected, actual)
+
+
+def test_no_segments_where_static_bytes_move_during_the_step():
+    """Parameters off the device (or the update in backward) move static bytes per block: a merged
+    block would count its least absent member's, so such placements plan the measured blocks."""
+    model, inputs, loss_fn = _case()
+    profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
+    memory = _budget_only_segments_meet(profile)
+    moving = dataclasses.replace(profile, blocks=[dataclasses.replace(block, backward_static_absent_bytes=1)
+                                                  for block in profile.blocks])
+
+    def make(device_profile):
+        return make_plan(device_profile, memory, min_swap_bytes=0)
+    assert any(block.name == "stages.0" for block in best_of_granularities(profile, make).blocks)
+    try:
+        plan = best_of_granularities(moving, make)
+    except oomless.PlanError:
+        return      # refused by the measured blocks' own plan: also no segment
+    assert [block.name for block in plan.blocks] == [block.name for block in profile.blocks]

@@ -147,8 +147,9 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         def make(device_profile: Profile) -> Plan:
             return make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
         # Segments (modules around blocks, recomputed as one) where blocks are the profile's own:
-        # not for given decisions, nor chains in slabs or compiled blocks (planned per block).
-        whole_segments = decisions is None and not measured.split and not measured.compiled
+        # not for given decisions, chains in slabs or compiled blocks (planned per block), nor FSDP
+        # (it shards per block of the plan, and the static bytes count the measured blocks').
+        whole_segments = decisions is None and not measured.split and not measured.compiled and shard_over == 1
         return plan_with_static_decisions(
             measured, model, optimizer, request,
             (lambda device_profile: best_of_granularities(device_profile, make)) if whole_segments else make)

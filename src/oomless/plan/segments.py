@@ -168,7 +168,12 @@ def best_of_granularities(profile: Profile, make):
         best, refusal = make(profile), None
     except PlanError as error:
         best, refusal = None, error
-    for cut in depth_cuts(profile):
+    # Not where a placement moves static bytes during the step (parameters off the device between
+    # uses, the update in backward): they move per block, and a merged block's would be counted as
+    # its least absent member's, not as its own.
+    moves_static = any(block.forward_static_absent_bytes or block.backward_static_absent_bytes
+                       or block.recompute_static_absent_bytes for block in profile.blocks)
+    for cut in [] if moves_static else depth_cuts(profile):
         names = {segment.name for segment in cut}
         try:
             candidate = make(coarsened(profile, cut))
