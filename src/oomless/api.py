@@ -10,7 +10,7 @@ from oomless.arguments import check_fp16_loss_parameters, check_model, check_pla
 from oomless.errors import ApplyError, InputError, PlanError
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan, named_margin_bytes
-from oomless.plan.segments import best_of_granularities
+from oomless.plan.segments import best_of_granularities, coarsened
 from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_lowest_floor,
                                     plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate)
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
@@ -145,7 +145,10 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     can_measure_again = profile is None or loss_fn is not None
     def plan_profile(measured: Profile, budget: int = memory_bytes) -> Plan:
         def make(device_profile: Profile) -> Plan:
-            return make_plan(device_profile, budget, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
+            # Decisions may name segments (as a plan that recomputes one names it): planned merged.
+            named = [segment for segment in device_profile.segments if segment.name in (decisions or {})]
+            planned = coarsened(device_profile, named) if named else device_profile
+            return make_plan(planned, budget, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
         # Segments (modules around blocks, recomputed as one) where blocks are the profile's own:
         # not for given decisions, chains in slabs or compiled blocks (planned per block), nor FSDP
         # (it shards per block of the plan, and the static bytes count the measured blocks').
@@ -182,11 +185,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             if estimate is None:
                 profile = measure(chosen_split)
     if decisions is not None:
-        unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
-        missing = [block.name for block in profile.blocks if block.name not in decisions]
-        if unknown or missing:
-            raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
-                             f"unknown values {unknown}, blocks without one {missing[:5]}")
+        _check_decisions(decisions, profile)
 
     def plan_measured(measured: Profile) -> Plan:
         try:
@@ -254,6 +253,28 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     made.precision, made.compile = precision, options
     made.split = made.split or dict(chosen_split)
     return made
+
+
+def _check_decisions(decisions: dict[str, str], profile: Profile) -> None:
+    """Every block of ``profile`` has a decision, its own or a segment's around it (a plan recomputing
+    a module around blocks names it: `plan.segments`), and no block has two."""
+    unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
+    named = [segment for segment in profile.segments if segment.name in decisions]
+    covered: dict[int, str] = {}
+    for segment in named:
+        for position in range(segment.first, segment.last + 1):
+            other = covered.setdefault(position, segment.name)
+            if other != segment.name:
+                raise InputError(f"decisions name {other} and {segment.name}, which share blocks; name one of them")
+    for position, block in enumerate(profile.blocks):
+        if position in covered and block.name in decisions:
+            raise InputError(f"decisions name block {block.name} and {covered[position]}, the module around it; "
+                             "name one of them")
+    missing = [block.name for position, block in enumerate(profile.blocks)
+               if block.name not in decisions and position not in covered]
+    if unknown or missing:
+        raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
+                         f"unknown values {unknown}, blocks without one {missing[:5]}")
 
 
 def _plan_given_back(profile: Profile, memory_bytes: int, named_bytes: int, plan_profile, plan_measured) -> Plan:

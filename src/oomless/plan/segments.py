@@ -5,9 +5,10 @@ convolution, normalisation and activation, each recomputed alone holds the one b
 recomputing all of them saves nothing; ``torch.utils.checkpoint`` on the stage holds the stage's input
 alone. The profile lists the modules around blocks (`profile.profile.SegmentProfile`); here a profile
 is made coarser, each chosen module's blocks merged into one block of its name, and the planner plans
-that profile like any other. Installed, such a block is its module: kept, swapped or recomputed as one
-(`runtime.install` hooks the module). `best_of_granularities` plans the profile as measured and at
-each depth of the modules around blocks, and takes the plan predicted fastest.
+that profile like any other. Installed, such a block is its module, recomputed as one (`runtime.install`
+hooks the module). `best_of_granularities` plans the profile as measured and at each depth of the
+modules around blocks (those it would keep or swap put back as their blocks), and takes the plan
+predicted fastest.
 """
 
 import math
@@ -52,13 +53,18 @@ def coarsened(profile: Profile, cut: list[SegmentProfile]) -> Profile:
     merged_places = {index for index, (segment, _) in enumerate(groups) if segment is not None}
 
     def place(fine: float) -> float:
-        """A place in the forward (`BlockProfile.saved_alive_blocks`' units) in the coarse profile."""
+        """A place in the forward (`BlockProfile.saved_alive_blocks`' units: whole blocks, and how far
+        into a block's forward by its saved storages) in the coarse profile."""
         whole = math.floor(fine)
         if whole >= len(blocks):
             return len(groups) + (fine - len(blocks))
         index = coarse_of[whole]
         members = groups[index][1]
-        return index + (members.index(whole) + fine - whole) / len(members)
+        saves = [len(blocks[member].saved_sizes) for member in members]
+        if sum(saves) == 0:
+            return index + (members.index(whole) + fine - whole) / len(members)
+        before = sum(saves[:members.index(whole)])
+        return index + (before + (fine - whole) * len(blocks[whole].saved_sizes)) / sum(saves)
 
     def held(entries: list) -> list:
         # A user inside a merged block is left out: whether it held this storage as its own input or
@@ -80,7 +86,15 @@ def coarsened(profile: Profile, cut: list[SegmentProfile]) -> Profile:
         else:
             coarse.append(_merged(segment, [blocks[m] for m in members],
                                   [alive(blocks[m], m, index) for m in members], held(segment.input_held_earlier)))
-    return replace(profile, blocks=coarse, segments=[])
+    # The code between a merged block's members runs in its forward now (and again in its recompute):
+    # out of the time the profile counts with the loss.
+    between = sum(_between_seconds(segment, blocks) for segment in cut)
+    return replace(profile, blocks=coarse, segments=[], loss_seconds=max(profile.loss_seconds - between, 0.0))
+
+
+def _between_seconds(segment: SegmentProfile, blocks: list[BlockProfile]) -> float:
+    members = blocks[segment.first:segment.last + 1]
+    return max(segment.forward_seconds - sum(block.forward_seconds for block in members), 0.0)
 
 
 def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[list[float]],
@@ -104,7 +118,9 @@ def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[li
     for block in members:
         kept += [offset + k for k in block.kept_when_swapped]
         offset += len(block.saved_sizes)
-    measured_alive = all(len(values) == len(block.saved_sizes) for values, block in zip(alive, members))
+    # A member whose lifetimes were not measured: its storages stay until backward (never too few bytes).
+    alive = [values if len(values) == len(block.saved_sizes) else [-1.0] * len(block.saved_sizes)
+             for values, block in zip(alive, members)]
     names, other_stretches, peak_stretches = [], [], []
     stretched = all(len(block.backward_other_by_stretch) == len(block.backward_gradient_names) + 1
                     and len(block.backward_peak_by_stretch) == len(block.backward_gradient_names) + 1
@@ -116,17 +132,17 @@ def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[li
             peak_stretches = _joined(peak_stretches, block.backward_peak_by_stretch)
     return BlockProfile(
         name=segment.name,
-        forward_seconds=sum(block.forward_seconds for block in members),
+        forward_seconds=max(sum(block.forward_seconds for block in members), segment.forward_seconds),
         backward_seconds=sum(block.backward_seconds for block in members),
         saved_bytes=sum(block.saved_bytes for block in members),
         largest_saved_bytes=max(block.largest_saved_bytes for block in members),
         saved_sizes=[size for block in members for size in block.saved_sizes],
         kept_when_swapped=kept,
-        saved_alive_blocks=[value for values in alive for value in values] if measured_alive else [],
+        saved_alive_blocks=[value for values in alive for value in values],
         input_bytes=segment.input_bytes,
         output_bytes=last.output_bytes,
         input_held_earlier=held_earlier,
-        input_saved_bytes=min(first.input_saved_bytes, segment.input_bytes),
+        input_saved_bytes=segment.input_saved_bytes,
         parameter_bytes=sum(block.parameter_bytes for block in members),
         calls=1,
         held_forward_bytes=first.held_forward_bytes,
@@ -143,6 +159,7 @@ def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[li
         backward_gradient_names=names,
         backward_other_by_stretch=other_stretches if stretched else [],
         backward_peak_by_stretch=peak_stretches if stretched else [],
+        # Static bytes off the device while it runs (the update in backward): its members' least.
         forward_static_absent_bytes=min(block.forward_static_absent_bytes for block in members),
         backward_static_absent_bytes=min(block.backward_static_absent_bytes for block in members),
         recompute_static_absent_bytes=min(block.recompute_static_absent_bytes for block in members),
@@ -168,20 +185,28 @@ def best_of_granularities(profile: Profile, make):
         best, refusal = make(profile), None
     except PlanError as error:
         best, refusal = None, error
-    # Not where a placement moves static bytes during the step (parameters off the device between
-    # uses, the update in backward): they move per block, and a merged block's would be counted as
-    # its least absent member's, not as its own.
-    moves_static = any(block.forward_static_absent_bytes or block.backward_static_absent_bytes
-                       or block.recompute_static_absent_bytes for block in profile.blocks)
-    for cut in [] if moves_static else depth_cuts(profile):
-        names = {segment.name for segment in cut}
-        try:
-            candidate = make(coarsened(profile, cut))
-        except PlanError:
-            continue
-        recomputes_one = any(block.name in names and block.decision == "recompute" for block in candidate.blocks)
-        if recomputes_one and (best is None or candidate.predicted_step_seconds < best.predicted_step_seconds):
+    for cut in depth_cuts(profile):
+        candidate = _recomputing_segments(profile, cut, make)
+        if candidate is not None and (best is None or candidate.predicted_step_seconds < best.predicted_step_seconds):
             best = candidate
     if best is None:
         raise refusal
     return best
+
+
+def _recomputing_segments(profile: Profile, cut: list[SegmentProfile], make):
+    """The plan of ``profile`` with ``cut`` merged where every merged block it names is recomputed,
+    or None. A merged block kept or swapped goes back to its blocks and the rest is planned again:
+    as one block, the saves its module makes between its blocks (a residual add, a concatenation)
+    would join its ledger, which the profile counted outside every block."""
+    while cut:
+        names = {segment.name for segment in cut}
+        try:
+            candidate = make(coarsened(profile, cut))
+        except PlanError:
+            return None
+        not_recomputed = {block.name for block in candidate.blocks if block.name in names and block.decision != "recompute"}
+        if not not_recomputed:
+            return candidate
+        cut = [segment for segment in cut if segment.name not in not_recomputed]
+    return None

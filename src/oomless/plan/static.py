@@ -308,6 +308,10 @@ class _Candidates:
             # What moves during the step is not on the device in every phase (`plan.static_phases`).
             seen = with_phase_static(seen, self.profile, self.model, placement.update_in_backward,
                                      placement.offload_optimizer_state, placement.offload_parameters)
+            if placement.offload_parameters:
+                # Parameters move per block of the plan, and were counted per measured block: no
+                # segments (`plan.segments`) merge blocks here.
+                seen = dataclasses.replace(seen, segments=[])
             if not placement.update_in_backward:
                 # The user's optimizer.step() after backward, with every gradient on the device.
                 seen = dataclasses.replace(seen, optimizer_step_other_bytes=optimizer_step_other_bytes(

@@ -118,6 +118,11 @@ class SegmentProfile:
     input_bytes: int = 0
     # As `BlockProfile.input_held_earlier`, for the module's own inputs, by blocks' positions.
     input_held_earlier: list = field(default_factory=list)
+    # Bytes of its inputs' storages its blocks saved: a recompute of the module makes them not anew.
+    input_saved_bytes: int = 0
+    # Its call's forward time in the timing step: its blocks' and the code between them (which the
+    # profile counts with the loss, `Profile.loss_seconds`); 0: not measured.
+    forward_seconds: float = 0.0
 
 
 @dataclass
@@ -198,7 +203,7 @@ class Profile:
     # floor's estimate, a lower bound, carries the measured share (`plan.splitting`). None: the rule.
     margin_share: float | None = None
     # Modules around consecutive blocks that a plan may recompute as one (`SegmentProfile`), outermost
-    # first; measured in the sizing step. Empty where not measured (meta profiles, pipeline stages).
+    # first; measured in the sizing step. Empty where not measured (meta-tensor profiles).
     segments: list[SegmentProfile] = field(default_factory=list)
 
     @property

@@ -86,9 +86,13 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                         parameter_names={id(parameter): name for name, parameter in model.named_parameters()})
     install_plan(model, measuring, device, recorder=recorder)
     state = installed_state(model)
-    # The sizing step reads the inputs of the modules around blocks too (`SegmentProfile`).
-    segment_hooks = [module.register_forward_pre_hook(_segment_hook(recorder, name), with_kwargs=True)
-                     for name, module in (segment_modules(model, found) if decisions is None else [])]
+    # The modules around blocks too (`SegmentProfile`): their inputs in the sizing step, their time in
+    # the timing step.
+    segment_hooks = []
+    for name, module in segment_modules(model, found):
+        started, finished = _segment_hooks(recorder, name)
+        segment_hooks += [module.register_forward_pre_hook(started, with_kwargs=True),
+                          module.register_forward_hook(finished, always_call=True)]
     tier = state.tier
     if decisions is None and measure_selective:
         recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
@@ -143,11 +147,14 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     return recorder, loss_seconds
 
 
-def _segment_hook(recorder: Recorder, name: str):
-    def hook(module, args, kwargs):
+def _segment_hooks(recorder: Recorder, name: str):
+    def started(module, args, kwargs):
         if torch.is_grad_enabled():
             recorder.segment_started(name, (args, kwargs))
-    return hook
+
+    def finished(module, args, output):
+        recorder.segment_finished(name)
+    return started, finished
 
 
 # A first step that keeps more than a fiftieth of its own peak rise made caches for its shapes (or
@@ -173,6 +180,8 @@ def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
     for block in sized.blocks:
         block.forward_seconds = times[block.name].forward_seconds
         block.backward_seconds = times[block.name].backward_seconds
+    for segment in sized.segments:
+        segment.forward_seconds = timer.segment_seconds.get(segment.name, 0.0)
 
 
 def _refined(found, recorder) -> list | None:
@@ -350,18 +359,21 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
 
 
 def _segments(found, recorder: Recorder, order: list[int]) -> list[SegmentProfile]:
-    """The modules around blocks the sizing step saw called once, around blocks each called once and
-    at consecutive places in the profile (``order``, the recorder's block numbers in place order)."""
+    """The modules around blocks the sizing step saw called once, whose call ran each of the blocks
+    inside them once and no other block (a block the parent calls after the module's own forward, a
+    module shared with another place: no segment), at consecutive places in the profile (``order``,
+    the recorder's block numbers in place order)."""
     place = {index: position for position, index in enumerate(order)}
     names = [name for name, _ in found]
     segments = []
-    for name, (calls, input_bytes, held) in recorder.segments.items():
-        inner = sorted(place[index] for index, block in enumerate(names) if block.startswith(name + "."))
-        if calls != 1 or not inner or inner != list(range(inner[0], inner[-1] + 1)):
+    for name, (calls, input_bytes, held, ran, input_saved) in recorder.segments.items():
+        inside = [index for index, block in enumerate(names) if block.startswith(name + ".")]
+        inner = sorted(place[index] for index in inside)
+        if calls != 1 or not inner or inner != list(range(inner[0], inner[-1] + 1)) or sorted(ran) != inside:
             continue
         if any(recorder.blocks[order[position]].calls != 1 for position in inner):
             continue
-        segment = SegmentProfile(name, inner[0], inner[-1], input_bytes, held)
+        segment = SegmentProfile(name, inner[0], inner[-1], input_bytes, held, input_saved)
         holders_by_place([segment], order)
         segments.append(segment)
     return segments

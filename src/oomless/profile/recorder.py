@@ -22,7 +22,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import InputSharing, alive_bytes, storage_bytes, storage_key, tensors_in, weak_storages
+from oomless.profile.tensors import (InputSharing, alive_bytes, has_storage, storage_bytes, storage_key, tensors_in,
+                                     weak_storages)
 
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
@@ -64,8 +65,14 @@ class Recorder:
         self.tier_is_out = None
         self.resident: set[tuple] = set()
         self.sharing = InputSharing(storage_key)   # blocks' inputs an earlier block had (per forward)
-        # Modules around blocks (`SegmentProfile`): name -> [calls, input bytes, inputs held earlier].
+        # Modules around blocks (`SegmentProfile`): name -> [calls, input bytes, inputs held earlier,
+        # the blocks their call ran (recorder numbers), bytes their blocks saved of their inputs]; and
+        # those whose call runs: name -> (blocks started before it, its input storages, its start).
         self.segments: dict[str, list] = {}
+        self.open_segments: dict[str, tuple[int, set, float]] = {}
+        self.segment_seconds: dict[str, float] = {}   # their calls' forward time, stalls left out
+        self.hook_seconds = 0.0     # spent in block_started and block_finished (readings), not the step's
+        self.block_starts: list[int] = []     # the blocks' forward calls, in order
         self.probe = MemoryProbe(device)
         self.in_backward = False
         self.in_backward_marked = False
@@ -268,6 +275,11 @@ class Recorder:
             self.saved_alive.append((entry, block_index, len(block.saved_sizes), position))
         if tensor is not None and self.sharing.saved(block_index, tensor):
             block.input_saved_bytes += num_bytes
+        if tensor is not None and self.open_segments:
+            key = storage_key(tensor)
+            for name, (_, inputs, _) in self.open_segments.items():
+                if key in inputs:
+                    self.segments[name][4] += num_bytes
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
@@ -277,19 +289,31 @@ class Recorder:
         if self.in_backward:
             return
         tensors = tensors_in(args)
-        calls, num_bytes, held = self.segments.setdefault(name, [0, 0, []])
+        calls, num_bytes, held, ran, input_saved = self.segments.setdefault(name, [0, 0, [], [], 0])
         self.segments[name] = [calls + 1, num_bytes + storage_bytes(tensors),
-                               held + self.sharing.held_before(tensors, self.resident)]
+                               held + self.sharing.held_before(tensors, self.resident), ran, input_saved]
+        self.open_segments[name] = (len(self.block_starts), {storage_key(t) for t in tensors if has_storage(t)},
+                                    self.now() - self.tier_stall() - self.hook_seconds)
+
+    def segment_finished(self, name: str) -> None:
+        """Its call has returned (or raised): the blocks that ran inside it are known, and its time."""
+        opened = self.open_segments.pop(name, None)
+        if opened is not None and not self.in_backward:
+            self.segments[name][3] += self.block_starts[opened[0]:]
+            seconds = self.now() - self.tier_stall() - self.hook_seconds - opened[2]
+            self.segment_seconds[name] = self.segment_seconds.get(name, 0.0) + seconds
 
     def block_started(self, index, args):
         if self.in_backward:
             return
+        entered = time.perf_counter()
         if index not in self.order:
             self.order.append(index)
             if self.saved_alive:
                 self._look_for_freed(len(self.order) - 1, 0)
         block = self.blocks[index]
         block.calls += 1
+        self.block_starts.append(index)
         block.input_bytes += storage_bytes(tensors_in(args))
         block.input_held_earlier += self.sharing.block_started(index, tensors_in(args), self.resident)
         block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
@@ -302,13 +326,15 @@ class Recorder:
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, before.forward_peak_bytes)
             block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, before.forward_own_peak_bytes)
         self.started[index] = self.now()
+        self.hook_seconds += time.perf_counter() - entered
 
     def block_finished(self, index, output):
         if self.in_backward:
             return
         self.sharing.block_finished(index)
         block = self.blocks[index]
-        block.forward_seconds += self.now() - self.started.pop(index)
+        ended = self.now()
+        block.forward_seconds += ended - self.started.pop(index)
         outputs = tensors_in(output)
         block.output_bytes += storage_bytes(outputs)
         self._track(self.live_outputs, outputs)
@@ -316,6 +342,7 @@ class Recorder:
             if tensor.requires_grad:
                 tensor.register_hook(self._backward_mark(index))
                 break
+        self.hook_seconds += time.perf_counter() - ended
 
     def _backward_mark(self, index):
         def hook(grad):
