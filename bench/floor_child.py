@@ -290,14 +290,13 @@ def run(config: dict) -> dict:
             result.update(fits=False, refused=str(error), minimum_bytes=error.minimum_bytes)
             return result
         oomless.apply(model, plan, optimizer=optimizer)
-        blocks = {name for name, _ in find_blocks(model)}
         result.update(memory_bytes=plan.memory_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                       predicted_step_seconds=plan.predicted_step_seconds,
                       decisions=sorted(set(plan.decisions.values())), reserve_bytes=plan.reserve_bytes,
                       static_bytes=plan.static_bytes, activation_budget=plan.activation_budget,
                       split=plan.split,
-                      # Modules around blocks the plan recomputes whole (`oomless.plan.segments`).
-                      recomputed_segments=sorted(set(plan.decisions) - blocks))
+                      # By name: modules around blocks among them are recomputed whole (`oomless.plan.segments`).
+                      recomputed=sorted(name for name, decision in plan.decisions.items() if decision == "recompute"))
     # Planning's peak apart: it profiles the model whole on the device ("Parameters off the device" in
     # the README), so a plan that moves parameters off trains below what planning held. (The
     # profiler resets the peak mark as it measures, on CPU and CUDA: this is the mark as planning left

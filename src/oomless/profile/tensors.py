@@ -252,6 +252,19 @@ class InputSharing:
         """The block's inputs that an earlier block had: [[bytes, saver or -1, [users]], ...]; a
         storage in ``resident`` (parameters, the model's inputs: never on the ledger) as
         [bytes, RESIDENT_INPUT, []]."""
+        shared, keys = self._held(tensors, resident, index)
+        self.running_inputs[index] = keys
+        return shared
+
+    def held_before(self, tensors, resident=frozenset()) -> list:
+        """As `block_started`'s answer, for a module that is no block (a segment around blocks,
+        `profile.profile.SegmentProfile`): its inputs are recorded nowhere, so the blocks after it
+        do not count it among their users."""
+        return self._held(tensors, resident, None)[0]
+
+    def _held(self, tensors, resident, index: int | None) -> tuple[list, set]:
+        """(the inputs an earlier block had, their storages); ``index``: the block whose inputs these
+        are, recorded as a user of each (None: nothing recorded)."""
         shared, keys = [], set()
         for tensor in tensors:
             if not has_storage(tensor):
@@ -266,36 +279,16 @@ class InputSharing:
             saver = self._alive(self.saved_by, key)
             blocks_in = self._alive(self.input_of, key)
             users = [user for user in blocks_in or [] if user != index]
-            if (saver is not None and saver != index) or users:
+            if saver not in (None, index) or users:
                 shared.append([tensor.untyped_storage().nbytes(), -1 if saver in (None, index) else saver, users])
+            if index is None:
+                continue
             if blocks_in is None:
                 blocks_in = []
                 self.input_of[key] = (StorageWeakRef(tensor.untyped_storage()), blocks_in)
             if index not in blocks_in:
                 blocks_in.append(index)
-        self.running_inputs[index] = keys
-        return shared
-
-    def held_before(self, tensors, resident=frozenset()) -> list:
-        """As `block_started`'s answer, for a module that is no block (a segment around blocks,
-        `profile.profile.SegmentProfile`), its inputs recorded nowhere: the blocks later on do not
-        share them with it."""
-        shared, keys = [], set()
-        for tensor in tensors:
-            if not has_storage(tensor):
-                continue
-            key = self.key_of(tensor)
-            if key in keys:
-                continue
-            keys.add(key)
-            if key in resident:
-                shared.append([tensor.untyped_storage().nbytes(), RESIDENT_INPUT, []])
-                continue
-            saver = self._alive(self.saved_by, key)
-            users = list(self._alive(self.input_of, key) or [])
-            if saver is not None or users:
-                shared.append([tensor.untyped_storage().nbytes(), -1 if saver is None else saver, users])
-        return shared
+        return shared, keys
 
     def block_finished(self, index: int) -> None:
         self.running_inputs.pop(index, None)
