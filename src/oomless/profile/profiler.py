@@ -366,14 +366,16 @@ def _segments(found, recorder: Recorder, order: list[int]) -> list[SegmentProfil
     place = {index: position for position, index in enumerate(order)}
     names = [name for name, _ in found]
     segments = []
-    for name, (calls, input_bytes, held, ran, input_saved) in recorder.segments.items():
+    for name, seen in recorder.segments.items():
         inside = [index for index, block in enumerate(names) if block.startswith(name + ".")]
         inner = sorted(place[index] for index in inside)
-        if calls != 1 or not inner or inner != list(range(inner[0], inner[-1] + 1)) or sorted(ran) != inside:
+        consecutive = bool(inner) and inner == list(range(inner[0], inner[-1] + 1))
+        if seen.calls != 1 or not consecutive or sorted(seen.ran) != inside:
             continue
         if any(recorder.blocks[order[position]].calls != 1 for position in inner):
             continue
-        segment = SegmentProfile(name, inner[0], inner[-1], input_bytes, held, input_saved)
+        segment = SegmentProfile(name, inner[0], inner[-1], seen.input_bytes, seen.input_held_earlier,
+                                 seen.input_saved_bytes)
         holders_by_place([segment], order)
         segments.append(segment)
     return segments

@@ -16,6 +16,7 @@ own decisions) reads only at phase changes: its highest reading is what the plan
 """
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -29,6 +30,17 @@ from oomless.profile.tensors import (InputSharing, alive_bytes, has_storage, sto
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
 _BEFORE_BLOCKS = -2  # the forward before its first block
 ALIVE_INTO_BACKWARD = -1  # `BlockProfile.saved_alive_blocks` of a storage the forward still holds at backward
+
+
+@dataclass
+class SegmentCalls:
+    """What the calls of one module around blocks (`SegmentProfile`) showed in a profiling step."""
+
+    calls: int = 0
+    input_bytes: int = 0
+    input_held_earlier: list = field(default_factory=list)   # as `BlockProfile.input_held_earlier`
+    ran: list[int] = field(default_factory=list)             # the blocks its calls ran (recorder numbers)
+    input_saved_bytes: int = 0                               # bytes its blocks saved of its inputs
 
 
 class Recorder:
@@ -65,10 +77,9 @@ class Recorder:
         self.tier_is_out = None
         self.resident: set[tuple] = set()
         self.sharing = InputSharing(storage_key)   # blocks' inputs an earlier block had (per forward)
-        # Modules around blocks (`SegmentProfile`): name -> [calls, input bytes, inputs held earlier,
-        # the blocks their call ran (recorder numbers), bytes their blocks saved of their inputs]; and
-        # those whose call runs: name -> (blocks started before it, its input storages, its start).
-        self.segments: dict[str, list] = {}
+        # Modules around blocks (`SegmentProfile`), by name; and those whose call runs: name -> (blocks
+        # started before it, its input storages, its start).
+        self.segments: dict[str, SegmentCalls] = {}
         self.open_segments: dict[str, tuple[int, set, float]] = {}
         self.segment_seconds: dict[str, float] = {}   # their calls' forward time, stalls left out
         self.hook_seconds = 0.0     # spent in block_started and block_finished (readings), not the step's
@@ -279,7 +290,7 @@ class Recorder:
             key = storage_key(tensor)
             for name, (_, inputs, _) in self.open_segments.items():
                 if key in inputs:
-                    self.segments[name][4] += num_bytes
+                    self.segments[name].input_saved_bytes += num_bytes
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
@@ -289,9 +300,10 @@ class Recorder:
         if self.in_backward:
             return
         tensors = tensors_in(args)
-        calls, num_bytes, held, ran, input_saved = self.segments.setdefault(name, [0, 0, [], [], 0])
-        self.segments[name] = [calls + 1, num_bytes + storage_bytes(tensors),
-                               held + self.sharing.held_before(tensors, self.resident), ran, input_saved]
+        calls = self.segments.setdefault(name, SegmentCalls())
+        calls.calls += 1
+        calls.input_bytes += storage_bytes(tensors)
+        calls.input_held_earlier += self.sharing.held_before(tensors, self.resident)
         self.open_segments[name] = (len(self.block_starts), {storage_key(t) for t in tensors if has_storage(t)},
                                     self.now() - self.tier_stall() - self.hook_seconds)
 
@@ -299,7 +311,7 @@ class Recorder:
         """Its call has returned (or raised): the blocks that ran inside it are known, and its time."""
         opened = self.open_segments.pop(name, None)
         if opened is not None and not self.in_backward:
-            self.segments[name][3] += self.block_starts[opened[0]:]
+            self.segments[name].ran += self.block_starts[opened[0]:]
             seconds = self.now() - self.tier_stall() - self.hook_seconds - opened[2]
             self.segment_seconds[name] = self.segment_seconds.get(name, 0.0) + seconds
 
