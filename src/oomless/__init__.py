@@ -8,7 +8,8 @@ from oomless.profile.rss import turn_on_huge_pages_unless_set  # noqa: I001  (mu
 
 turn_on_huge_pages_unless_set()
 
-from oomless.api import apply, fit, installed_plan, plan, profile, remove, simulate, stats, sum_of_outputs
+from oomless.api import apply, fit, installed_plan, plan, profile, remove, stats, sum_of_outputs
+from oomless.simulation import simulate
 from oomless.errors import ApplyError, InputError, OomlessError, PlanError, SizeError
 from oomless.models.vision import make_torchvision_importable
 from oomless.plan.devices import Device, register_device

@@ -14,7 +14,7 @@ predicted fastest.
 import math
 from dataclasses import replace
 
-from oomless.errors import PlanError
+from oomless.errors import InputError, PlanError
 from oomless.profile.profile import BlockProfile, Profile, SegmentProfile
 
 
@@ -221,3 +221,25 @@ def _recomputing_segments(profile: Profile, cut: list[SegmentProfile], make, tri
             return candidate
         cut = [segment for segment in cut if segment.name not in not_recomputed]
     return None
+
+
+def check_decisions(decisions: dict[str, str], profile: Profile) -> None:
+    """Every block of ``profile`` has a decision, its own or a segment's around it (a plan recomputing
+    a module around blocks names it: `plan.segments`), and no block has two."""
+    unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
+    named = [segment for segment in profile.segments if segment.name in decisions]
+    covered: dict[int, str] = {}
+    for segment in named:
+        for position in range(segment.first, segment.last + 1):
+            other = covered.setdefault(position, segment.name)
+            if other != segment.name:
+                raise InputError(f"decisions name {other} and {segment.name}, which share blocks; name one of them")
+    for position, block in enumerate(profile.blocks):
+        if position in covered and block.name in decisions:
+            raise InputError(f"decisions name block {block.name} and {covered[position]}, the module around it; "
+                             "name one of them")
+    missing = [block.name for position, block in enumerate(profile.blocks)
+               if block.name not in decisions and position not in covered]
+    if unknown or missing:
+        raise InputError(f"decisions must give keep|swap|recompute|selective for every block; "
+                         f"unknown values {unknown}, blocks without one {missing[:5]}")
