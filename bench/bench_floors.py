@@ -18,6 +18,11 @@ What the issue asks, per model: oomless accepts checkpointing's memory and train
 slower than checkpointing there (step times within this machine's noise, read from the JSON: a
 median ratio, not a test), and the smallest budget it names is below checkpointing's peak. On CUDA
 the same against ``torch.autograd.graph.save_on_cpu`` (two more runs: it, and oomless at its peak).
+Separate processes run minutes apart, and a shared 2-core machine's speed drifts by 15 % in that
+time: ``--speed-steps`` (default 6) runs once more checkpointing and oomless at checkpointing's
+memory in one process, one step of each in turn (floor_child's ``versus``), and reports the median
+ratio of neighbouring steps (``step_vs_checkpoint``'s "steps interleaved"; on CUDA against
+save_on_cpu too).
 """
 
 import argparse
@@ -89,8 +94,9 @@ def trial(config: dict) -> dict:
     return result
 
 
-def measure(config: dict, steps: int, device: str, threads: int) -> dict:
-    """The four runs of one model, and how they compare."""
+def measure(config: dict, steps: int, device: str, threads: int, speed_steps: int = 0) -> dict:
+    """The four runs of one model, and how they compare; with ``speed_steps``, the speed half once
+    more with checkpointing's steps and oomless's interleaved in one process (floor_child's ``versus``)."""
     common = {**config, "steps": steps, "device": device, "threads": threads}
     runs = {"plain": trial({**common, "mode": "plain"}), "checkpoint": trial({**common, "mode": "checkpoint"})}
     checkpoint_peak = runs["checkpoint"]["peak_bytes"]
@@ -106,6 +112,15 @@ def measure(config: dict, steps: int, device: str, threads: int) -> dict:
                                                                       "memory": offload_peak})
         offloaded = {"accepts_save_on_cpus_memory": "refused" not in at_offload,
                      "within_save_on_cpus_memory": bool(at_offload.get("steps_fit"))}
+
+    interleaved = {}
+    if speed_steps:
+        versus = {**common, "mode": "versus", "steps": speed_steps}
+        runs["interleaved with checkpoint"] = trial({**versus, "memory": checkpoint_peak})
+        interleaved["at checkpoint's memory, steps interleaved"] = runs["interleaved with checkpoint"].get(
+            "median_step_ratio")
+        if offloaded:
+            runs["interleaved with save_on_cpu"] = trial({**versus, "memory": offload_peak, "baseline": "save_on_cpu"})
 
     def ratio(run: dict, baseline: dict | None = None) -> float | None:
         reference = (baseline or runs["checkpoint"])["median_step_seconds"]
@@ -126,10 +141,14 @@ def measure(config: dict, steps: int, device: str, threads: int) -> dict:
             "floor_steps_within_its_budget": bool(at_floor.get("steps_fit")),
             **offloaded,
         },
+        # Separate processes' medians, and (where measured) the median ratio of interleaved steps:
+        # the steadier reading on a machine whose speed drifts.
         "step_vs_checkpoint": {"plain": ratio(runs["plain"]), "at checkpoint's memory": ratio(at_checkpoint),
-                               "at its floor": ratio(at_floor)},
+                               "at its floor": ratio(at_floor), **interleaved},
         **({"step_vs_save_on_cpu": ratio(runs["oomless at save_on_cpu's memory"], runs["save_on_cpu"])}
            if offloaded else {}),
+        **({"step_vs_save_on_cpu_interleaved": runs["interleaved with save_on_cpu"].get("median_step_ratio")}
+           if "interleaved with save_on_cpu" in runs else {}),
     }
 
 
@@ -140,7 +159,9 @@ def table(results: dict) -> None:
     modes = [*MODES, *(CUDA_MODES if any("save_on_cpu" in result.get("runs", {}) for result in results.values())
                        else ())]
     shown = Table(title="training steps' peak memory rise (MiB; planning's where higher) and median step (s)")
-    for column in ("model", *modes, "oomless's smallest budget", "guarantee"):
+    interleaved = any("interleaved with checkpoint" in result.get("runs", {}) for result in results.values())
+    for column in ("model", *modes, "oomless's smallest budget", *(("step vs checkpoint, interleaved",)
+                                                                    if interleaved else ()), "guarantee"):
         shown.add_column(column, justify="left" if column in ("model", "guarantee") else "right")
     for name, result in results.items():
         if "skipped" in result or "failed" in result:
@@ -160,7 +181,13 @@ def table(results: dict) -> None:
                          + (f" (planning {run['planning_peak_bytes'] / MiB:.0f})"
                             if run["planning_peak_bytes"] > run["steps_peak_bytes"] else ""))
         kept = all(result["guarantee"].values())
-        shown.add_row(name, *cells, f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}",
+        if interleaved:
+            speed = result["step_vs_checkpoint"].get("at checkpoint's memory, steps interleaved")
+            cells.append(f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}")
+            cells.append("-" if speed is None else f"{speed:.2f}x")
+        else:
+            cells.append(f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}")
+        shown.add_row(name, *cells,
                       "kept" if kept else "BROKEN: " + ", ".join(k for k, v in result["guarantee"].items() if not v))
     Console(width=200).print(shown)
 
@@ -176,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speed-steps", type=int, default=6,
+                        help="steps of checkpointing and of oomless at its memory interleaved in one process, "
+                             "each (0: none)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 steps: checks that it runs")
     parser.add_argument("--out", default=None, help="a .json file or a folder (default runs/bench/)")
     args = parser.parse_args(argv)
@@ -196,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         config = MODELS[name][1] if args.quick else CUDA_CONFIGS.get(name, MODELS[name][0]) if cuda else MODELS[name][0]
         print(f"{name}: {json.dumps(config)}", flush=True)
         try:
-            results[name] = measure(config, steps, args.device, args.threads)
+            results[name] = measure(config, steps, args.device, args.threads,
+                                    min(args.speed_steps, 2) if args.quick else args.speed_steps)
         except (RuntimeError, subprocess.TimeoutExpired) as error:   # a run that crashed: recorded, the others go on
             results[name] = {"config": config, "failed": str(error)[-3000:]}
         # Written after each model: a run stopped part way keeps what it measured.

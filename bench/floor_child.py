@@ -10,7 +10,10 @@ Modes: ``plain`` (plain PyTorch), ``checkpoint`` (``torch.utils.checkpoint`` on 
 oomless's default block policy, the baseline users write by hand), ``save_on_cpu`` (PyTorch's
 offload of every saved tensor to host memory; on CUDA), ``oomless`` (``oomless.fit`` at
 ``memory``; ``"memory": "floor"`` first asks the planner for its smallest budget, as a user reading
-the PlanError would, and plans again at that).
+the PlanError would, and plans again at that). ``versus`` times speed only: the model checkpointed
+and a copy under oomless's plan for ``memory`` (``"baseline": "save_on_cpu"``: that against the
+plan), their steps interleaved in one process (`versus`), so that what slows this machine for a
+while slows both alike; no memory is reported.
 
 The peak is the rise above a baseline taken after imports and a warm-up step of the same model at a
 small size (library start-up is not the step's memory): on CPU the process's resident set (glibc told
@@ -27,6 +30,7 @@ Used by bench/bench_max_size.py and tests/test_floor.py.
 import gc
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -238,6 +242,8 @@ def run(config: dict) -> dict:
     torch.set_num_threads(config.get("threads", 2))
     return_freed_memory_to_the_system()
     mode = config["mode"]
+    if mode == "versus":
+        return versus(config, device)
     # Warm-up at a small size: kernels' caches and lazily imported library code are start-up.
     precision = config.get("precision", "fp32")
     model, inputs, loss_fn = build(config, device, small=True)
@@ -338,6 +344,68 @@ def run(config: dict) -> dict:
             oomless.remove(model)
             result["floor_bytes"] = _floor(model, inputs, arguments)
     return result
+
+
+def _timed_step(model, inputs, loss_fn, optimizer, device: torch.device, offload: bool = False) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    if offload:
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            loss = loss_fn(call_model(model, inputs))
+    else:
+        loss = loss_fn(call_model(model, inputs))
+    loss.backward()
+    optimizer.step()
+    del loss
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def versus(config: dict, device: torch.device) -> dict:
+    """Step times of the baseline (checkpoint on every block, or save_on_cpu) and of oomless planned for
+    ``memory`` bytes, one step of each in turn after a step of each to warm up: on a machine whose
+    speed drifts (a shared 2-core CPU varies by 15 % from minute to minute), separate processes
+    compare different moments; alternate steps compare the same ones. fp32 only."""
+    baseline = config.get("baseline", "checkpoint")
+    if baseline not in ("checkpoint", "save_on_cpu"):
+        raise SystemExit(f"baseline must be checkpoint or save_on_cpu, not {baseline!r}")
+    # The warm-up of `run`: planning for ``memory`` then counts the step as the "oomless" run's does,
+    # without a fresh process's start-up (at tiny sizes that alone passes checkpointing's peak).
+    model, inputs, loss_fn = build(config, device, small=True)
+    _warm_up_oomless(model, inputs, loss_fn, torch.optim.Adam(model.parameters()), "fp32", config.get("split"))
+    del model, inputs, loss_fn
+    gc.collect()
+    give_back_free_heap()
+    reference, inputs, loss_fn = build(config, device)
+    if baseline == "checkpoint":
+        checkpoint_each_unit(reference, config["model"])
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-4)
+    model, model_inputs, model_loss_fn = build(config, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    try:
+        plan = oomless.plan(model, model_inputs, config["memory"], loss_fn=model_loss_fn, optimizer=optimizer,
+                            split=config.get("split"))
+    except PlanError as error:
+        return {"config": config, "fits": False, "refused": str(error), "minimum_bytes": error.minimum_bytes}
+    oomless.apply(model, plan, optimizer=optimizer)
+    offload = baseline == "save_on_cpu"
+    baseline_seconds, oomless_seconds = [], []
+    for index in range(config.get("steps", 4) + 1):
+        baseline_step = _timed_step(reference, inputs, loss_fn, reference_optimizer, device, offload)
+        oomless_step = _timed_step(model, model_inputs, model_loss_fn, optimizer, device)
+        if index:   # the first of each warms up
+            baseline_seconds.append(baseline_step)
+            oomless_seconds.append(oomless_step)
+    ratios = [ours / theirs for ours, theirs in zip(oomless_seconds, baseline_seconds)]
+    return {"config": config, "baseline": baseline, "memory_bytes": plan.memory_bytes,
+            "decisions": sorted(set(plan.decisions.values())), "predicted_step_seconds": plan.predicted_step_seconds,
+            "recomputed": sorted(name for name, decision in plan.decisions.items() if decision == "recompute"),
+            "baseline_step_seconds": baseline_seconds, "oomless_step_seconds": oomless_seconds,
+            # The ratio of each pair of neighbouring steps, and their median: the speed half's verdict.
+            "step_ratios": ratios, "median_step_ratio": statistics.median(ratios)}
 
 
 def _warm_up_oomless(model, inputs, loss_fn, optimizer, precision: str, split) -> None:

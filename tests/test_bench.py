@@ -8,6 +8,7 @@ with one micro-batch must leave its two ranks idle for a large share of the step
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +91,8 @@ def test_quick_pipeline_benchmark_measures_each_schedules_bubble(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 def test_quick_floors_benchmark_measures_the_guarantee_for_each_model_asked(tmp_path):
     """bench/bench_floors.py --quick on the 3D U-Net: its four runs, each in a process of its own, and
-    the guarantee's terms as read from them."""
+    the guarantee's terms as read from them; and the speed half again with checkpointing's steps and
+    oomless's interleaved in one process, at checkpointing's memory."""
     out = tmp_path / "floors.json"
     program = Path(__file__).resolve().parents[1] / "bench" / "bench_floors.py"
     completed = subprocess.run([sys.executable, str(program), "--quick", "--models", "unet3d", "--out", str(out)],
@@ -100,7 +102,16 @@ def test_quick_floors_benchmark_measures_the_guarantee_for_each_model_asked(tmp_
     assert PROVENANCE <= set(report["provenance"]) and report["quick"] and set(report["models"]) == {"unet3d"}
     result = report["models"]["unet3d"]
     runs = result["runs"]
-    assert set(runs) == {"plain", "checkpoint", "oomless at checkpoint's memory", "oomless at its floor"}
+    assert set(runs) == {"plain", "checkpoint", "oomless at checkpoint's memory", "oomless at its floor",
+                         "interleaved with checkpoint"}
+    interleaved = runs.pop("interleaved with checkpoint")
+    assert interleaved["baseline"] == "checkpoint" and interleaved["memory_bytes"] == result["checkpoint_peak_bytes"]
+    steps = interleaved["oomless_step_seconds"]
+    assert len(steps) == len(interleaved["baseline_step_seconds"]) == 2 and min(steps) > 0
+    assert interleaved["step_ratios"] == [ours / theirs for ours, theirs in
+                                          zip(steps, interleaved["baseline_step_seconds"])]
+    assert result["step_vs_checkpoint"]["at checkpoint's memory, steps interleaved"] == \
+        interleaved["median_step_ratio"] == statistics.median(interleaved["step_ratios"])
     for name, run in runs.items():
         assert len(run["step_seconds"]) == report["steps"] and run["median_step_seconds"] > 0, name
         assert run["peak_bytes"] == max(run["steps_peak_bytes"], run["planning_peak_bytes"]) > 0, name
