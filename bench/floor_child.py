@@ -27,6 +27,7 @@ where it must; fp32).
 Used by bench/bench_max_size.py and tests/test_floor.py.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -309,25 +310,15 @@ def run(config: dict) -> dict:
     # it, at least its last profiling step's peak.)
     planning_peak = _peak(device) - baseline
     _reset_peak(device)
-    step_seconds = []
-    for _ in range(config.get("steps", 2)):
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
+    def forward_context() -> contextlib.ExitStack:
         # oomless enters the plan's autocast itself (its hooks); the others as users write it.
-        with _autocast(device, "fp32" if mode == "oomless" else precision):
-            if mode == "save_on_cpu":
-                with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
-                    loss = loss_fn(call_model(model, inputs))
-            else:
-                loss = loss_fn(call_model(model, inputs))
-        loss.backward()
-        optimizer.step()
-        del loss
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step_seconds.append(time.perf_counter() - started)
+        stack = contextlib.ExitStack()
+        stack.enter_context(_autocast(device, "fp32" if mode == "oomless" else precision))
+        if mode == "save_on_cpu":
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"))
+        return stack
+    step_seconds = [_timed_step(model, inputs, loss_fn, optimizer, device, forward_context)
+                    for _ in range(config.get("steps", 2))]
     result["steps_peak_bytes"] = _peak(device) - baseline     # the training steps (and what they hold)
     result["planning_peak_bytes"] = planning_peak               # the model, the optimizer, planning's last marks
     result["peak_bytes"] = max(planning_peak, result["steps_peak_bytes"])   # planning's profiling steps included
@@ -346,15 +337,13 @@ def run(config: dict) -> dict:
     return result
 
 
-def _timed_step(model, inputs, loss_fn, optimizer, device: torch.device, offload: bool = False) -> float:
+def _timed_step(model, inputs, loss_fn, optimizer, device: torch.device, forward_context=contextlib.nullcontext) -> float:
+    """Seconds of one training step, its forward (and loss) under ``forward_context()``."""
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
-    if offload:
-        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
-            loss = loss_fn(call_model(model, inputs))
-    else:
+    with forward_context():
         loss = loss_fn(call_model(model, inputs))
     loss.backward()
     optimizer.step()
@@ -391,7 +380,8 @@ def versus(config: dict, device: torch.device) -> dict:
     except PlanError as error:
         return {"config": config, "fits": False, "refused": str(error), "minimum_bytes": error.minimum_bytes}
     oomless.apply(model, plan, optimizer=optimizer)
-    offload = baseline == "save_on_cpu"
+    offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")) \
+        if baseline == "save_on_cpu" else contextlib.nullcontext
     baseline_seconds, oomless_seconds = [], []
     for index in range(config.get("steps", 4) + 1):
         baseline_step = _timed_step(reference, inputs, loss_fn, reference_optimizer, device, offload)
