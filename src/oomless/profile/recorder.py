@@ -195,16 +195,11 @@ class Recorder:
             self.probe.mark()
         self.phase = phase
 
-    def ledger_changing(self, resident_bytes: int, change: int) -> None:
-        """Called by the ledger before each change: the interval that ends here ran with
-        ``resident_bytes`` on the ledger, the next runs with ``change`` more. (Read with the value
-        before the previous change, every interval after a tensor was brought back counted it as
-        working memory as well as on the ledger: a BERT layer's backward measured 10 MiB over what a
-        plan keeping it holds, a full-resolution SwinUNETR block's 40 MiB.)"""
-        self.ledger_bytes = resident_bytes
+    def ledger_changing(self, resident_bytes: int) -> None:
+        """Called by the ledger before each change: the interval at the old value ends here."""
         if self.every_ledger_change:
             self._read_interval()
-        self.ledger_bytes = resident_bytes + change
+        self.ledger_bytes = resident_bytes
 
     # The runtime's callbacks.
 
