@@ -181,12 +181,10 @@ def table(results: dict) -> None:
                          + (f" (planning {run['planning_peak_bytes'] / MiB:.0f})"
                             if run["planning_peak_bytes"] > run["steps_peak_bytes"] else ""))
         kept = all(result["guarantee"].values())
+        cells.append(f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}")
         if interleaved:
             speed = result["step_vs_checkpoint"].get("at checkpoint's memory, steps interleaved")
-            cells.append(f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}")
             cells.append("-" if speed is None else f"{speed:.2f}x")
-        else:
-            cells.append(f"{(result['smallest_budget_bytes'] or 0) / MiB:.1f}")
         shown.add_row(name, *cells,
                       "kept" if kept else "BROKEN: " + ", ".join(k for k, v in result["guarantee"].items() if not v))
     Console(width=200).print(shown)

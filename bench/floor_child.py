@@ -245,32 +245,8 @@ def run(config: dict) -> dict:
     mode = config["mode"]
     if mode == "versus":
         return versus(config, device)
-    # Warm-up at a small size: kernels' caches and lazily imported library code are start-up.
     precision = config.get("precision", "fp32")
-    model, inputs, loss_fn = build(config, device, small=True)
-    optimizer = torch.optim.Adam(model.parameters())
-    if mode == "oomless":
-        # oomless's own code paths (its hooks, chains in slabs, copies) started up at the small size
-        # too, as the plain step's kernels are for every mode: its modules imported on first use and
-        # libtorch's code for autocast in slabs, ~7 MiB for the bf16 U-Net in slabs, are a process's
-        # start-up, not the step's (the planner's checks run them before its profile's baseline).
-        _warm_up_oomless(model, inputs, loss_fn, optimizer, precision, config.get("split"))
-    else:
-        with _autocast(device, precision):
-            loss = loss_fn(call_model(model, inputs))
-        loss.backward()
-        del loss
-        optimizer.step()
-    del model, inputs, loss_fn, optimizer
-    # What the warm-up freed leaves the process before the baseline: an oomless warm-up's objects in
-    # reference cycles (its optimizer state's file mappings among them: ResNet-50's Adam state, the
-    # same size at the warm-up's small images, was released during the measured run and its rise
-    # read -145 MiB), and glibc's free heap pages.
-    gc.collect()
-    give_back_free_heap()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    _warm_up(config, device, precision, oomless_too=mode == "oomless")
     _reset_peak(device)
     baseline = _current(device)
     if device.type == "cuda" and config.get("memory_limit_bytes"):
@@ -315,7 +291,7 @@ def run(config: dict) -> dict:
         stack = contextlib.ExitStack()
         stack.enter_context(_autocast(device, "fp32" if mode == "oomless" else precision))
         if mode == "save_on_cpu":
-            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"))
+            stack.enter_context(_offloading(device))
         return stack
     step_seconds = [_timed_step(model, inputs, loss_fn, optimizer, device, forward_context)
                     for _ in range(config.get("steps", 2))]
@@ -335,6 +311,39 @@ def run(config: dict) -> dict:
             oomless.remove(model)
             result["floor_bytes"] = _floor(model, inputs, arguments)
     return result
+
+
+def _warm_up(config: dict, device: torch.device, precision: str, oomless_too: bool) -> None:
+    """A step at a small size: kernels' caches and lazily imported library code are start-up."""
+    model, inputs, loss_fn = build(config, device, small=True)
+    optimizer = torch.optim.Adam(model.parameters())
+    if oomless_too:
+        # oomless's own code paths (its hooks, chains in slabs, copies) started up at the small size
+        # too, as the plain step's kernels are for every mode: its modules imported on first use and
+        # libtorch's code for autocast in slabs, ~7 MiB for the bf16 U-Net in slabs, are a process's
+        # start-up, not the step's (the planner's checks run them before its profile's baseline).
+        _warm_up_oomless(model, inputs, loss_fn, optimizer, precision, config.get("split"))
+    else:
+        with _autocast(device, precision):
+            loss = loss_fn(call_model(model, inputs))
+        loss.backward()
+        del loss
+        optimizer.step()
+    del model, inputs, loss_fn, optimizer
+    # What the warm-up freed leaves the process before the baseline: an oomless warm-up's objects in
+    # reference cycles (its optimizer state's file mappings among them: ResNet-50's Adam state, the
+    # same size at the warm-up's small images, was released during the measured run and its rise
+    # read -145 MiB), and glibc's free heap pages.
+    gc.collect()
+    give_back_free_heap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _offloading(device: torch.device):
+    """PyTorch's offload of every saved tensor to host memory, as its users write it."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
 def _timed_step(model, inputs, loss_fn, optimizer, device: torch.device, forward_context=contextlib.nullcontext) -> float:
@@ -361,13 +370,9 @@ def versus(config: dict, device: torch.device) -> dict:
     baseline = config.get("baseline", "checkpoint")
     if baseline not in ("checkpoint", "save_on_cpu"):
         raise SystemExit(f"baseline must be checkpoint or save_on_cpu, not {baseline!r}")
-    # The warm-up of `run`: planning for ``memory`` then counts the step as the "oomless" run's does,
+    # As the "oomless" mode warms up: planning for ``memory`` then counts the step as that run's does,
     # without a fresh process's start-up (at tiny sizes that alone passes checkpointing's peak).
-    model, inputs, loss_fn = build(config, device, small=True)
-    _warm_up_oomless(model, inputs, loss_fn, torch.optim.Adam(model.parameters()), "fp32", config.get("split"))
-    del model, inputs, loss_fn
-    gc.collect()
-    give_back_free_heap()
+    _warm_up(config, device, "fp32", oomless_too=True)
     reference, inputs, loss_fn = build(config, device)
     if baseline == "checkpoint":
         checkpoint_each_unit(reference, config["model"])
@@ -380,8 +385,7 @@ def versus(config: dict, device: torch.device) -> dict:
     except PlanError as error:
         return {"config": config, "fits": False, "refused": str(error), "minimum_bytes": error.minimum_bytes}
     oomless.apply(model, plan, optimizer=optimizer)
-    offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")) \
-        if baseline == "save_on_cpu" else contextlib.nullcontext
+    offload = (lambda: _offloading(device)) if baseline == "save_on_cpu" else contextlib.nullcontext
     baseline_seconds, oomless_seconds = [], []
     for index in range(config.get("steps", 4) + 1):
         baseline_step = _timed_step(reference, inputs, loss_fn, reference_optimizer, device, offload)
