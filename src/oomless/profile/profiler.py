@@ -206,6 +206,18 @@ def _refined(found, recorder) -> list | None:
 _LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
+def count_as_held(model: nn.Module, since_bytes: int, device: torch.device) -> None:
+    """What the process took on ``device`` since ``since_bytes`` (`MemoryProbe.current` before planning
+    began), counted as held by later profiles of ``model``, as what earlier steps left behind is:
+    the start-up of code paths planning ran before measuring a step, which training holds too (on
+    CPU the meta-tensor estimate of the unsplit floor leaves ~7 MiB for a 3D U-Net the first time
+    it runs in a process, 0.2 MiB the next; `make demo`'s step measured 263 MiB in its 256 with
+    it uncounted)."""
+    grown = MemoryProbe(device).current() - since_bytes
+    if grown > 0:
+        _LEFT_BEHIND[model] = _LEFT_BEHIND.get(model, 0) + grown
+
+
 def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, blocks=None,
                   memory_bytes: int | None = None, selective: bool = True) -> Profile:
     """Measure one training step of ``model`` (no optimizer step), per block.

@@ -196,6 +196,11 @@ class InstalledPlan:
         context, self._hooks_context = self._hooks_context, None
         context.__exit__(None, None, None)
         self.engine.block_index = None
+        # The forward's locals are gone (a U-Net's skips): swapped storages they held leave the ledger
+        # now, not at the next swapped unpack, which a plan keeping its last blocks reaches late in
+        # backward (`make demo`: a 16 MiB skip on the ledger through the loss and the first blocks'
+        # backward, and the profiling step read the loss's working memory 16 MiB short under it).
+        self.engine.poll()
         if self.plan.output_freed_bytes * WATCHED_OUTPUT_SHARE >= self.plan.memory_bytes and not self._warned_output:
             self._watch_output(output)
         if self.recorder is not None:

@@ -23,20 +23,21 @@ class Stats:
 
 class Ledger(Stats):
     """The live counters the runtime updates; `snapshot` hands out a plain `Stats`. ``observer``
-    (the profiler's recorder) is told the resident bytes before each change."""
+    (the profiler's recorder) is told, before each change, the resident bytes until then and the
+    change: ``observer(resident, change)``."""
 
     observer = None
 
     def add(self, num_bytes: int) -> None:
         if self.observer is not None:
-            self.observer(self.resident_activation_bytes)
+            self.observer(self.resident_activation_bytes, num_bytes)
         self.resident_activation_bytes += num_bytes
         if self.resident_activation_bytes > self.peak_activation_bytes:
             self.peak_activation_bytes = self.resident_activation_bytes
 
     def remove(self, num_bytes: int) -> None:
         if self.observer is not None:
-            self.observer(self.resident_activation_bytes)
+            self.observer(self.resident_activation_bytes, -num_bytes)
         self.resident_activation_bytes -= num_bytes
 
     def snapshot(self) -> Stats:

@@ -188,15 +188,17 @@ class ForwardRegistry:
     def release(self, entry: _Entry) -> None:
         if entry.fetch_issued and not entry.fetched:
             self.prefetched_unused_bytes -= entry.num_bytes
+        # The bytes go before the ledger says so: the profiler reads memory at the change, and bytes
+        # still there when its next interval starts would be read as working memory off the ledger.
+        if entry.ticket is not None:
+            self.engine.tier.release(entry.ticket)
+            entry.ticket = None
+        entry.device_data = None
         if entry.on_ledger:
             self.engine.ledger.remove(entry.num_bytes)
             entry.on_ledger = False
         if self.engine.recorder is not None:
             self.engine.recorder.released(entry.block_index, entry.num_bytes)
-        if entry.ticket is not None:
-            self.engine.tier.release(entry.ticket)
-            entry.ticket = None
-        entry.device_data = None
         if self.backward_started and self.next_prefetch >= 0:
             self.prefetch()   # room was freed: bring the next entries back while compute goes on
 
@@ -446,6 +448,7 @@ class SavedTensorEngine:
         if self._recomputed_on_ledger:
             self.backward_moved()
         entry = packed.entry
+        self.poll()     # storages freed since the last save or unpack leave the ledger before it is read
         if packed.tensor is not None:
             if entry is not None and entry.registry.next_prefetch >= 0:
                 entry.registry.reached(packed.place)
