@@ -187,7 +187,7 @@ def _watch_the_ledger(model, device) -> tuple[dict, dict]:
         reached(registry, position)
     ForwardRegistry.reached = reaching
 
-    def observe(resident_bytes: int) -> None:    # told before each change: the value until now
+    def observe(resident_bytes: int, change: int) -> None:    # told before each change: the value until now
         read(resident_bytes)
         if resident_bytes <= highest["bytes"]:
             return

@@ -397,4 +397,28 @@ def test_memory_planning_took_before_measuring_is_counted_as_held_by_later_profi
     after = oomless.profile(model, inputs, loss_fn=loss_fn)
     for ours, theirs in zip(after.blocks, before.blocks):
         for field in ("forward_other_bytes", "backward_other_bytes"):
-            assert abs(getattr(ours, field) - getattr(theirs, field) - held) <= 2 * 2**20, (ours.name, field)
+            assert abs(getattr(ours, field) - getattr(theirs, field) - held) <= 4 * 2**20, (ours.name, field)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
+def test_plan_counts_what_it_took_before_its_first_measured_step(monkeypatch):
+    """`oomless.plan` itself calls `count_as_held` with what the process held when it began: 32 MiB
+    taken (and kept) by a check planning runs before measuring are counted as held."""
+    import oomless.api as api
+    from oomless.profile import profiler
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)))
+    inputs = torch.randn(1024, 256)
+    loss_fn = lambda out: out.square().mean()    # noqa: E731
+    oomless.plan(model, inputs, "1GiB", loss_fn=loss_fn)
+    before = profiler._LEFT_BEHIND.get(model, 0)
+    taken = []
+    candidates = api.split_candidates
+
+    def taking(module):
+        if not taken:
+            taken.append(torch.ones(32 * 2**20 // 4))
+        return candidates(module)
+    monkeypatch.setattr(api, "split_candidates", taking)
+    oomless.plan(model, inputs, "1GiB", loss_fn=loss_fn)
+    assert abs(profiler._LEFT_BEHIND.get(model, 0) - before - 32 * 2**20) <= 4 * 2**20

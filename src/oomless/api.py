@@ -16,8 +16,8 @@ from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
-from oomless.profile.profiler import count_as_held
-from oomless.profile.rss import MemoryProbe, give_back_free_heap
+from oomless.profile.profiler import count_as_held, held_now
+from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, parameters_held_by, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
                                      remove_compile)
@@ -161,7 +161,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
     # Memory planning takes before it measures a step (the estimate below) is held while training:
     # the first measurement counts it (`profiler.count_as_held`).
     device = model_device(model) if target is None else None
-    before_planning = [MemoryProbe(device).current()] if device is not None and device.type != "meta" else []
+    before_planning = [held_now(device)] if device is not None and device.type != "meta" else []
 
     def measure(chains: dict[str, int]) -> Profile:
         """The step measured with ``chains`` split (none: unsplit), on this device."""

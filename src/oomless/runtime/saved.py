@@ -190,6 +190,8 @@ class ForwardRegistry:
             self.prefetched_unused_bytes -= entry.num_bytes
         # The bytes go before the ledger says so: the profiler reads memory at the change, and bytes
         # still there when its next interval starts would be read as working memory off the ledger.
+        # (A kept tensor's handle still holds it until its __del__, which calls this, returns: the
+        # sizing step, which reads every change, keeps only what cannot be swapped.)
         if entry.ticket is not None:
             self.engine.tier.release(entry.ticket)
             entry.ticket = None

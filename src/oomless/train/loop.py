@@ -208,9 +208,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
         # there, and `make demo`'s steps measured 254-265 MiB for plans predicted at 255.7 within
         # 256 MiB; with the rule from here, 252.8-253.1 (3 runs each, alternating).
         return_freed_memory_to_the_system()
-        # The data path's start-up too (the code its first batch runs: ~7 MiB for the synthetic
-        # volumes, 6 MiB for a second batch of the same size), as the optimizer's below.
-        data.train.batch(0, 1)
+    # The data path's start-up (the code its first batch runs: ~7 MiB for the synthetic volumes,
+    # 6 MiB for a second batch of the same size), as the optimizer's below, with a budget or not.
+    data.train.batch(0, 1)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])
