@@ -16,7 +16,7 @@ from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
-from oomless.profile.profiler import count_as_held, held_now
+from oomless.profile.profiler import count_as_held, held_now, start_up_to_count
 from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, parameters_held_by, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
@@ -158,10 +158,12 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             measured, model, optimizer, request,
             (lambda device_profile: best_of_granularities(device_profile, make)) if whole_segments else make)
 
-    # Memory planning takes before it measures a step (the estimate below) is held while training:
-    # the first measurement counts it (`profiler.count_as_held`).
+    # Memory the first planning call in a process takes before it measures a step (the estimate
+    # below: its code paths' start-up) is held while training: its first measurement counts it
+    # (`profiler.count_as_held`).
     device = model_device(model) if target is None else None
-    before_planning = [held_now(device)] if device is not None and device.type != "meta" else []
+    before_planning = ([held_now(device)] if device is not None and device.type != "meta" and start_up_to_count()
+                       else [])
 
     def measure(chains: dict[str, int]) -> Profile:
         """The step measured with ``chains`` split (none: unsplit), on this device."""

@@ -208,6 +208,21 @@ def _refined(found, recorder) -> list | None:
 _LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
+# Whether a planning call in this process has counted its start-up (`count_as_held`): once, as a
+# first step's start-up is once. Counted again at every call, what later estimates keep alive while
+# planning (their refusals' objects, ~3 MiB for a small U-Net) was added to the last: a budget a
+# PlanError named was refused when given back.
+_START_UP_COUNTED = [False]
+
+
+def start_up_to_count() -> bool:
+    """Whether planning's start-up is still to be counted in this process (then it is, from now)."""
+    if _START_UP_COUNTED[0]:
+        return False
+    _START_UP_COUNTED[0] = True
+    return True
+
+
 def held_now(device: torch.device) -> int:
     """What the process holds on ``device`` (`MemoryProbe.current`), once recent garbage is collected
     and glibc's free heap pages are given back: freed objects are not memory training holds. (The
