@@ -16,7 +16,7 @@ from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_
 from oomless.plan.static import StaticRequest, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
-from oomless.profile.profiler import count_as_held, held_now, start_up_to_count
+from oomless.profile.profiler import count_start_up, held_now, start_up_counted
 from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, parameters_held_by, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
@@ -160,15 +160,15 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
 
     # Memory the first planning call in a process takes before it measures a step (the estimate
     # below: its code paths' start-up) is held while training: its first measurement counts it
-    # (`profiler.count_as_held`).
+    # (`profiler.count_start_up`).
     device = model_device(model) if target is None else None
-    before_planning = ([held_now(device)] if device is not None and device.type != "meta" and start_up_to_count()
+    before_planning = ([held_now(device)] if device is not None and device.type != "meta" and not start_up_counted()
                        else [])
 
     def measure(chains: dict[str, int]) -> Profile:
         """The step measured with ``chains`` split (none: unsplit), on this device."""
         if before_planning:
-            count_as_held(model, before_planning.pop(), device)
+            count_start_up(model, before_planning.pop(), device)
         return profile_configured(model, example_inputs, loss_fn, optimizer, blocks, target, dtype, memory_bytes,
                                   precision, options, chains)
 

@@ -208,19 +208,23 @@ def _refined(found, recorder) -> list | None:
 _LEFT_BEHIND: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
-# Whether a planning call in this process has counted its start-up (`count_as_held`): once, as a
+# Whether a planning call in this process has counted its start-up (`count_start_up`): once, as a
 # first step's start-up is once. Counted again at every call, what later estimates keep alive while
 # planning (their refusals' objects, ~3 MiB for a small U-Net) was added to the last: a budget a
 # PlanError named was refused when given back.
 _START_UP_COUNTED = [False]
 
 
-def start_up_to_count() -> bool:
-    """Whether planning's start-up is still to be counted in this process (then it is, from now)."""
-    if _START_UP_COUNTED[0]:
-        return False
-    _START_UP_COUNTED[0] = True
-    return True
+def start_up_counted() -> bool:
+    """Whether a planning call in this process has counted its start-up (`count_start_up`)."""
+    return _START_UP_COUNTED[0]
+
+
+def count_start_up(model: nn.Module, since_bytes: int, device: torch.device) -> None:
+    """`count_as_held` for the first planning call in the process to measure a step; then no more."""
+    if not _START_UP_COUNTED[0]:
+        _START_UP_COUNTED[0] = True
+        count_as_held(model, since_bytes, device)
 
 
 def held_now(device: torch.device) -> int:

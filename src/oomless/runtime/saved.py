@@ -136,8 +136,7 @@ class ForwardRegistry:
 
     def fetch(self, entry: _Entry, place: int) -> torch.Tensor:
         """``entry``'s bytes on the device for a save made at ``place``, brought back if they are not."""
-        engine = self.engine
-        engine.poll()
+        engine = self.engine     # (its one caller, `unpack`, has just polled)
         self.reached(place)
         if not entry.fetched:
             if not entry.fetch_issued:
