@@ -17,8 +17,10 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   machine's, and ``threads_per_rank``: `Cluster.contention`; all N under dp and fsdp, fewer in a
   pipeline's bubble). Profiling all N at once and reading rank 0's, as before, put the scheduler's
   whims in the prediction: a rank's profile of 4 on 2 cores varied by a quarter between rounds.
-  At N > 1 also what the zero-bubble schedules' split backward costs against the backward in one
-  pass (`oomless.profile.split_backward`, torch's own stage backward functions), at the micro-batch
+  At N > 1 the same profiles at the micro-batch the pipelines run, which simulate scales the
+  pipelines' micro-batches from (a small batch runs slower per sample than the rank's batch scaled
+  down: `oomless.simulate(profile={samples: Profile})`). Also what the zero-bubble schedules' split
+  backward costs against the backward in one pass (`oomless.profile.split_backward`, torch's own stage backward functions), at the micro-batch
   their pipelines run; the profile carries the ranks' median (``split_backward_ratio``).
 - Links: gloo all-reduces of 4 KiB to 4 MiB between the N processes after a barrier, fitted to the
   ring formula 2(n-1) alpha + 2(n-1)/n S/B (`oomless.plan.collectives`) for B; alpha from what a
@@ -270,22 +272,35 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     # Times of one rank with the cores to itself, as simulate reads a profile: the other ranks wait
     # (simulate slows it by the ranks computing at once, `Cluster.contention`).
     measured = {"process_held_bytes": held}
+    from oomless.plan.layouts import microbatch_candidates
+
+    # The micro-batch the pipelines run (simulate's largest micro-batch count for this many ranks).
+    samples = settings["global_batch"]
+    micro = max(1, samples // max(microbatch_candidates(samples, world_size)))
     if world_size > 1:
         dist.barrier()
     if rank == 0:
         measured["profiles"] = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer,
                                                 memory=memory).to_json() for _ in range(settings["profiles"])]
         measured["memory_bytes_per_second"] = _memory_bandwidth(settings["threads"])
+        if world_size > 1 and micro != settings["batch"]:
+            # The same at that micro-batch: a small batch runs slower per sample than the rank's batch
+            # scaled down (on this CPU 2 volumes of 16^3 ~1.5x slower per sample than 16).
+            small, small_optimizer, small_volumes, small_labels = _build(settings, micro, rank)
+            small_loss = lambda logits: segmentation_loss(logits, small_labels)      # noqa: E731
+            oomless.profile(small, small_volumes, loss_fn=small_loss, optimizer=small_optimizer, memory=memory)
+            measured["micro_profiles"] = [
+                oomless.profile(small, small_volumes, loss_fn=small_loss, optimizer=small_optimizer,
+                                memory=memory).to_json() for _ in range(settings["profiles"])]
+            measured["micro_batch"] = micro
+            del small, small_optimizer, small_volumes, small_labels, small_loss
     if world_size > 1:
         dist.barrier()
     if world_size > 1:
         # The zero-bubble schedules' split backward against the backward in one pass, at the
-        # micro-batch their pipelines run (simulate's largest micro-batch count for this many ranks).
-        from oomless.plan.layouts import microbatch_candidates
+        # micro-batch their pipelines run.
         from oomless.profile.split_backward import measure_split_backward_ratio
 
-        samples = settings["global_batch"]
-        micro = max(1, samples // max(microbatch_candidates(samples, world_size)))
         model, _, volumes, labels = _build(settings, micro, rank)
         measured["split_backward_ratio"] = measure_split_backward_ratio(
             model, volumes, lambda logits: segmentation_loss(logits, labels))
@@ -431,15 +446,17 @@ def calibrate(world_size: int, settings: dict) -> dict:
     batch = settings["global_batch"] // world_size
     measured = run_processes(world_size, "calibrate", {**settings, "threads": threads, "batch": batch,
                                                        "repeats": settings["link_repeats"]})
-    profile = median_profile(measured[0]["profiles"])
     # Each rank runs the same shapes: the most any rank kept.
-    profile = replace(profile, process_held_bytes=max(rank["process_held_bytes"] for rank in measured))
-    if "split_backward_ratio" in measured[0]:
-        profile = replace(profile, split_backward_ratio=statistics.median(rank["split_backward_ratio"]
-                                                                          for rank in measured))
+    held = max(rank["process_held_bytes"] for rank in measured)
+    split = ({"split_backward_ratio": statistics.median(rank["split_backward_ratio"] for rank in measured)}
+             if "split_backward_ratio" in measured[0] else {})
+    profile = replace(median_profile(measured[0]["profiles"]), process_held_bytes=held, **split)
     record = {"world_size": world_size, "threads": threads, "profiled_batch": batch,
               "profile": profile.to_json(),
               "memory_bytes_per_second": measured[0]["memory_bytes_per_second"]}
+    if "micro_profiles" in measured[0]:
+        record.update(micro_batch=measured[0]["micro_batch"], micro_profile=replace(
+            median_profile(measured[0]["micro_profiles"]), process_held_bytes=held, **split).to_json())
     # Every rank waits for the slowest here too.
     fsdp = max(rank["fsdp_collective_seconds"] for rank in measured)
     record.update(fsdp_collective_seconds=fsdp, fsdp_host_seconds=fsdp)
@@ -494,9 +511,13 @@ def predict(calibration: dict, settings: dict):
                "fsdp_host_seconds": calibration.get("fsdp_host_seconds", 0.0)}
     if "link" in calibration:
         cluster.update(intra_node=calibration["link"], efficiency=1.0)
+    profile = Profile.from_json(calibration["profile"])
+    if "micro_profile" in calibration:
+        # Measured at the pipelines' micro-batch too: each layout's batch scaled from the nearest.
+        profile = {calibration["profiled_batch"]: profile,
+                   calibration["micro_batch"]: Profile.from_json(calibration["micro_profile"])}
     return oomless.simulate(model, example, settings["global_batch"], target=device.name,
-                            gpus=calibration["world_size"], cluster=cluster,
-                            profile=Profile.from_json(calibration["profile"]))
+                            gpus=calibration["world_size"], cluster=cluster, profile=profile)
 
 
 def runnable(estimate, schedules: tuple[str, ...]) -> dict | None:

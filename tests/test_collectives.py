@@ -1,6 +1,8 @@
 """The collectives data parallel builds on: the differentiable cross-rank sum (its gradient under
-gloo equals one process's autograd over every rank's inputs), and which GPU each local process
-takes (never an ordinal that does not exist; more NCCL processes than GPUs refused before starting)."""
+gloo equals one process's autograd over every rank's inputs), BatchNorm over every rank's shard
+(`GlobalBatchNorm`: one process's BatchNorm on the whole batch, in one collective each way), and
+which GPU each local process takes (never an ordinal that does not exist; more NCCL processes than
+GPUs refused before starting)."""
 
 import json
 from pathlib import Path
@@ -9,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from oomless.errors import InputError
+from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.process_group import cuda_device_for_local_rank, sum_across_ranks
 from tests.parallel_workers import join, rendezvous
 
@@ -54,6 +58,83 @@ def test_sum_across_ranks_gradient_equals_one_process_autograd(tmp_path):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         assert torch.allclose(torch.tensor(result["total"], dtype=torch.float64), total.detach(), rtol=0, atol=1e-12)
         assert torch.allclose(torch.tensor(result["grad"], dtype=torch.float64), local.grad, rtol=0, atol=1e-12)
+
+
+def _batchnorm_shard(rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s input and output gradient: shards whose means differ by far more than their
+    spread (where E[x^2] - E[x]^2 would cancel), a channel of constant value among them."""
+    generator = torch.Generator().manual_seed(10 + rank)
+    values = torch.randn(2, 3, 4, 4, 4, generator=generator) + torch.tensor([1000.0 * (rank + 1), -5.0, 0.0]).view(1, 3, 1, 1, 1)
+    values[:, 2] = 7.0
+    return values.to(dtype), torch.randn(2, 3, 4, 4, 4, generator=generator).to(dtype)
+
+
+def _batchnorm_worker(rank: int, world_size: int, port: int, out_dir: str, dtype_name: str) -> None:
+    join(rank, world_size, port)
+    try:
+        counts = {"all_gather": 0, "all_reduce": 0}
+        for name in counts:
+            original = getattr(dist, name)
+
+            def counted(*args, name=name, original=original, **kwargs):
+                counts[name] += 1
+                return original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        torch.manual_seed(0)
+        layer = nn.BatchNorm3d(3, momentum=0.3)
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.bias.uniform_(-1, 1)
+        convert_batchnorm_for_data_parallel(layer_holder := nn.Sequential(layer), torch.device("cpu"))
+        values, gradient = _batchnorm_shard(rank, getattr(torch, dtype_name))
+        values.requires_grad_()
+        output = layer_holder(values)
+        forward_counts = dict(counts)
+        output.backward(gradient)
+        bn = layer_holder[0]
+        torch.save({"output": output.detach(), "grad": values.grad, "weight_grad": bn.weight.grad,
+                    "bias_grad": bn.bias.grad, "running_mean": bn.running_mean, "running_var": bn.running_var,
+                    "forward_counts": forward_counts, "counts": counts}, Path(out_dir, f"bn{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_global_batchnorm_equals_one_process_batchnorm_in_one_collective_each_way(dtype_name, tmp_path):
+    """Two ranks' `GlobalBatchNorm` against torch's BatchNorm on both shards in one process: outputs,
+    the input gradients (the loss is the sum of the ranks' losses), the weight and bias gradients
+    (each rank its own shard's part; DDP averages them) and the running statistics, with one
+    all-gather in forward and one all-reduce in backward. Shards 1000 apart in mean and a constant
+    channel: a variance from sums of squares would lose them (fp32 has 24 bits)."""
+    world_size, dtype = 2, getattr(torch, dtype_name)
+    with rendezvous() as port:
+        mp.start_processes(_batchnorm_worker, args=(world_size, port, str(tmp_path), dtype_name), nprocs=world_size,
+                           start_method="spawn")
+    torch.manual_seed(0)
+    reference = nn.BatchNorm3d(3, momentum=0.3)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-1, 1)
+    reference.double()          # the exact answer, nearly: fp32's own rounding is what is compared
+    shards = [_batchnorm_shard(rank, dtype) for rank in range(world_size)]
+    values = torch.cat([shard for shard, _ in shards]).double().requires_grad_()
+    output = reference(values)
+    output.backward(torch.cat([gradient for _, gradient in shards]).double())
+    results = [torch.load(tmp_path / f"bn{rank}.pt", weights_only=True) for rank in range(world_size)]
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for rank, result in enumerate(results):
+        assert result["forward_counts"] == {"all_gather": 1, "all_reduce": 0}
+        assert result["counts"] == {"all_gather": 1, "all_reduce": 1}
+        assert result["output"].dtype == result["grad"].dtype == dtype
+        rows = slice(2 * rank, 2 * rank + 2)
+        torch.testing.assert_close(result["output"].double(), output.detach()[rows], **tolerance)
+        torch.testing.assert_close(result["grad"].double(), values.grad[rows], **tolerance)
+        torch.testing.assert_close(result["running_mean"].double(), reference.running_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(result["running_var"].double(), reference.running_var, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(result["weight_grad"] for result in results).double(), reference.weight.grad,
+                               **tolerance)
+    torch.testing.assert_close(sum(result["bias_grad"] for result in results).double(), reference.bias.grad, **tolerance)
 
 
 def test_each_local_process_takes_an_existing_gpu_and_nccl_never_shares_one(monkeypatch):

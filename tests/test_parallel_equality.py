@@ -336,9 +336,9 @@ def test_data_parallel_api_without_torchrun_is_world_size_one(tmp_path):
 
 def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
     """While profiled (`statistics_of_each_rank`) a global BatchNorm takes the path it trains on under
-    data parallel (unfused ops), with this rank's statistics and no collective (no process group exists
-    here: one would raise); afterwards it is as before. Unfused, it still keeps one input-sized storage
-    for backward, as torch's fused BatchNorm does (its centred input; the affine scale is per channel)."""
+    data parallel (its own autograd Function), with this rank's statistics and no collective (no process
+    group exists here: one would raise); afterwards it is as before. It keeps what torch's fused
+    BatchNorm keeps for backward: its input, and per-channel tensors."""
     from oomless.parallel.batchnorm import GlobalBatchNorm, convert_batchnorm_for_data_parallel, statistics_of_each_rank
 
     torch.manual_seed(0)
@@ -367,7 +367,6 @@ def test_global_batchnorm_profiled_alone_runs_its_own_ops_without_collectives():
     expected, fused, fused_storages = saved(plain)
     torch.testing.assert_close(output, expected)
     activation = 2 * 4 * 8**3 * 4          # the convolution's output: BatchNorm's input
-    assert profiled != fused and profiled.count(activation) > fused.count(activation)      # other ops
     assert list(profiled_storages.values()).count(activation) == list(fused_storages.values()).count(activation) == 2
     assert sum(profiled_storages.values()) - sum(fused_storages.values()) < 1024          # per-channel tensors
     assert not model[1].each_rank_alone and isinstance(model[1], GlobalBatchNorm)

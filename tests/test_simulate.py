@@ -234,6 +234,36 @@ def test_each_layout_is_traced_at_the_batch_it_runs_whatever_the_examples():
     assert not any("scaled linearly" in note for note in one.notes)
 
 
+def test_profiles_measured_at_several_batches_are_each_scaled_to_the_batches_nearest_them():
+    """``profile={samples: Profile}`` (measured profiles, as a CPU benchmark takes them): each layout's
+    batch is scaled from the nearest measured one, so one measured at dp's per-rank batch gives dp
+    exactly what a profile at that batch alone gives, and the micro-batches of one sample keep the
+    one-sample profile's time, not a larger batch's scaled down; what is malformed is refused."""
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=1000, dim=128, depth=4, heads=4, max_len=64)
+    at = lambda batch: profile_few_layers(model, torch.zeros(batch, 64, dtype=torch.long, device="meta"), "h100",
+                                          loss_fn=oomless.sum_of_outputs)
+    simulate = lambda batch, **options: oomless.simulate(
+        model, torch.zeros(batch, 64, dtype=torch.long, device="meta"), 64, target="h100", gpus=16, nodes=2,
+        loss_fn=oomless.sum_of_outputs, **options)
+    one, four = at(1), at(4)
+    both = simulate(1, profile={1: one, 4: four})
+    alone_at_four = simulate(4, profile=four)
+    assert both.layout("dp x16").step_seconds == alone_at_four.layout("dp x16").step_seconds
+    assert both.layout("dp x16").memory_per_rank_bytes == alone_at_four.layout("dp x16").memory_per_rank_bytes
+    # Replicas of 2 stages taking 8 micro-batches of one sample: from the one-sample profile, slower per
+    # sample than four samples' profile scaled down (the roofline's per-kernel floor).
+    name = "hybrid dp8 x pp2 zbv"
+    assert (both.layout(name).microbatches, both.layout(name).samples_per_replica) == (8, 8)
+    assert both.layout(name).step_seconds > 1.5 * alone_at_four.layout(name).step_seconds
+    assert both.layout(name).step_seconds == simulate(1, profile=one).layout(name).step_seconds
+    assert any("profiled at batches of 1, 4" in note for note in both.notes)
+    with pytest.raises(oomless.InputError, match="must hold a profile at the example's batch of 2 samples; it has 1, 4"):
+        simulate(2, profile={1: one, 4: four})
+    with pytest.raises(oomless.InputError, match="must map batch sizes"):
+        simulate(1, profile={1: one, "4": four})
+
+
 def test_a_loss_of_the_examples_targets_is_traced_at_each_batch_with_example_at():
     """A loss that reads the example's own targets cannot run on other inputs: without
     ``example_at`` the example's batch is scaled (and a note asks for it); with it every batch is

@@ -28,10 +28,11 @@ def test_batchnorm_collectives_by_hand_under_gloo_and_nccl():
     gloo = make_cluster("h100", 4, overrides={**LINK, "backend": "gloo"})
     nccl = make_cluster("h100", 4, overrides=LINK)
     assert nccl.backend == "nccl" and gloo.describe()["backend"] == "gloo"
-    # gloo's GlobalBatchNorm, 64 channels: two all-reduces of 256 bytes each way,
-    # 2 (n - 1) / n S / B + 2 (n - 1) alpha = 1.5 x 256 / 1e9 + 6e-3 each.
-    all_reduce = 1.5 * 256 / 1e9 + 6e-3
-    assert batchnorm_sync_seconds(gloo, Group(4), [64]) == pytest.approx((2 * all_reduce, 2 * all_reduce))
+    # gloo's GlobalBatchNorm, 64 channels: forward all-gathers 4 ranks' (mean, variance), 512 bytes each,
+    # (n - 1) / n S / B + (n - 1) alpha; backward all-reduces 512 bytes, 2 (n - 1) / n S / B + 2 (n - 1) alpha.
+    gathered = 0.75 * 4 * 512 / 1e9 + 3e-3
+    all_reduce = 1.5 * 512 / 1e9 + 6e-3
+    assert batchnorm_sync_seconds(gloo, Group(4), [64]) == pytest.approx((gathered, all_reduce))
     # torch's SyncBatchNorm: forward all-gathers 4 x (2 x 64 + 1) floats, (n - 1) / n S / B + (n - 1) alpha;
     # backward all-reduces 2 x 64 floats.
     gather = 0.75 * 4 * 516 / 1e9 + 3e-3
@@ -56,11 +57,14 @@ def test_data_parallel_compute_waits_for_each_batchnorm_layers_collectives():
     normed = _profile([BlockProfile("a", 0.1, 0.2, batchnorm_channels=[8, 16], **block),
                        BlockProfile("b", 0.1, 0.2, **block)])
     cluster = make_cluster("h100", 2, overrides={**LINK, "backend": "gloo"})
-    # Per layer under gloo at 2 ranks: 4 all-reduces of 4 C bytes, 2 x 1/2 x 4 C / 1e9 + 2e-3 each.
-    expected = sum(4 * (4 * channels / 1e9 + 2e-3) for channels in (8, 16))
+    # Per layer under gloo at 2 ranks: forward all-gathers 2 x 8 C bytes, 1/2 x 16 C / 1e9 + 1e-3;
+    # backward all-reduces 8 C bytes, 2 x 1/2 x 8 C / 1e9 + 2e-3.
+    forward = sum(8 * channels / 1e9 + 1e-3 for channels in (8, 16))
+    backward = sum(8 * channels / 1e9 + 2e-3 for channels in (8, 16))
+    expected = forward + backward
     lengthened = with_batchnorm_sync(normed, cluster, 2)
-    assert lengthened.blocks[0].forward_seconds == pytest.approx(0.1 + expected / 2)
-    assert lengthened.blocks[0].backward_seconds == pytest.approx(0.2 + expected / 2)
+    assert lengthened.blocks[0].forward_seconds == pytest.approx(0.1 + forward)
+    assert lengthened.blocks[0].backward_seconds == pytest.approx(0.2 + backward)
     assert lengthened.blocks[1] == normed.blocks[1] and with_batchnorm_sync(normed, cluster, 1) is normed
     # The gradient all-reduce after backward is the same in both: the step grows by the collectives.
     assert (estimate_data_parallel(normed, cluster, 1).step_seconds

@@ -26,7 +26,10 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     with ``loss_fn`` None or `sum_of_outputs` is resized along its first dimension, and any other
     step is profiled at the batch of ``example_inputs`` only and scaled linearly to each layout's
     (a note says so: a small batch's time and a larger batch's working memory are then off), as a
-    ``profile`` given is (it takes no ``example_at``). Where the step does not run at a batch (a
+    ``profile`` given is (it takes no ``example_at``). ``profile`` may also be a dict of profiles
+    measured at several batches, ``{samples: Profile}``, one of them at the example's batch: each
+    layout's batch is then scaled from the measured batch nearest to it (by ratio), so a pipeline's
+    micro-batches take the per-sample time a small batch really runs at. Where the step does not run at a batch (a
     BatchNorm layer of one sample), that batch is scaled from the example's and a note says why.
 
     ``cluster``: a JSON file's path or a dict with the links within and between nodes
@@ -50,12 +53,15 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     path, overrides = (None, cluster) if cluster is None or isinstance(cluster, dict) else (str(cluster), None)
     made = make_cluster(target, gpus, nodes, path, overrides)
     check_global_batch(global_batch, made.gpus)
+    measured = _measured_profiles(profile, example_inputs) if isinstance(profile, dict) else None
+    if measured is not None:
+        profile = measured[_batch_of(example_inputs)]
     check_plan_arguments(model, example_inputs, loss_fn, optimizer, None, None, 0, profile, dtype, made.device,
                          function="simulate")
     autocast_dtype(precision)
     check_fp16_loss_parameters(precision, loss_fn, model)
     first = tensors_in(example_inputs)[0]
-    batch = int(first.shape[0]) if first.dim() else 1
+    batch = _batch_of(example_inputs)
     if example_at is not None and not callable(example_at):
         raise InputError(f"example_at must be a function of a batch size returning (example_inputs, loss_fn), "
                          f"got {type(example_at).__name__}")
@@ -80,7 +86,11 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     given = profile is not None
     profile, pipeline_profile, notes = profiled(example_inputs, loss_fn, profile)
     profile_at = None
-    if example_at is None:
+    if measured is not None and len(measured) > 1:
+        profile_at = _nearest_measured(measured, lambda traced: profiled(example_inputs, loss_fn, traced)[:2])
+        notes.append(f"profiled at batches of {', '.join(map(str, sorted(measured)))}; each layout's batch scaled "
+                     "linearly from the nearest")
+    elif example_at is None:
         notes.append(f"profiled at a batch of {batch} and scaled linearly to each layout's batch"
                      + ("" if given else ": pass example_at to trace the step at each batch"))
     else:
@@ -92,6 +102,43 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     return Simulation(type(model).__name__, made.describe(), made.summary(), global_batch, batch, estimates,
                       best.name if best else None, tokens, notes=list(profile.notes) + notes,
                       elapsed_seconds=time.perf_counter() - started)
+
+
+def _batch_of(example_inputs) -> int:
+    found = tensors_in(example_inputs)
+    return int(found[0].shape[0]) if found and found[0].dim() else 1
+
+
+def _measured_profiles(profiles: dict, example_inputs) -> dict[int, Profile]:
+    """``profiles`` checked: {samples: Profile}, one at the example's batch."""
+    if not profiles or not all(isinstance(samples, int) and not isinstance(samples, bool) and samples > 0
+                               and isinstance(each, Profile) for samples, each in profiles.items()):
+        raise InputError("profile, given as a dict, must map batch sizes (positive ints) to profiles from "
+                         f"oomless.profile(...), got {profiles!r:.200}")
+    batch = _batch_of(example_inputs)
+    if batch not in profiles:
+        raise InputError(f"profile, given as a dict, must hold a profile at the example's batch of {batch} "
+                         f"samples; it has {', '.join(map(str, sorted(profiles)))}")
+    return dict(profiles)
+
+
+def _nearest_measured(measured: dict[int, Profile], prepare):
+    """A function of a batch size: the profile measured at the batch nearest to it by ratio, scaled
+    linearly to it, through ``prepare`` (which gives (profile, pipeline profile)); once a batch."""
+    import math
+
+    from oomless.plan.microbatches import scale_profile
+
+    made: dict[int, tuple] = {}
+
+    def at(samples: int):
+        if samples not in made:
+            nearest = min(measured, key=lambda each: (abs(math.log(samples / each)), each))
+            chosen = measured[nearest]
+            made[samples] = prepare(chosen if nearest == samples else scale_profile(chosen, samples / nearest))
+        return made[samples]
+
+    return at
 
 
 def _example_of(example_at, samples: int):

@@ -258,7 +258,8 @@ class _SumAcrossRanks(torch.autograd.Function):
 # Run eagerly inside a compiled block (a graph break): torch 2.11's dynamo traced the forward's
 # all-reduce but dropped this Function's backward (the input's gradient came out as if the backward
 # returned zeros, 3.0 off in a two-rank probe). torch 2.13 traces both correctly; the break costs it
-# a second graph per compiled GlobalBatchNorm block, on gloo only (NCCL runs torch's SyncBatchNorm).
+# a second graph per compiled block that calls it (the soft Dice's sums under gloo; `GlobalBatchNorm`
+# breaks the same way).
 @torch.compiler.disable
 def sum_across_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``group`` (default: the world): its backward all-reduces the

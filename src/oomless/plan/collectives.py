@@ -30,8 +30,8 @@ every replica's shard (`oomless.parallel.batchnorm`), so each BatchNorm layer ru
 forward and backward that compute waits for. Under NCCL, torch's ``SyncBatchNorm``
 (torch/nn/modules/_functions.py): forward all-gathers (mean, invstd, count) of every rank, 2C + 1
 floats each; backward all-reduces two sums of C floats. Under gloo, oomless's ``GlobalBatchNorm``:
-forward all-reduces the per-channel sums, then the centred sums of squares (C floats each); backward
-all-reduces their gradients, two more. Small tensors: the latency terms dominate.
+forward all-gathers each rank's per-channel mean and variance (2C floats), backward all-reduces two
+sums of C floats. Small tensors: the latency terms dominate.
 """
 
 from dataclasses import dataclass
@@ -125,8 +125,8 @@ def batchnorm_sync_seconds(cluster: Cluster, group: Group, channels: list[int]) 
     for count in channels:
         statistics = 4 * count        # fp32 statistics, whatever the activations' dtype
         if cluster.backend == "gloo":
-            forward += 2 * all_reduce_seconds(cluster, group, statistics)
-            backward += 2 * all_reduce_seconds(cluster, group, statistics)
+            forward += all_gather_seconds(cluster, group, 2 * statistics * group.size)
+            backward += all_reduce_seconds(cluster, group, 2 * statistics)
         else:
             forward += all_gather_seconds(cluster, group, (2 * statistics + 4) * group.size)
             backward += all_reduce_seconds(cluster, group, 2 * statistics)
