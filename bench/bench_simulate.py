@@ -285,7 +285,7 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
         measured["memory_bytes_per_second"] = _memory_bandwidth(settings["threads"])
         if world_size > 1 and micro != settings["batch"]:
             # The same at that micro-batch: a small batch runs slower per sample than the rank's batch
-            # scaled down (on this CPU 2 volumes of 16^3 ~1.5x slower per sample than 16).
+            # scaled down (one thread, Intel Xeon: 4 volumes of 16^3 1.5-2.0x slower per sample than 16).
             small, small_optimizer, small_volumes, small_labels = _build(settings, micro, rank)
             small_loss = lambda logits: segmentation_loss(logits, small_labels)      # noqa: E731
             oomless.profile(small, small_volumes, loss_fn=small_loss, optimizer=small_optimizer, memory=memory)
