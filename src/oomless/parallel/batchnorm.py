@@ -92,38 +92,36 @@ def _summed(tensor: torch.Tensor, group: dist.ProcessGroup | None, alone: bool) 
 
 class _GlobalBatchNorm(torch.autograd.Function):
     """Training BatchNorm over every rank's equal shard, in one collective each way, as torch's
-    ``SyncBatchNorm`` runs on CUDA (its CUDA-only kernels ``batch_norm_stats`` and friends have no CPU
-    version, so the steps are written with CPU ops).
+    ``SyncBatchNorm`` runs on CUDA (its kernels ``batch_norm_stats``, ``batch_norm_elemt`` and the
+    backward's are CUDA-only), through torch's fused CPU BatchNorm kernels.
 
-    Forward: each rank's per-channel mean and variance (``torch.var_mean``, one pass over its shard),
-    all-gathered, and combined exactly for equal shards (Chan et al.'s pairwise update: the variance is
-    the ranks' mean variance plus the variance of their means, so no E[x^2] - E[x]^2 cancellation);
-    then the normalisation with those statistics, into one new tensor. Saved for backward: the input (torch's
-    BatchNorm saves it too) and per-channel tensors. Backward: the local sums of dy and dy (x - mean)
-    (torch's fused BatchNorm backward computing only its weight and bias gradients), one all-reduce of
-    both, and the input's gradient from the global sums; the weight and bias gradients stay this
-    rank's own, as DDP averages them. A bf16/fp16 input is normalised in fp32 and its result given back
-    in its dtype, as torch's BatchNorm kernels do (their accumulate type)."""
+    Forward: each rank's per-channel mean and biased variance in one pass (``batch_norm_update_stats``,
+    Welford's; ``torch.var_mean`` took 4x as long), all-gathered and combined exactly for equal shards
+    (Chan et al.'s pairwise update: the variance is the ranks' mean variance plus the variance of
+    their means, so no E[x^2] - E[x]^2 cancellation); then torch's BatchNorm kernel normalises with
+    those statistics (its inference path: x * scale + (bias - mean * scale), the form torch's training
+    kernel on CPU takes too). Saved for backward: the input, as torch's BatchNorm saves it, and
+    per-channel tensors. Backward: torch's BatchNorm backward with the global mean and invstd, which
+    also gives the local sums of dy and dy xhat (the bias and weight gradients, this rank's own, as
+    DDP averages them); one all-reduce of both sums; then the input gradient's correction from the
+    local means of those sums to the global ones, c0 + c1 (x - mean) per channel, by the same kernel.
+    A bf16/fp16 input is normalised in fp32 and its result given back in its dtype, as torch's
+    BatchNorm kernels do (their accumulate type). Alone (profiled), the same kernels run, without the
+    collectives, and the correction is zero."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, eps, group, alone):
         dtype = input.dtype
-        work = input.float() if dtype in (torch.float16, torch.bfloat16) else input
-        dims = [0, *range(2, work.dim())]
-        variance, mean = torch.var_mean(work, dim=dims, correction=0)
+        work = (input.float() if dtype in (torch.float16, torch.bfloat16) else input).contiguous()
+        mean, variance = torch.batch_norm_update_stats(work, None, None, 0.0)
         ranks = _gathered(torch.stack([mean, variance]), group, alone)
         mean = ranks[:, 0].mean(dim=0)
         variance = ranks[:, 1].mean(dim=0) + (ranks[:, 0] - mean).square().mean(dim=0)
-        invstd = torch.rsqrt(variance + eps)
-        # (x - mean) first, in place of torch's inference kernel, which takes x * scale + (bias - mean *
-        # scale) and loses the low bits of a channel whose mean is large against its spread.
-        shape = [1, -1] + [1] * (work.dim() - 2)
-        output = (work - mean.view(shape)).mul_((invstd if weight is None else invstd * weight).view(shape))
-        if bias is not None:
-            output.add_(bias.view(shape))
-        ctx.save_for_backward(work, weight, mean, invstd)
+        output = torch.batch_norm(work, weight, bias, mean, variance, False, 0.0, eps, False)
+        ctx.save_for_backward(work, weight, mean, torch.rsqrt(variance + eps))
         ctx.group, ctx.alone, ctx.dtype = group, alone, dtype
-        ctx.count = work.numel() // work.size(1) * ranks.size(0)
+        ctx.local_count = work.numel() // work.size(1)
+        ctx.count = ctx.local_count * ranks.size(0)
         ctx.mark_non_differentiable(mean, variance)
         return output.to(dtype), mean, variance
 
@@ -131,17 +129,16 @@ class _GlobalBatchNorm(torch.autograd.Function):
     def backward(ctx, grad_output, _mean, _variance):
         work, weight, mean, invstd = ctx.saved_tensors
         grad_output = grad_output.to(work.dtype).contiguous()
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            grad_output, work, None, None, None, mean, invstd, True, 0.0, [False, True, True])
-        sums = _summed(torch.stack([sum_dy, sum_dy_xhat]), ctx.group, ctx.alone)
+        # dx = scale (dy - S / n - xhat Q / n), S = sum(dy), Q = sum(dy xhat), scale = weight x invstd:
+        # torch's kernel takes this rank's sums and count; the global ones differ by c0 + c1 (x - mean).
+        grad_input, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad_output, work, weight, None, None, mean, invstd, True, 0.0, [True, True, True])
+        local = torch.stack([sum_dy, sum_dy_xhat])
+        difference = local / ctx.local_count - _summed(local.clone(), ctx.group, ctx.alone) / ctx.count
         scale = invstd if weight is None else invstd * weight
-        shape = [1, -1] + [1] * (work.dim() - 2)
-        # dx = scale (dy - sum(dy) / n - xhat sum(dy xhat) / n), sums over every rank: written as
-        # (x - mean) * slope + offset + dy * scale, per channel, into the one new tensor.
-        slope = -scale * invstd * sums[1] / ctx.count
-        offset = -scale * sums[0] / ctx.count
-        grad_input = (work - mean.view(shape)).mul_(slope.view(shape)).add_(offset.view(shape))
-        grad_input.addcmul_(grad_output, scale.view(shape))
+        c0, c1 = scale * difference[0], scale * invstd * difference[1]
+        # (x - mean) * c1 + c0 by the inference kernel: variance 1 and eps 0 make its invstd 1.
+        grad_input += torch.batch_norm(work, c1, c0, mean, torch.full_like(mean, 1.0), False, 0.0, 0.0, False)
         needs = ctx.needs_input_grad
         grad_weight = sum_dy_xhat if weight is not None and needs[1] else None
         grad_bias = sum_dy if needs[2] else None
