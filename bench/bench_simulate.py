@@ -13,9 +13,10 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   rank's batch and a rank's threads, by rank 0 while the other N - 1 wait at a barrier: one rank
   with the cores to itself, the per-block median of ``--profiles`` profiles (after one discarded,
   which every rank runs at once). Simulate scales it to each layout's (micro-)batch, and slows it
-  by the ranks computing at once on the machine's cores (the cluster's ``cores_per_node``, this
-  machine's, and ``threads_per_rank``: `Cluster.contention`; all N under dp and fsdp, fewer in a
-  pipeline's bubble). Profiling all N at once and reading rank 0's, as before, put the scheduler's
+  by the ranks computing at once on the machine's cores (`Cluster.contention`; all N under dp and
+  fsdp, fewer in a pipeline's bubble), measured: a plain step of the model in k = 1 .. N ranks at
+  once while the others wait (`_busy_step_seconds`), the cluster's ``contention`` (before, the formula
+  busy x threads / cores over-predicted 4 ranks on 2 cores: 1.47x measured, 2x assumed). Profiling all N at once and reading rank 0's, as before, put the scheduler's
   whims in the prediction: a rank's profile of 4 on 2 cores varied by a quarter between rounds.
   At N > 1 the same profiles at the micro-batch the pipelines run, which simulate scales the
   pipelines' micro-batches from (a small batch runs slower per sample than the rank's batch scaled
@@ -296,6 +297,7 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
             del small, small_optimizer, small_volumes, small_labels, small_loss
     if world_size > 1:
         dist.barrier()
+        measured["busy_step_seconds"] = _busy_step_seconds(rank, world_size, model, optimizer, volumes, labels)
     if world_size > 1:
         # The zero-bubble schedules' split backward against the backward in one pass, at the
         # micro-batch their pipelines run.
@@ -312,6 +314,28 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     return {**measured,
             "all_reduce_seconds": _time_all_reduce(rank, world_size, settings),
             "all_reduce_after_compute_seconds": _collective_after_compute(settings)}
+
+
+def _busy_step_seconds(rank: int, world_size: int, model, optimizer, volumes, labels, steps: int = 5) -> dict:
+    """For k = 1 .. N busy ranks: this rank's median plain step (forward, loss, backward, Adam) while
+    ranks 0 .. k - 1 step at once and the others wait at the barrier; {k: seconds} where this rank
+    was busy. Their ratio to one rank alone is the machine's measured contention (`Cluster.contention`)."""
+    from oomless.train.losses import segmentation_loss
+
+    seconds = {}
+    for busy in range(1, world_size + 1):
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            if rank < busy:
+                start = time.perf_counter()
+                segmentation_loss(model(volumes), labels).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - start)
+        if times:
+            seconds[busy] = statistics.median(times[1:])
+    return seconds
 
 
 def _build(settings: dict, batch: int, first_item: int):
@@ -472,6 +496,12 @@ def calibrate(world_size: int, settings: dict) -> dict:
                                               link["latency_seconds"])
         record.update(all_reduce_seconds=seconds, all_reduce_after_compute_seconds=after_compute, link=link,
                       fsdp_host_seconds=max(fsdp - on_the_link, 0.0))
+        # Each count of busy ranks (JSON's string keys): the median over them of their median step,
+        # against rank 0 alone.
+        busy = {count: statistics.median(rank["busy_step_seconds"][count] for rank in measured
+                                         if count in rank["busy_step_seconds"])
+                for count in measured[0]["busy_step_seconds"]}
+        record.update(busy_step_seconds=busy, contention={count: busy[count] / busy["1"] for count in busy})
     return record
 
 
@@ -511,6 +541,8 @@ def predict(calibration: dict, settings: dict):
                "fsdp_host_seconds": calibration.get("fsdp_host_seconds", 0.0)}
     if "link" in calibration:
         cluster.update(intra_node=calibration["link"], efficiency=1.0)
+    if "contention" in calibration:
+        cluster.update(contention=calibration["contention"])
     profile = Profile.from_json(calibration["profile"])
     if "micro_profile" in calibration:
         # Measured at the pipelines' micro-batch too: each layout's batch scaled from the nearest.

@@ -177,6 +177,9 @@ def test_quick_simulate_benchmark_writes_predicted_and_measured_for_each_layout(
     calibration = report["calibration"]["2"][0]
     assert calibration["link"]["bytes_per_second"] > 0 and calibration["link"]["latency_seconds"] >= 0
     assert calibration["memory_bytes_per_second"] > 0 and calibration["threads"] >= 1
+    # The machine's contention, measured, is what simulate was given.
+    assert calibration["contention"]["1"] == 1.0 and calibration["contention"]["2"] > 0
+    assert report["simulations"]["2"][0]["cluster"]["contention"] == calibration["contention"]
     rows = {row["layout"]: row for row in report["rows"]}
     assert set(rows) == {"dp x2", "pipeline pp2 1f1b"}
     for row in rows.values():

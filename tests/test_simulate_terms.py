@@ -188,6 +188,26 @@ def test_ranks_sharing_cores_slow_by_the_busy_ranks_threads_over_the_cores():
         make_cluster("h100", 2, overrides={"cores_per_node": 2, "threads_per_rank": None})
 
 
+def test_a_measured_contention_replaces_the_formula_interpolated_between_the_counts_measured():
+    """``contention`` measured ({busy ranks: slowdown}, as bench/bench_simulate.py times it) is used in
+    place of busy x threads / cores: linear between the counts, 1 for one rank, in proportion past the
+    last; dp at 4 ranks is slowed by the measured 1.5, not the formula's 2; malformed tables refused."""
+    block = dict(saved_bytes=MiB, largest_saved_bytes=MiB, input_bytes=MiB, output_bytes=MiB,
+                 parameter_bytes=1024, calls=1, forward_transient_bytes=MiB, backward_transient_bytes=MiB)
+    profile = _profile([BlockProfile(name, 0.1, 0.2, **block) for name in "abcd"])
+    settings = {**LINK, "backend": "gloo", "cores_per_node": 2, "threads_per_rank": 1}
+    measured = make_cluster("h100", 4, overrides={**settings, "contention": {"2": 1.1, "4": 1.5}})
+    formula, alone = make_cluster("h100", 4, overrides=settings), make_cluster("h100", 4, overrides=LINK)
+    assert [measured.contention(busy) for busy in (0.5, 1, 2, 3, 4, 8)] == pytest.approx([1, 1, 1.1, 1.3, 1.5, 3.0])
+    assert formula.contention(4) == 2.0
+    assert measured.describe()["contention"] == {"2": 1.1, "4": 1.5} and formula.describe()["contention"] is None
+    one, slowed_down = estimate_data_parallel(profile, alone, 1), estimate_data_parallel(profile, measured, 1)
+    assert slowed_down.compute_seconds == pytest.approx(1.5 * one.compute_seconds)
+    for bad in ({}, {"two": 1.1}, {"0": 1.0}, {"2": -1.0}, {"2": True}, [1.1]):
+        with pytest.raises(oomless.InputError, match="cluster contention must be"):
+            make_cluster("h100", 4, overrides={"contention": bad})
+
+
 def test_fsdps_own_work_around_each_collective_adds_to_the_step_where_compute_waits_at_every_world_size():
     block = dict(saved_bytes=MiB, largest_saved_bytes=MiB, input_bytes=MiB, output_bytes=MiB,
                  parameter_bytes=1024, calls=1, forward_transient_bytes=MiB, backward_transient_bytes=MiB)

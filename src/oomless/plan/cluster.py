@@ -39,6 +39,12 @@ well are not modelled). The profile a simulation is given is one rank's step wit
 together throughout the step; a pipeline's ranks idle in its bubble, so fewer share the cores
 (`plan.layouts`).
 
+``"contention"``: the same slowdown measured instead, ``{"2": 1.05, "4": 1.5}``: busy ranks to how many
+times slower each computes than alone (bench/bench_simulate.py times a plain step of the model in k
+of its ranks at once). Between the counts measured it is interpolated linearly (1 busy rank: 1);
+past the last it grows in proportion to the busy ranks, as processor sharing would. Measured on a
+2-core Intel Xeon VM with one thread a rank, 4 ranks at once ran 1.47x slower, not the formula's 2x.
+
 ``"fsdp_host_seconds"``: seconds of FSDP2's own work around each all-gather and reduce-scatter (its
 hooks, the copies into and out of the flat buffers) on the cores compute runs on; default 0 (on a
 GPU the host runs ahead of the kernels). bench/bench_simulate.py measures it for gloo on CPU.
@@ -99,6 +105,8 @@ class Cluster:
     cores_per_node: int | None = None   # CPU hosts: the cores a node's ranks share (module docstring)
     threads_per_rank: int = 1
     fsdp_host_seconds: float = 0.0      # per FSDP2 all-gather or reduce-scatter (module docstring)
+    # (busy ranks, slowdown) measured, in order of busy ranks; empty: the formula (module docstring)
+    measured_contention: tuple[tuple[int, float], ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -107,6 +115,15 @@ class Cluster:
     def contention(self, busy_ranks: float) -> float:
         """How many times slower a rank computes while ``busy_ranks`` ranks of its node compute at
         once than with the node to itself (1 unless the ranks share cores: module docstring)."""
+        if self.measured_contention:
+            points = [(1, 1.0)] + [point for point in self.measured_contention if point[0] > 1]
+            if busy_ranks <= 1:
+                return 1.0
+            for (low, low_value), (high, high_value) in zip(points, points[1:]):
+                if busy_ranks <= high:
+                    return low_value + (high_value - low_value) * (busy_ranks - low) / (high - low)
+            last, last_value = points[-1]
+            return last_value * busy_ranks / last
         if self.cores_per_node is None:
             return 1.0
         return max(1.0, busy_ranks * self.threads_per_rank / self.cores_per_node)
@@ -121,7 +138,8 @@ class Cluster:
                 "nodes": self.nodes, "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
                 "efficiency": self.efficiency, "backend": self.backend, "overlap": self.overlap,
                 "cores_per_node": self.cores_per_node, "threads_per_rank": self.threads_per_rank,
-                "fsdp_host_seconds": self.fsdp_host_seconds}
+                "fsdp_host_seconds": self.fsdp_host_seconds,
+                "contention": {str(busy): value for busy, value in self.measured_contention} or None}
 
     def summary(self) -> str:
         inter = (f", {self.inter_node.name} {self.inter_node.bytes_per_second / 1e9:g} GB/s per GPU between nodes"
@@ -180,10 +198,10 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
             raise InputError(f"the cluster file {path} must hold a JSON object, got {type(settings).__name__}")
     settings = {**settings, **(overrides or {})}
     unknown = sorted(set(settings) - {"intra_node", "inter_node", "efficiency", "backend", "overlap",
-                                      "cores_per_node", "threads_per_rank", "fsdp_host_seconds"})
+                                      "cores_per_node", "threads_per_rank", "fsdp_host_seconds", "contention"})
     if unknown:
         raise InputError(f"cluster settings have unknown keys {unknown}; known: intra_node, inter_node, efficiency, "
-                         "backend, overlap, cores_per_node, threads_per_rank, fsdp_host_seconds")
+                         "backend, overlap, cores_per_node, threads_per_rank, fsdp_host_seconds, contention")
     backend = settings.get("backend", "nccl")
     if backend not in BACKENDS:
         raise InputError(f"cluster backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -204,9 +222,31 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
     fsdp_host = settings.get("fsdp_host_seconds", 0.0)
     if not isinstance(fsdp_host, (int, float)) or isinstance(fsdp_host, bool) or not fsdp_host >= 0:
         raise InputError(f"cluster fsdp_host_seconds must be a number of seconds >= 0, got {fsdp_host!r}")
+    contention = _contention_from(settings.get("contention"))
     if "intra_node" in settings:
         intra = _link_from(settings["intra_node"], intra, "intra_node")
     if "inter_node" in settings:
         inter = _link_from(settings["inter_node"], inter, "inter_node")
     return Cluster(device, gpus // nodes, nodes, intra, inter, float(efficiency), backend, overlap, cores, threads,
-                   float(fsdp_host))
+                   float(fsdp_host), contention)
+
+
+def _contention_from(table) -> tuple[tuple[int, float], ...]:
+    """The ``"contention"`` setting checked: {busy ranks: slowdown}, JSON's string keys taken as ints."""
+    if table is None:
+        return ()
+    problem = "" if isinstance(table, dict) and table else "a non-empty object"
+    points = []
+    for busy, value in (table.items() if not problem else ()):
+        try:
+            count = int(busy)
+        except (TypeError, ValueError):
+            count = 0
+        if count < 1 or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            problem = f"busy-rank counts (positive integers) mapped to positive slowdowns, got {busy!r}: {value!r}"
+            break
+        points.append((count, float(value)))
+    if problem:
+        raise InputError(f"cluster contention must be {problem}, e.g. {{\"2\": 1.05, \"4\": 1.5}} (how many "
+                         f"times slower a rank computes while that many ranks of its node compute); got {table!r:.200}")
+    return tuple(sorted(points))
