@@ -316,26 +316,26 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
             "all_reduce_after_compute_seconds": _collective_after_compute(settings)}
 
 
-def _busy_step_seconds(rank: int, world_size: int, model, optimizer, volumes, labels, steps: int = 5) -> dict:
+def _busy_step_seconds(rank: int, world_size: int, model, optimizer, volumes, labels, rounds: int = 7) -> dict:
     """For k = 1 .. N busy ranks: this rank's median plain step (forward, loss, backward, Adam) while
     ranks 0 .. k - 1 step at once and the others wait at the barrier; {k: seconds} where this rank
-    was busy. Their ratio to one rank alone is the machine's measured contention (`Cluster.contention`)."""
+    was busy. Their ratio to one rank alone is the machine's measured contention (`Cluster.contention`).
+    The counts take turns, round after round (the first discarded), so the machine's drift over the
+    seconds this takes falls on all of them alike."""
     from oomless.train.losses import segmentation_loss
 
-    seconds = {}
-    for busy in range(1, world_size + 1):
-        times = []
-        for _ in range(steps):
+    times = {busy: [] for busy in range(1, world_size + 1)}
+    for round_ in range(rounds):
+        for busy in times:
             dist.barrier()
             if rank < busy:
                 start = time.perf_counter()
                 segmentation_loss(model(volumes), labels).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                times.append(time.perf_counter() - start)
-        if times:
-            seconds[busy] = statistics.median(times[1:])
-    return seconds
+                if round_:
+                    times[busy].append(time.perf_counter() - start)
+    return {busy: statistics.median(each) for busy, each in times.items() if each}
 
 
 def _build(settings: dict, batch: int, first_item: int):

@@ -48,10 +48,13 @@ groups are consecutive ranks (inside a node first), pipeline stages the outer di
 - Ranks sharing a CPU node's cores (`Cluster.contention`; GPUs never do): dp and fsdp ranks compute
   together throughout the step, so every block, the loss and the optimizer step run
   ``contention(ranks per node)`` times slower than the profile (one rank alone). A pipeline's ranks
-  idle in its bubble: its compute is slowed by the contention of the ranks busy on average,
-  ``ranks per node x (1 - bubble)`` with the bubble of the cut with every rank alone (a fluid
-  approximation: the busy ranks speed up together while others wait), and cut again; the sends,
-  measured between ranks as they run, are not slowed. A hybrid's all-reduce and optimizer step after
+  idle in its bubble and wait on receives, giving their cores to the others: its step is the longer
+  of the schedule's at full speed and the average rank's compute for the step slowed by
+  ``contention(ranks per node)`` (`shared_cores_seconds`: Graham's two bounds, work over processors
+  and the critical path). Before 2026-11-28 the whole schedule was slowed by the contention of the
+  ranks busy on average outside the bubble, which made the slowest stage as slow as the average and
+  over-predicted 4 pipeline ranks on 2 cores by 1.2-1.5x. The sends, measured between ranks as they
+  run, are not slowed. A hybrid's all-reduce and optimizer step after
   the pipeline run on every rank at once.
 
 Assumptions: compute and communication overlap perfectly where streams allow (no slowdown of
@@ -70,7 +73,7 @@ from oomless.plan.collectives import (all_gather_seconds, all_reduce_seconds, ba
 from oomless.plan.devices import MEMORY_EFFICIENCY
 from oomless.plan.microbatches import choose_microbatches, scale_profile
 from oomless.plan.planner import _transient_bytes, make_plan, static_breakdown
-from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from oomless.plan.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, split_backward_terms
 from oomless.profile.profile import Profile
 from oomless.sizes import format_bytes
 
@@ -441,12 +444,6 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
         return best, least, tried
 
     best, least, tried = cut(lambda one: one)
-    if best is not None:
-        # Ranks sharing cores: the compute, not the communication, slowed by the ranks busy on
-        # average outside the bubble; cut again, as the trainer's partitioner cuts its slower profile.
-        factor = cluster.contention(cluster.gpus_per_node * (1 - best[1].bubble_fraction))
-        if factor > 1:
-            best = cut(lambda one: slowed(one, factor))[0] or best
     if best is None:
         compute = ((sum(b.forward_seconds + b.backward_seconds for b in smallest.blocks) + smallest.loss_seconds)
                    * max(candidates) * cluster.contention(cluster.gpus_per_node))
@@ -465,7 +462,7 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
     reduce = all_reduce_seconds(cluster, group, max(rank_gradients))
     update = max(optimizer_seconds(cluster, p, g, g * state_share) for p, g in zip(rank_parameters, rank_gradients))
-    pipeline_seconds = partition.predicted_step_seconds
+    pipeline_seconds = max(partition.predicted_step_seconds, shared_cores_seconds(partition, cluster))
     # Activations and their gradients crossing each cut, both ways, per micro-batch.
     sends = sum(2 * crossing / bytes_per_second for crossing in partition.crossing_bytes[1:]) * partition.microbatches
     return LayoutEstimate(
@@ -475,6 +472,23 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
         sends / pipeline_ranks + reduce, reduce, pipeline_seconds * (1 - partition.bubble_fraction) + update,
         notes=[f"bubble {partition.bubble_fraction:.0%}"] + ([f"{'; '.join(tried)}"] if tried else []),
         partition=partition)
+
+
+def shared_cores_seconds(partition, cluster: Cluster) -> float:
+    """The least a pipeline's step can take when its node's ranks share cores: the average rank's
+    compute for the step (its stages' seconds per micro-batch, the zero-bubble schedules' split
+    backward counted, times the micro-batches) slowed by every rank of the node computing at once
+    (`Cluster.contention`); 0 where ranks do not share (GPUs). The step is the longer of this and the
+    schedule's own at full speed (Graham's bounds: the work over the processors, the critical path):
+    a rank waiting in its bubble or on a receive gives its core to the others, so the slowest stage
+    runs nearer full speed than the ranks' average contention would make it."""
+    slowdown = cluster.contention(cluster.gpus_per_node)
+    if slowdown <= 1:
+        return 0.0
+    work = [split_backward_terms(partition.schedule, seconds, partition.forward_fraction,
+                                 partition.split_backward_ratio)[0] * partition.microbatches
+            for seconds in partition.rank_seconds]
+    return sum(work) / len(work) * slowdown
 
 
 def check_global_batch(global_batch: int, gpus: int) -> None:
