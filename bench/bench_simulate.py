@@ -15,8 +15,9 @@ the training runs it is compared with.** Per world size N, in N fresh processes,
   which every rank runs at once). Simulate scales it to each layout's (micro-)batch, and slows it
   by the ranks computing at once on the machine's cores (`Cluster.contention`; all N under dp and
   fsdp, fewer in a pipeline's bubble), measured: a plain step of the model in k = 1 .. N ranks at
-  once while the others wait (`_busy_step_seconds`), the cluster's ``contention`` (before, the formula
-  busy x threads / cores over-predicted 4 ranks on 2 cores: 1.47x measured, 2x assumed). Profiling all N at once and reading rank 0's, as before, put the scheduler's
+  once while the others wait (`_busy_step_seconds`), the cluster's ``contention`` in place of the
+  formula busy x threads / cores (on the 2-core Xeon, 4 ranks: 1.87-2.30x measured, 2x by the
+  formula). Profiling all N at once and reading rank 0's, as before, put the scheduler's
   whims in the prediction: a rank's profile of 4 on 2 cores varied by a quarter between rounds.
   At N > 1 the same profiles at the micro-batch the pipelines run, which simulate scales the
   pipelines' micro-batches from (a small batch runs slower per sample than the rank's batch scaled
@@ -280,9 +281,13 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
     micro = max(1, samples // max(microbatch_candidates(samples, world_size)))
     if world_size > 1:
         dist.barrier()
+    def profiles(step_model, step_volumes, step_loss, step_optimizer) -> list[str]:
+        """``settings["profiles"]`` profiles of that step, as JSON."""
+        return [oomless.profile(step_model, step_volumes, loss_fn=step_loss, optimizer=step_optimizer,
+                                memory=memory).to_json() for _ in range(settings["profiles"])]
+
     if rank == 0:
-        measured["profiles"] = [oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer,
-                                                memory=memory).to_json() for _ in range(settings["profiles"])]
+        measured["profiles"] = profiles(model, volumes, loss_fn, optimizer)
         measured["memory_bytes_per_second"] = _memory_bandwidth(settings["threads"])
         if world_size > 1 and micro != settings["batch"]:
             # The same at that micro-batch: a small batch runs slower per sample than the rank's batch
@@ -290,9 +295,7 @@ def _calibrate(rank: int, world_size: int, settings: dict) -> dict:
             small, small_optimizer, small_volumes, small_labels = _build(settings, micro, rank)
             small_loss = lambda logits: segmentation_loss(logits, small_labels)      # noqa: E731
             oomless.profile(small, small_volumes, loss_fn=small_loss, optimizer=small_optimizer, memory=memory)
-            measured["micro_profiles"] = [
-                oomless.profile(small, small_volumes, loss_fn=small_loss, optimizer=small_optimizer,
-                                memory=memory).to_json() for _ in range(settings["profiles"])]
+            measured["micro_profiles"] = profiles(small, small_volumes, small_loss, small_optimizer)
             measured["micro_batch"] = micro
             del small, small_optimizer, small_volumes, small_labels, small_loss
     if world_size > 1:

@@ -53,15 +53,15 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     path, overrides = (None, cluster) if cluster is None or isinstance(cluster, dict) else (str(cluster), None)
     made = make_cluster(target, gpus, nodes, path, overrides)
     check_global_batch(global_batch, made.gpus)
-    measured = _measured_profiles(profile, example_inputs) if isinstance(profile, dict) else None
+    batch = _batch_of(example_inputs)
+    measured = _measured_profiles(profile, batch) if isinstance(profile, dict) else None
     if measured is not None:
-        profile = measured[_batch_of(example_inputs)]
+        profile = measured[batch]
     check_plan_arguments(model, example_inputs, loss_fn, optimizer, None, None, 0, profile, dtype, made.device,
                          function="simulate")
     autocast_dtype(precision)
     check_fp16_loss_parameters(precision, loss_fn, model)
     first = tensors_in(example_inputs)[0]
-    batch = _batch_of(example_inputs)
     if example_at is not None and not callable(example_at):
         raise InputError(f"example_at must be a function of a batch size returning (example_inputs, loss_fn), "
                          f"got {type(example_at).__name__}")
@@ -109,13 +109,12 @@ def _batch_of(example_inputs) -> int:
     return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
-def _measured_profiles(profiles: dict, example_inputs) -> dict[int, Profile]:
-    """``profiles`` checked: {samples: Profile}, one at the example's batch."""
+def _measured_profiles(profiles: dict, batch: int) -> dict[int, Profile]:
+    """``profiles`` checked: {samples: Profile}, one at the example's ``batch``."""
     if not profiles or not all(isinstance(samples, int) and not isinstance(samples, bool) and samples > 0
                                and isinstance(each, Profile) for samples, each in profiles.items()):
         raise InputError("profile, given as a dict, must map batch sizes (positive ints) to profiles from "
                          f"oomless.profile(...), got {profiles!r:.200}")
-    batch = _batch_of(example_inputs)
     if batch not in profiles:
         raise InputError(f"profile, given as a dict, must hold a profile at the example's batch of {batch} "
                          f"samples; it has {', '.join(map(str, sorted(profiles)))}")

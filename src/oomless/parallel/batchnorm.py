@@ -76,9 +76,9 @@ def _global_batch_norm(input, weight, bias, eps, group, alone):
 
 
 def _gathered(tensor: torch.Tensor, group: dist.ProcessGroup | None, alone: bool) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked along a new first axis (this rank's alone, as a fresh tensor)."""
+    """Every rank's ``tensor`` stacked along a new first axis (this rank's alone)."""
     if alone:
-        return tensor.unsqueeze(0).clone()
+        return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.stack(parts)

@@ -42,8 +42,9 @@ together throughout the step; a pipeline's ranks idle in its bubble, so fewer sh
 ``"contention"``: the same slowdown measured instead, ``{"2": 1.05, "4": 1.5}``: busy ranks to how many
 times slower each computes than alone (bench/bench_simulate.py times a plain step of the model in k
 of its ranks at once). Between the counts measured it is interpolated linearly (1 busy rank: 1);
-past the last it grows in proportion to the busy ranks, as processor sharing would. Measured on a
-2-core Intel Xeon VM with one thread a rank, 4 ranks at once ran 1.47x slower, not the formula's 2x.
+past the last it grows in proportion to the busy ranks, as processor sharing would. On a 2-core
+Intel Xeon VM with one thread a rank, 4 ranks at once ran 1.47x slower in one probe and 1.87-2.30x
+in the benchmark's interleaved rounds, against the formula's 2x: the machine, not the formula, says.
 
 ``"fsdp_host_seconds"``: seconds of FSDP2's own work around each all-gather and reduce-scatter (its
 hooks, the copies into and out of the flat buffers) on the cores compute runs on; default 0 (on a
