@@ -233,9 +233,13 @@ def test_the_planner_splits_under_compile_and_profiles_each_split_step_compiled(
     # The same planning once first, as earlier tests in the same process leave it: in a fresh
     # process the first compiled profile counts its start-up (the compiler's, kernels read in) as
     # held, names 60 MiB, and static bytes and the margin alone pass 3 MiB, so no split is tried.
-    with pytest.raises(oomless.PlanError):
+    # Where an earlier test has counted that start-up already, this one splits and may fit (CI's
+    # full suite of 2026-11-28): either outcome leaves the process as the planning below needs it.
+    try:
         oomless.plan(UNet3D(base_channels=4, depth=2), torch.randn(1, 1, 16, 16, 16), "3MiB",
                      loss_fn=oomless.sum_of_outputs, compile=OPTIONS)
+    except oomless.PlanError:
+        pass
     monkeypatch.setattr(api, "profile_configured", recorded)
     model = UNet3D(base_channels=4, depth=2)
     try:

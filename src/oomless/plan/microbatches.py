@@ -93,6 +93,7 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
             # Which earlier block holds an input names blocks of the profile before the merge: left
             # out (every input of the group counts), the group's own inputs saved are its first's.
             input_held_earlier=[],
+            saved_earlier=[],           # as that: places in the profile before the merge
             largest_saved_bytes=max(part.largest_saved_bytes for part in parts),
             saved_sizes=[size for part in parts for size in part.saved_sizes] if all(
                 part.saved_sizes or not part.saved_bytes for part in parts) else [],

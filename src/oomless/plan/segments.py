@@ -77,15 +77,31 @@ def coarsened(profile: Profile, cut: list[SegmentProfile]) -> Profile:
         return [value if value < 0 else place(fine_place + value) - coarse_place
                 for value in block.saved_alive_blocks]
 
+    def saved_earlier(members: list[int], coarse_place: int) -> list:
+        """`BlockProfile.saved_earlier` of the members as one block: storages of a block outside it,
+        by its coarse place and the storage's index among its members' saves."""
+        found = []
+        for member in members:
+            for back, k in blocks[member].saved_earlier:
+                saver = member - back
+                saver_place = coarse_of[saver]
+                saver_members = groups[saver_place][1]
+                before = sum(len(blocks[m].saved_sizes) for m in saver_members[:saver_members.index(saver)])
+                record = [coarse_place - saver_place, before + k]
+                if saver_place != coarse_place and record not in found:
+                    found.append(record)
+        return found
+
     coarse = []
     for index, (segment, members) in enumerate(groups):
         if segment is None:
             block = blocks[members[0]]
             coarse.append(replace(block, saved_alive_blocks=alive(block, members[0], index),
-                                  input_held_earlier=held(block.input_held_earlier)))
+                                  input_held_earlier=held(block.input_held_earlier),
+                                  saved_earlier=saved_earlier(members, index)))
         else:
-            coarse.append(_merged(segment, [blocks[m] for m in members],
-                                  [alive(blocks[m], m, index) for m in members], held(segment.input_held_earlier)))
+            coarse.append(_merged(segment, [blocks[m] for m in members], [alive(blocks[m], m, index) for m in members],
+                                  held(segment.input_held_earlier), saved_earlier(members, index)))
     # The code between a merged block's members runs in its forward now (and again in its recompute):
     # out of the time the profile counts with the loss.
     between = sum(_between_seconds(segment, blocks) for segment in cut)
@@ -98,7 +114,7 @@ def _between_seconds(segment: SegmentProfile, blocks: list[BlockProfile]) -> flo
 
 
 def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[list[float]],
-            held_earlier: list) -> BlockProfile:
+            held_earlier: list, saved_earlier: list) -> BlockProfile:
     """One block for ``members`` (a segment's blocks, in order), as if profiled as its module."""
     first, last = members[0], members[-1]
     before = [sum(block.saved_bytes for block in members[:k]) for k in range(len(members))]
@@ -142,6 +158,7 @@ def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[li
         input_bytes=segment.input_bytes,
         output_bytes=last.output_bytes,
         input_held_earlier=held_earlier,
+        saved_earlier=saved_earlier,
         input_saved_bytes=segment.input_saved_bytes,
         parameter_bytes=sum(block.parameter_bytes for block in members),
         calls=1,

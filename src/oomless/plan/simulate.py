@@ -11,7 +11,9 @@ and a copy-in stream for prefetches in backward.
 - Backward: blocks in reverse; a block's tensors are used evenly over its backward, last saved first,
   and each leaves right after its use. Swapped tensors are asked back in that order, ahead of their
   use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
-  in time stalls compute until its copy lands. A recompute block re-runs its forward first and holds
+  in time stalls compute until its copy lands. A swapped storage that a later block saved too (its
+  input: `BlockProfile.saved_earlier`) is first used at the start of that block's backward, and
+  stays until its own block's. A recompute block re-runs its forward first and holds
   all its saved bytes until its backward ends.
 - Selective recompute (decision "selective" here; in the plan a recompute block with ``selective``
   set, runtime/selective.py): the forward holds the block's inputs and the outputs of its costly ops
@@ -264,7 +266,7 @@ def recompute_seconds(block: BlockProfile, decision: str) -> float:
 
 
 class _Entry:
-    __slots__ = ("size", "block", "swapped", "out_end", "leave", "issued", "ready")
+    __slots__ = ("size", "block", "swapped", "out_end", "leave", "issued", "ready", "used")
 
     def __init__(self, size: int, block: int, swapped: bool):
         self.size, self.block, self.swapped = size, block, swapped
@@ -272,6 +274,17 @@ class _Entry:
         self.leave = 0.0        # it leaves the ledger: copied out and freed by the forward
         self.issued = False
         self.ready = 0.0
+        self.used = False       # a later block's backward has used it (`BlockProfile.saved_earlier`)
+
+
+def _saved_earlier(block: BlockProfile, index: int, per_block: list) -> list:
+    """The swapped entries of earlier blocks that block ``index`` saved too: its backward uses them first."""
+    found = []
+    for back, k in block.saved_earlier:
+        saver = index - back
+        if 0 <= saver < index and k < len(per_block[saver]) and per_block[saver][k].swapped:
+            found.append(per_block[saver][k])
+    return found
 
 
 def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None = None,
@@ -425,9 +438,31 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             issue(entry, at, ahead=True)
             next_prefetch -= 1
 
+    def use(entry: _Entry, i: int) -> None:
+        """Block ``i``'s backward needs swapped ``entry`` now: asked back if it was not, waited for."""
+        nonlocal now, stall, prefetched_unused
+        entry.used = True
+        if entry.issued:
+            add(now, -entry.size, AHEAD, i)
+        else:
+            issue(entry, now, ahead=False)
+        prefetched_unused -= entry.size
+        prefetch(now, i)
+        if contended:
+            now += entry.size / in_rate
+        elif entry.ready > now:
+            block_stall[i] += entry.ready - now
+            stall += entry.ready - now
+            now = entry.ready
+
     for i in range(len(blocks) - 1, -1, -1):
         block, decision = blocks[i], decisions[i]
         enter(now, backward_phases[i])
+        # An earlier block's swapped storages this block saved too come back for its backward, at its
+        # start, and stay until their saver's backward has used them (the runtime's one entry each).
+        for entry in _saved_earlier(block, i, per_block):
+            if not entry.used:
+                use(entry, i)
         if decision in RECOMPUTING:
             recomputed = (recomputed_bytes(block) if decision == "recompute"
                           else selective_backward_bytes(block) - selective_held_bytes(block))
@@ -437,19 +472,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         entries = per_block[i][::-1]
         step = block.backward_seconds / len(entries) if entries else 0.0
         for entry in entries:
-            if entry.swapped:
-                if entry.issued:
-                    add(now, -entry.size, AHEAD, i)
-                else:
-                    issue(entry, now, ahead=False)
-                prefetched_unused -= entry.size
-                prefetch(now, i)
-                if contended:
-                    now += entry.size / in_rate
-                elif entry.ready > now:
-                    block_stall[i] += entry.ready - now
-                    stall += entry.ready - now
-                    now = entry.ready
+            if entry.swapped and not entry.used:
+                use(entry, i)
             elif next_prefetch >= 0:
                 prefetch(now, i)
             now += step

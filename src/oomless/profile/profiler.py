@@ -23,9 +23,9 @@ from oomless.profile.rss import (MemoryProbe, give_back_free_heap, huge_pages_no
                                  return_freed_memory_to_the_system)
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
-from oomless.profile.tensors import (call_model, check_inputs_device, has_storage, holders_by_place,
-                                     static_overhead_bytes, storage_bytes, tensors_held_by, tensors_in,
-                                     training_state_kept)
+from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
+                                     holders_by_place, static_overhead_bytes, storage_bytes, tensors_held_by,
+                                     tensors_in, training_state_kept)
 from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
 from oomless.sizes import format_bytes
 
@@ -372,6 +372,7 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
     holders_by_place(block_profiles, order)
+    earlier_saves_by_place(block_profiles, order)
     segments = _segments(found, recorder, order)
     trainable = [p for p in parameters if p.requires_grad]
     return Profile(

@@ -97,6 +97,9 @@ class Recorder:
         # keeping it holds (`BlockProfile.forward_own_peak_bytes`; in a later call's forward its earlier
         # calls' saves too).
         self.released_bytes: dict[int, int] = {}
+        # Each entry the runtime made in this step, by identity: (the entry, its block, its index in
+        # that block's saved_sizes), to name it where a later block saves its storage again.
+        self.first_saves: dict[int, tuple[object, int, int]] = {}
         self.base_bytes = base_bytes
         self.gradient_bytes = 0
         # Which phase each gradient was accumulated in (`BlockProfile.backward_gradient_names`):
@@ -289,6 +292,8 @@ class Recorder:
                 self._look_for_freed(position, len(block.saved_sizes) + 1)
             block.saved_alive_blocks.append(ALIVE_INTO_BACKWARD)   # until seen freed
             self.saved_alive.append((entry, block_index, len(block.saved_sizes), position))
+        if entry is not None and not self.in_backward:
+            self.first_saves[id(entry)] = (entry, block_index, len(block.saved_sizes))
         if tensor is not None and self.sharing.saved(block_index, tensor):
             block.input_saved_bytes += num_bytes
         if tensor is not None and self.open_segments:
@@ -299,6 +304,17 @@ class Recorder:
         block.saved_bytes += num_bytes
         block.saved_sizes.append(num_bytes)
         block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
+
+    def saved_again(self, block_index: int, entry) -> None:
+        """Block ``block_index`` saved in its forward a storage whose entry another block made
+        (`BlockProfile.saved_earlier`; recorder numbers here, `holders_by_place` makes them places)."""
+        first = self.first_saves.get(id(entry))
+        if first is None or first[0] is not entry or first[1] == block_index or self.in_backward:
+            return
+        record = [first[1], first[2]]
+        earlier = self.blocks[block_index].saved_earlier
+        if record not in earlier:
+            earlier.append(record)
 
     def segment_started(self, name: str, args) -> None:
         """A module around blocks starts its forward (its pre-hook runs before its first block's)."""

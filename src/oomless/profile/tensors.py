@@ -230,6 +230,17 @@ def holders_by_place(blocks: list, order: list[int]) -> None:
                                     for size, saver, users in block.input_held_earlier]
 
 
+def earlier_saves_by_place(blocks: list, order: list[int]) -> None:
+    """Rewrite each of ``blocks``' `BlockProfile.saved_earlier` from the recorder's numbers to how
+    many places back in the profile (its blocks are the recorder's ``order``) the saver is. A block
+    called again after its first call (placed there) may save what a block placed after it saved
+    first: left out."""
+    position = {index: place for place, index in enumerate(order)}
+    for place, block in enumerate(blocks):
+        block.saved_earlier = [[place - position[saver], k] for saver, k in block.saved_earlier
+                               if position[saver] < place]
+
+
 class InputSharing:
     """Which of a block's input storages an earlier block of the forward already had
     (`BlockProfile.input_held_earlier`), and which of its saves are its own inputs

@@ -107,6 +107,8 @@ class ForwardRegistry:
         # with grad and dropped) has been released: its ticket and ledger share are gone, so a
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
+            if entry.block_index != block_index and self.engine.recorder is not None:
+                self.engine.recorder.saved_again(block_index, entry)
             return entry
         entry = _Entry(self, block_index, storage, decision, place)
         self.by_storage[key] = entry
