@@ -333,7 +333,7 @@ def recompute_profile(profile: Profile) -> Profile:
         held_input = block.input_bytes // max(block.calls, 1)
         blocks.append(replace(block, saved_bytes=min(block.saved_bytes, held_input),
                               largest_saved_bytes=min(block.largest_saved_bytes, held_input), saved_sizes=[],
-                              kept_when_swapped=[],
+                              kept_when_swapped=[], saved_earlier=[],
                               backward_seconds=block.backward_seconds + block.forward_seconds,
                               forward_transient_bytes=working, backward_transient_bytes=working + block.saved_bytes,
                               # Measured for the block's whole saves, not the input it now holds.

@@ -80,16 +80,18 @@ def coarsened(profile: Profile, cut: list[SegmentProfile]) -> Profile:
     def saved_earlier(members: list[int], coarse_place: int) -> list:
         """`BlockProfile.saved_earlier` of the members as one block: storages of a block outside it,
         by its coarse place and the storage's index among its members' saves."""
+        def saves_before(member: int) -> int:      # its group's storages saved before its own
+            group = groups[coarse_of[member]][1]
+            return sum(len(blocks[m].saved_sizes) for m in group[:group.index(member)])
+
         found = []
         for member in members:
-            for back, k in blocks[member].saved_earlier:
+            for back, k, *place in blocks[member].saved_earlier:
                 saver = member - back
                 saver_place = coarse_of[saver]
-                saver_members = groups[saver_place][1]
-                before = sum(len(blocks[m].saved_sizes) for m in saver_members[:saver_members.index(saver)])
-                record = [coarse_place - saver_place, before + k]
-                if saver_place != coarse_place and record not in found:
-                    found.append(record)
+                record = [coarse_place - saver_place, saves_before(saver) + k]
+                if saver_place != coarse_place and not any(other[:2] == record for other in found):
+                    found.append(record + [saves_before(member) + place[0]] if place else record)
         return found
 
     coarse = []

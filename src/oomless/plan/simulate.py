@@ -12,8 +12,8 @@ and a copy-in stream for prefetches in backward.
   and each leaves right after its use. Swapped tensors are asked back in that order, ahead of their
   use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
   in time stalls compute until its copy lands. A swapped storage that a later block saved too (its
-  input: `BlockProfile.saved_earlier`) is first used at the start of that block's backward, and
-  stays until its own block's. A recompute block re-runs its forward first and holds
+  input: `BlockProfile.saved_earlier`) is first used in that block's backward, by the op that saved
+  it, and stays until its own block's. A recompute block re-runs its forward first and holds
   all its saved bytes until its backward ends.
 - Selective recompute (decision "selective" here; in the plan a recompute block with ``selective``
   set, runtime/selective.py): the forward holds the block's inputs and the outputs of its costly ops
@@ -277,13 +277,41 @@ class _Entry:
         self.used = False       # a later block's backward has used it (`BlockProfile.saved_earlier`)
 
 
-def _saved_earlier(block: BlockProfile, index: int, per_block: list) -> list:
-    """The swapped entries of earlier blocks that block ``index`` saved too: its backward uses them first."""
+def _saved_earlier(block: BlockProfile, index: int, per_block: list) -> list[tuple[int, _Entry]]:
+    """The swapped entries of earlier blocks that block ``index`` saved too, each with how many of
+    the block's own storages it had saved before (`BlockProfile.saved_earlier`; all of them where not
+    recorded): its backward uses each one once the storages it saved after that one are used."""
     found = []
-    for back, k in block.saved_earlier:
+    for record in block.saved_earlier:
+        back, k = record[0], record[1]
         saver = index - back
         if 0 <= saver < index and k < len(per_block[saver]) and per_block[saver][k].swapped:
-            found.append(per_block[saver][k])
+            found.append((record[2] if len(record) > 2 else len(per_block[index]), per_block[saver][k]))
+    return sorted(found, key=lambda found: -found[0])
+
+
+def _saved_again(blocks: list[BlockProfile], decisions: list[str],
+                 index: int) -> list[tuple[int, _Entry, float | None]]:
+    """Storages of recomputed blocks that block ``index`` saves (`BlockProfile.saved_earlier`): a
+    recomputed block's forward saves nothing, so this block's save makes the runtime's entry, as its
+    own decision says; (place among its saves, that entry, where the forward frees it in blocks
+    (`BlockProfile.saved_alive_blocks`, its saver's measure; None: not measured)) each. The entry is
+    tagged with its saver (the block whose saved bytes the profile counted it in), so that this
+    block's own measured peak is read with its own saves only."""
+    block, decision = blocks[index], decisions[index]
+    found = []
+    for record in block.saved_earlier:
+        saver = index - record[0]
+        k = record[1]
+        if not 0 <= saver < index or decisions[saver] not in RECOMPUTING:
+            continue
+        sizes = entry_sizes(blocks[saver])
+        if k >= len(sizes):
+            continue
+        entry = _Entry(sizes[k], saver, decision == "swap" and k not in blocks[saver].kept_when_swapped)
+        alive = blocks[saver].saved_alive_blocks
+        freed = None if len(alive) != len(sizes) else (alive[k] if alive[k] < 0 else saver + alive[k])
+        found.append((record[2] if len(record) > 2 else len(entry_sizes(block)), entry, freed))
     return found
 
 
@@ -331,6 +359,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     pending_bytes = 0
     per_block: list[list[_Entry]] = []
     held_by_recompute: dict[int, int] = {}   # a recompute block's inputs held from its forward to its backward
+    resaved: dict[int, list[tuple[int, _Entry]]] = {}   # per block: entries of `_saved_again`, by place
     swapped: list[_Entry] = []
     # Swapped entries the forward still references, by the block in whose forward it frees them, with
     # how far into that forward (`BlockProfile.saved_alive_blocks`): they leave the ledger no earlier.
@@ -383,6 +412,23 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
                 pending_out.append((entry.out_end, entry.size))
                 pending_bytes += entry.size
                 swapped.append(entry)
+        if decision not in RECOMPUTING:
+            for place, entry, freed in _saved_again(blocks, decisions, i):
+                # A recomputed block's storage saved again here: this block's entry, not its saver's.
+                add(start, entry.size, SWAPPED if entry.swapped else HELD, entry.block)
+                ledger += entry.size
+                resaved.setdefault(i, []).append((place, entry))
+                if entry.swapped:
+                    copy_out_free = entry.out_end = max(copy_out_free, start) + entry.size / out_rate
+                    if freed is None:
+                        leave_at(entry, entry.out_end)
+                    elif freed < 0:
+                        entry.leave = float("inf")
+                    else:
+                        freed_in.setdefault(max(int(freed), i), []).append((entry, freed - max(int(freed), i)))
+                    pending_out.append((entry.out_end, entry.size))
+                    pending_bytes += entry.size
+                    swapped.append(entry)
         now = start + block.forward_seconds
         if decision == "swap" and contended:
             now += swapped_bytes / out_rate
@@ -451,18 +497,27 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         if contended:
             now += entry.size / in_rate
         elif entry.ready > now:
-            block_stall[i] += entry.ready - now
+            # The wait is for its saver's tensor: that swap is not hidden (`planner._reason`).
+            block_stall[entry.block] += entry.ready - now
             stall += entry.ready - now
             now = entry.ready
+
+    def use_earlier(earlier: list[tuple[int, _Entry]], down_to: int, i: int) -> None:
+        """Use those of ``earlier`` (sorted by place, highest first) saved at ``down_to`` or after."""
+        while earlier and earlier[0][0] >= down_to:
+            entry = earlier.pop(0)[1]
+            if entry.swapped and not entry.used:
+                use(entry, i)
 
     for i in range(len(blocks) - 1, -1, -1):
         block, decision = blocks[i], decisions[i]
         enter(now, backward_phases[i])
-        # An earlier block's swapped storages this block saved too come back for its backward, at its
-        # start, and stay until their saver's backward has used them (the runtime's one entry each).
-        for entry in _saved_earlier(block, i, per_block):
-            if not entry.used:
-                use(entry, i)
+        # An earlier block's swapped storages this block saved too come back for its backward, when the
+        # op that saved them runs, and stay until their saver's backward has used them (the runtime's
+        # one entry each). A recompute block holds them as its inputs instead (its forward saved
+        # nothing; the storage is counted with `recompute_held_bytes`).
+        earlier = [] if decision in RECOMPUTING else sorted(_saved_earlier(block, i, per_block) + resaved.get(i, []),
+                                                            key=lambda found: -found[0])
         if decision in RECOMPUTING:
             recomputed = (recomputed_bytes(block) if decision == "recompute"
                           else selective_backward_bytes(block) - selective_held_bytes(block))
@@ -471,7 +526,8 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             now += recompute_seconds(block, decision)
         entries = per_block[i][::-1]
         step = block.backward_seconds / len(entries) if entries else 0.0
-        for entry in entries:
+        for place, entry in zip(range(len(entries) - 1, -1, -1), entries):
+            use_earlier(earlier, place, i)
             if entry.swapped and not entry.used:
                 use(entry, i)
             elif next_prefetch >= 0:
@@ -481,9 +537,14 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             settle(now)
             ledger -= entry.size
         if not entries:
+            use_earlier(earlier, 0, i)
             if next_prefetch >= 0:
                 prefetch(now, i)
             now += block.backward_seconds
+        for _, entry in resaved.pop(i, []):
+            add(now, -entry.size, SWAPPED if entry.swapped else HELD, entry.block)
+            settle(now)
+            ledger -= entry.size
         if decision == "recompute":
             add(now, -held_by_recompute[i], INPUT, i)
             add(now, -recomputed_bytes(block), HELD, i)

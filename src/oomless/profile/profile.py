@@ -41,11 +41,12 @@ class BlockProfile:
     # none of them anew (they are held as its inputs).
     input_saved_bytes: int = 0
     # Storages this block saves that an earlier block of the forward saved first: [how many blocks
-    # before this one that saver is in the profile's list, the storage's index in its saved_sizes]
-    # each, once per storage. The runtime moves a storage once, as its first saver's plan says, and
-    # backward brings a swapped one back at its first use, which is this block's backward, before its
-    # saver's (a 1x1 convolution head saves the last block's output as its input): on the device from
-    # there. Empty where not measured (meta-tensor profiles).
+    # before this one that saver is in the profile's list, the storage's index in its saved_sizes, how
+    # many storages of its own this block had saved before it] each, once per storage. The runtime
+    # moves a storage once, as its first saver's plan says, and backward brings a swapped one back at
+    # its first use, which is this block's backward, before its saver's (a 1x1 convolution head saves
+    # the last block's output as its input): on the device from there, when the op that saved it here
+    # runs. Empty where not measured (meta-tensor profiles).
     saved_earlier: list = field(default_factory=list)
     parameter_bytes: int = 0
     calls: int = 0

@@ -256,6 +256,7 @@ class Recorder:
         self.saved_freed = []
 
     def forward_finished(self, output):
+        self.first_saves.clear()        # the forward's saves are all made
         self._track(self.live_output, tensors_in(output))
         if self.selective_meter is not None:
             self.selective_meter.__exit__(None, None, None)
@@ -307,14 +308,13 @@ class Recorder:
 
     def saved_again(self, block_index: int, entry) -> None:
         """Block ``block_index`` saved in its forward a storage whose entry another block made
-        (`BlockProfile.saved_earlier`; recorder numbers here, `holders_by_place` makes them places)."""
+        (`BlockProfile.saved_earlier`; recorder numbers here, `earlier_saves_by_place` makes them places)."""
         first = self.first_saves.get(id(entry))
         if first is None or first[0] is not entry or first[1] == block_index or self.in_backward:
             return
-        record = [first[1], first[2]]
-        earlier = self.blocks[block_index].saved_earlier
-        if record not in earlier:
-            earlier.append(record)
+        block = self.blocks[block_index]
+        if not any(record[:2] == [first[1], first[2]] for record in block.saved_earlier):
+            block.saved_earlier.append([first[1], first[2], len(block.saved_sizes)])
 
     def segment_started(self, name: str, args) -> None:
         """A module around blocks starts its forward (its pre-hook runs before its first block's)."""

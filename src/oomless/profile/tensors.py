@@ -237,7 +237,7 @@ def earlier_saves_by_place(blocks: list, order: list[int]) -> None:
     first: left out."""
     position = {index: place for place, index in enumerate(order)}
     for place, block in enumerate(blocks):
-        block.saved_earlier = [[place - position[saver], k] for saver, k in block.saved_earlier
+        block.saved_earlier = [[place - position[saver], *rest] for saver, *rest in block.saved_earlier
                                if position[saver] < place]
 
 

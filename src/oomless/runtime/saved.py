@@ -97,9 +97,10 @@ class ForwardRegistry:
         self.backward_block = len(engine.backward_limits) - 1   # the lowest block backward has reached
 
     def entry_for(self, tensor: torch.Tensor, block_index: int, place: int, decision: str,
-                  movable: bool = True) -> _Entry:
+                  movable: bool = True, saved: bool = True) -> _Entry:
         """The entry of ``tensor``'s storage, made (and put on the ledger) at its first save in this
-        forward, by block ``block_index``'s call at ``place`` (`SavedTensorEngine.position_of`)."""
+        forward, by block ``block_index``'s call at ``place`` (`SavedTensorEngine.position_of`).
+        ``saved`` False: a recompute block's input held (`keep_handles`), not a save the profile records."""
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr())
         entry = self.by_storage.get(key)
@@ -107,7 +108,7 @@ class ForwardRegistry:
         # with grad and dropped) has been released: its ticket and ledger share are gone, so a
         # later save of the same live storage needs a fresh entry, not that one.
         if entry is not None and not entry.weak.expired() and entry.handles > 0:
-            if entry.block_index != block_index and self.engine.recorder is not None:
+            if saved and entry.block_index != block_index and self.engine.recorder is not None:
                 self.engine.recorder.saved_again(block_index, entry)
             return entry
         entry = _Entry(self, block_index, storage, decision, place)
@@ -315,7 +316,7 @@ class SavedTensorEngine:
             if storage.nbytes() == 0 or (tensor.device, storage.data_ptr()) in self.resident_storages:
                 continue
             place = self.position_of(block_index)
-            handles.append(_Handle(registry.entry_for(tensor, block_index, place, KEEP), tensor, place))
+            handles.append(_Handle(registry.entry_for(tensor, block_index, place, KEEP, saved=False), tensor, place))
         return handles
 
     def begin_forward(self, resident_storages: set[tuple]) -> None:
