@@ -277,6 +277,19 @@ class _Entry:
         self.used = False       # a later block's backward has used it (`BlockProfile.saved_earlier`)
 
 
+def _measured_alive(block: BlockProfile, sizes: list[int]) -> list[float] | None:
+    """The block's `BlockProfile.saved_alive_blocks`, one per storage of ``sizes``; None: not measured."""
+    return block.saved_alive_blocks if len(block.saved_alive_blocks) == len(sizes) else None
+
+
+def _freed_at(alive: list[float] | None, index: int, k: int) -> float | None:
+    """Where the forward frees storage ``k`` of block ``index`` (``alive``: `_measured_alive`), as a
+    place in blocks; negative: it outlives the forward; None: not measured."""
+    if alive is None:
+        return None
+    return alive[k] if alive[k] < 0 else index + alive[k]
+
+
 def _saved_earlier(block: BlockProfile, index: int, per_block: list) -> list[tuple[int, _Entry]]:
     """The swapped entries of earlier blocks that block ``index`` saved too, each with how many of
     the block's own storages it had saved before (`BlockProfile.saved_earlier`; all of them where not
@@ -287,7 +300,7 @@ def _saved_earlier(block: BlockProfile, index: int, per_block: list) -> list[tup
         saver = index - back
         if 0 <= saver < index and k < len(per_block[saver]) and per_block[saver][k].swapped:
             found.append((record[2] if len(record) > 2 else len(per_block[index]), per_block[saver][k]))
-    return sorted(found, key=lambda found: -found[0])
+    return found
 
 
 def _saved_again(blocks: list[BlockProfile], decisions: list[str],
@@ -309,8 +322,7 @@ def _saved_again(blocks: list[BlockProfile], decisions: list[str],
         if k >= len(sizes):
             continue
         entry = _Entry(sizes[k], saver, decision == "swap" and k not in blocks[saver].kept_when_swapped)
-        alive = blocks[saver].saved_alive_blocks
-        freed = None if len(alive) != len(sizes) else (alive[k] if alive[k] < 0 else saver + alive[k])
+        freed = _freed_at(_measured_alive(blocks[saver], sizes), saver, k)
         found.append((record[2] if len(record) > 2 else len(entry_sizes(block)), entry, freed))
     return found
 
@@ -369,9 +381,31 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
         entry.leave = max(entry.out_end, freed)
         add(entry.leave, -entry.size, SWAPPED, entry.block)
         heapq.heappush(copy_outs, (entry.leave, entry.size, entry.block))
+
+    def save(entry: _Entry, at: float, freed: float | None, i: int) -> None:
+        """``entry`` saved at ``at`` in block ``i``'s forward; swapped, its copy out queued behind the
+        others, and off the ledger once that is done and the forward has freed it (``freed``, a place
+        in blocks: `_freed_at`)."""
+        nonlocal ledger, copy_out_free, pending_bytes
+        add(at, entry.size, SWAPPED if entry.swapped else HELD, entry.block)
+        ledger += entry.size
+        if not entry.swapped:
+            return
+        copy_out_free = entry.out_end = max(copy_out_free, at) + entry.size / out_rate
+        if freed is None:
+            leave_at(entry, entry.out_end)
+        elif freed < 0:
+            entry.leave = float("inf")   # the forward holds it into backward: it stays
+        else:
+            freed_block = max(int(freed), i)
+            freed_in.setdefault(freed_block, []).append((entry, freed - freed_block))
+        pending_out.append((entry.out_end, entry.size))
+        pending_bytes += entry.size
+        swapped.append(entry)
+
     for i, (block, decision) in enumerate(zip(blocks, decisions)):
         sizes = entry_sizes(block)
-        alive = block.saved_alive_blocks if len(block.saved_alive_blocks) == len(sizes) else None
+        alive = _measured_alive(block, sizes)
         kept = set(block.kept_when_swapped)
         per_block.append([_Entry(size, i, decision == "swap" and k not in kept) for k, size in enumerate(sizes)]
                          if decision not in RECOMPUTING else [])
@@ -396,39 +430,12 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
             add(start, selective_held_bytes(block), HELD, i)
             ledger += selective_held_bytes(block)
         for k, entry in enumerate(per_block[i]):
-            saved_at = start + block.forward_seconds * (k + 1) / len(sizes)
-            add(saved_at, entry.size, SWAPPED if entry.swapped else HELD, i)
-            ledger += entry.size
-            if entry.swapped:
-                copy_start = max(copy_out_free, saved_at)
-                copy_out_free = entry.out_end = copy_start + entry.size / out_rate
-                if alive is None:
-                    leave_at(entry, entry.out_end)
-                elif alive[k] < 0:
-                    entry.leave = float("inf")   # the forward holds it into backward: it stays
-                else:
-                    freed_block = i + int(alive[k])
-                    freed_in.setdefault(freed_block, []).append((entry, i + alive[k] - freed_block))
-                pending_out.append((entry.out_end, entry.size))
-                pending_bytes += entry.size
-                swapped.append(entry)
+            save(entry, start + block.forward_seconds * (k + 1) / len(sizes), _freed_at(alive, i, k), i)
         if decision not in RECOMPUTING:
             for place, entry, freed in _saved_again(blocks, decisions, i):
                 # A recomputed block's storage saved again here: this block's entry, not its saver's.
-                add(start, entry.size, SWAPPED if entry.swapped else HELD, entry.block)
-                ledger += entry.size
+                save(entry, start, freed, i)
                 resaved.setdefault(i, []).append((place, entry))
-                if entry.swapped:
-                    copy_out_free = entry.out_end = max(copy_out_free, start) + entry.size / out_rate
-                    if freed is None:
-                        leave_at(entry, entry.out_end)
-                    elif freed < 0:
-                        entry.leave = float("inf")
-                    else:
-                        freed_in.setdefault(max(int(freed), i), []).append((entry, freed - max(int(freed), i)))
-                    pending_out.append((entry.out_end, entry.size))
-                    pending_bytes += entry.size
-                    swapped.append(entry)
         now = start + block.forward_seconds
         if decision == "swap" and contended:
             now += swapped_bytes / out_rate
