@@ -3,6 +3,7 @@ on real small models' profiles, for one and several stages per rank; its memory 
 its in-flight counts against torch's own schedule orders; the schedules' constraints; the choice of
 the number of micro-batches; a clear error when nothing fits."""
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -504,12 +505,17 @@ def test_old_partition_json_loads_and_new_round_trips():
 
 def test_scale_profile_scales_what_a_batch_carries():
     profile = _generated_profile(5, blocks=4)
+    # Each block's storages as a measured profile has them (the simulator reads those, not saved_bytes).
+    split = lambda block: [block.saved_bytes - block.saved_bytes // 3, block.saved_bytes // 3]
+    profile = dataclasses.replace(profile, blocks=[dataclasses.replace(block, saved_sizes=split(block))
+                                                   for block in profile.blocks])
     quarter = scale_profile(profile, 0.25)
     for whole, part in zip(profile.blocks, quarter.blocks):
         assert part.forward_seconds == pytest.approx(whole.forward_seconds / 4)
         assert part.backward_seconds == pytest.approx(whole.backward_seconds / 4)
         assert (part.saved_bytes, part.input_bytes, part.held_forward_bytes) == (
             math.ceil(whole.saved_bytes / 4), math.ceil(whole.input_bytes / 4), math.ceil(whole.held_forward_bytes / 4))
+        assert part.saved_sizes == [math.ceil(size / 4) for size in whole.saved_sizes]
         assert part.parameter_bytes == whole.parameter_bytes
     assert quarter.input_bytes == profile.input_bytes // 4
     assert quarter.loss_seconds == pytest.approx(profile.loss_seconds / 4)

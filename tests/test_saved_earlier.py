@@ -39,6 +39,21 @@ def test_the_profile_names_the_earlier_blocks_storage_a_block_saves_again():
     assert second.saved_bytes == 0 and second.saved_earlier == [[1, 0, 0]]
 
 
+def test_a_profile_on_meta_tensors_records_the_same_storages_and_shared_saves_as_the_measured_one():
+    """Plans for a device one does not have (`target=`) replay shared storages as measured plans do."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(LinearRelu(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                                                         nn.ReLU()), nn.Linear(WIDTH, WIDTH))
+    inputs, loss_fn = torch.randn(BATCH, WIDTH, requires_grad=True), (lambda out: out.square().mean())
+    blocks = ["0", "1", "2"]
+    measured = oomless.profile(model(), inputs, loss_fn=loss_fn, blocks=blocks)
+    on_meta = oomless.profile(model(), inputs, loss_fn=loss_fn, blocks=blocks, target="h100")
+    assert [block.saved_sizes for block in on_meta.blocks] == [block.saved_sizes for block in measured.blocks]
+    assert [block.saved_earlier for block in on_meta.blocks] == [block.saved_earlier for block in measured.blocks]
+    assert on_meta.blocks[1].saved_earlier == [[1, 0, 0]] and on_meta.blocks[2].saved_earlier == [[1, 1, 0]]
+
+
 def test_the_runtime_brings_a_swapped_storage_back_for_the_later_block_and_the_simulator_too():
     model, inputs = _model()
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=lambda out: out.square().mean(), min_swap_bytes=0,

@@ -32,6 +32,7 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
     blocks = [replace(block, forward_seconds=block.forward_seconds * fraction,
                       backward_seconds=block.backward_seconds * fraction,
                       saved_bytes=bytes_(block.saved_bytes), largest_saved_bytes=bytes_(block.largest_saved_bytes),
+                      saved_sizes=[bytes_(size) for size in block.saved_sizes],
                       input_bytes=bytes_(block.input_bytes), output_bytes=bytes_(block.output_bytes),
                       held_forward_bytes=bytes_(block.held_forward_bytes),
                       held_backward_bytes=bytes_(block.held_backward_bytes),

@@ -45,8 +45,8 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import (InputSharing, alive_bytes, attributes_kept, holders_by_place, parameters_read_by,
-                                     tensors_in)
+from oomless.profile.tensors import (InputSharing, alive_bytes, attributes_kept, earlier_saves_by_place,
+                                     holders_by_place, parameters_read_by, tensors_in)
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -144,9 +144,10 @@ class _FakeRecorder:
         self.in_backward = False
         self.loss_seconds = 0.0
         self.unassigned_saved_bytes = 0
-        # {storage key: (weak reference, its number in the order saved, bytes)} of the storages saved
-        # in the forward, and {that number: the tensors brought back for backward, while one is alive}.
-        self.saved_storages: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        # {storage key: (weak reference, its number in the order saved, bytes, (its first saver, its
+        # index in that block's saved_sizes) or None)} of the storages saved in the forward, and {that
+        # number: the tensors brought back for backward, while one is alive}.
+        self.saved_storages: dict[int, tuple[StorageWeakRef, int, int, tuple[int, int] | None]] = {}
         self.numbers = itertools.count()
         self.brought_back: dict[int, list[weakref.ref]] = {}
         self.bringing_back = False      # an unpack's own allocation: not read as "other" (it is the ledger's)
@@ -185,22 +186,36 @@ class _FakeRecorder:
         if seen is not None and not seen[0].expired():
             # A storage already saved in this forward: counted once, by its first saver, and, as the
             # runtime swaps a storage once for all its saves, brought back once for all of them.
+            self._saved_again(seen[3])
             return (seen[1], seen[2], *described)
         storage = tensor.untyped_storage()
         num_bytes = storage.nbytes()
         number = next(self.numbers)
-        self.saved_storages[key] = (StorageWeakRef(storage), number, num_bytes)
+        first = None
         if self.forward_block is None:
             self.unassigned_saved_bytes += num_bytes
         else:
             block = self.blocks[self.forward_block]
             if self.sharing.saved(self.forward_block, tensor):
                 block.input_saved_bytes += num_bytes
+            if not self.in_backward:
+                first = (self.forward_block, len(block.saved_sizes))
             block.saved_bytes += num_bytes
+            block.saved_sizes.append(num_bytes)
             block.largest_saved_bytes = max(block.largest_saved_bytes, num_bytes)
+        self.saved_storages[key] = (StorageWeakRef(storage), number, num_bytes, first)
         # Keep only the description, as the profiling runtime's swap does: the saved tensor must
         # not keep its storage (and so the held-bytes tracking) alive until backward.
         return (number, num_bytes, *described)
+
+    def _saved_again(self, first: tuple[int, int] | None) -> None:
+        """The running block saves a storage ``first`` (its saver, its index there) saved first: as
+        the real recorder's `saved_again`, a `BlockProfile.saved_earlier` record in recorder numbers."""
+        if first is None or self.in_backward or self.forward_block is None or first[0] == self.forward_block:
+            return
+        block = self.blocks[self.forward_block]
+        if not any(record[:2] == list(first) for record in block.saved_earlier):
+            block.saved_earlier.append([*first, len(block.saved_sizes)])
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -376,6 +391,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
             notes.append(f"block {block.name} did not run in the profiled step")
         block_profiles.append(block)
     holders_by_place(block_profiles, order)
+    earlier_saves_by_place(block_profiles, order)
     trainable = [p for p in parameters if p.requires_grad]
     notes.append(f"{_format_flops(roofline.flops)} per step (matmuls, convolutions, attention); "
                  f"profiled in {time.perf_counter() - started:.1f} s")
