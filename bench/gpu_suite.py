@@ -135,7 +135,7 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         memory = max_size_memory or ("2GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
                                "--out", str(out / "max-size")] + (
-            ["--sides", "plain:160,oomless:288"] if cuda else ["--quick"])
+            ["--sides", "plain:160,oomless:288"] if cuda else ["--sides", "plain:16,oomless:16", "--steps", "1"])
     else:
         max_size["not_present"] = "bench/bench_max_size.py is not in this checkout"
     pieces.append(max_size)
@@ -165,7 +165,9 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
     # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece).
     pieces.append({"name": "floors", "writes": ["floors.json"],
                    "command": [python, "bench/bench_floors.py", "--device", device_name, "--models", "unet3d",
-                               "--out", str(out / "floors.json")] + ([] if cuda else ["--quick", "--threads", "1"])})
+                               "--out", str(out / "floors.json")]
+                   # The dry run leaves out the steps interleaved in one process (tests/test_bench.py runs them).
+                   + ([] if cuda else ["--quick", "--threads", "1", "--speed-steps", "0"])})
     # Last: inductor compiles the transformer's block first (tens of seconds on a GPU). The dry run
     # checks the bf16 variants only: compiling on CI's CPU takes a minute more.
     pieces.append({"name": "fit_precision", "writes": ["fit-precision.json"],

@@ -94,8 +94,7 @@ def least_other_bytes(profile: Profile) -> int:
     whichever phase runs holds at least besides the ledger; the plan's activation budget is the
     rest of the budget beyond static bytes. Less the gradients not made yet where the step starts
     without them (`gradients_absent_bytes`): the phases of a plan keeping every block."""
-    forward, loss, backward = phases(profile, ["keep"] * len(profile.blocks))
-    return min(phase.other for phase in [*forward, loss, *backward])
+    return _phases(profile, ["keep"] * len(profile.blocks))[3]
 
 
 def _estimated_transient(block: BlockProfile) -> int:
@@ -182,7 +181,15 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
     where that is more than the phase's own: room static memory counted for them), and where the
     plan moves static bytes during the step, less those not on the device in that phase
     (`BlockProfile.forward_static_absent_bytes`, set by `plan.static_phases`)."""
+    return _phases(profile, decisions)[:3]
+
+
+def _phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, list[Phase], int]:
+    """`phases`, and `least_other_bytes` from the same pass: a phase's other bytes under keep are those
+    of any decision but a recompute's backward, which holds the more of its forward's and backward's
+    (the simulator asks both for every plan it replays)."""
     forward, backward = [], []
+    least = None
     before_backward = gradients_absent_bytes(profile, 0)
     for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
         # Where a block is kept or recomputed, its own tensors are on the ledger as what the plan
@@ -196,6 +203,7 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
         gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
         absent = gradients_absent + block.backward_static_absent_bytes
         other = backward_other_bytes(profile, block) - absent
+        least = min(other, forward[-1].other, least if least is not None else other)
         # The static bytes a placement takes off the device in this phase are those of the stretch
         # where its other bytes peak (`plan.static_phases`), not necessarily where its own peak is:
         # only static bytes it adds are counted there.
@@ -210,8 +218,8 @@ def phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase, 
         backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward",
                               own_peak))
     loss_absent = before_backward + profile.loss_static_absent_bytes
-    return forward, Phase(-1, loss_other_bytes(profile) - loss_absent,
-                          _less(profile.loss_peak_bytes, loss_absent), "loss"), backward
+    loss = Phase(-1, loss_other_bytes(profile) - loss_absent, _less(profile.loss_peak_bytes, loss_absent), "loss")
+    return forward, loss, backward, loss.other if least is None else min(least, loss.other)
 
 
 SWAPPED, HELD, AHEAD, INPUT = 0, 1, 2, 3     # INPUT: a recompute block's held inputs (not its own saves)
@@ -346,7 +354,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     out_rate, in_rate = profile.link.out_bytes_per_second, profile.link.in_bytes_per_second
     contended = profile.link.kind == "disk"
     window = float("inf") if prefetch_bytes is None else prefetch_bytes
-    forward_phases, loss_phase, backward_phases = phases(profile, decisions)
+    forward_phases, loss_phase, backward_phases, least_other = _phases(profile, decisions)
     room_between = _RangeMin([float("inf") if budget_bytes is None else budget_bytes - phase.other
                               for phase in backward_phases])
     # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
@@ -564,7 +572,7 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     # After backward the optimizer's step (`plan.optimizer_step`), the ledger empty by then.
     enter(now, Phase(-1, profile.optimizer_step_other_bytes, None, "optimizer step"))
     peak, peak_seconds, total_peak, curve, peak_phase, up_to_peak = _sweep(events, keep_curve,
-                                                                            least_other_bytes(profile))
+                                                                            least_other)
     if holders:
         return _holders(events, up_to_peak)
     return Timeline(peak, now, forward_end_ledger, stall, curve, peak_seconds, block_stall, forward_end,
