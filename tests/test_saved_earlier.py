@@ -24,6 +24,14 @@ STORAGE = BATCH * WIDTH * 4    # LinearRelu's output
 MiB = 2**20
 
 
+def _four_op_model():
+    """LinearRelu; a block of Linear, ReLU, Linear, ReLU (its first Linear saves the first block's
+    output); a Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(LinearRelu(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                                                     nn.ReLU()), nn.Linear(WIDTH, WIDTH))
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(LinearRelu(), nn.Linear(WIDTH, WIDTH)), torch.randn(BATCH, WIDTH)
@@ -41,14 +49,10 @@ def test_the_profile_names_the_earlier_blocks_storage_a_block_saves_again():
 
 def test_a_profile_on_meta_tensors_records_the_same_storages_and_shared_saves_as_the_measured_one():
     """Plans for a device one does not have (`target=`) replay shared storages as measured plans do."""
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(LinearRelu(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
-                                                         nn.ReLU()), nn.Linear(WIDTH, WIDTH))
     inputs, loss_fn = torch.randn(BATCH, WIDTH, requires_grad=True), (lambda out: out.square().mean())
     blocks = ["0", "1", "2"]
-    measured = oomless.profile(model(), inputs, loss_fn=loss_fn, blocks=blocks)
-    on_meta = oomless.profile(model(), inputs, loss_fn=loss_fn, blocks=blocks, target="h100")
+    measured = oomless.profile(_four_op_model(), inputs, loss_fn=loss_fn, blocks=blocks)
+    on_meta = oomless.profile(_four_op_model(), inputs, loss_fn=loss_fn, blocks=blocks, target="h100")
     assert [block.saved_sizes for block in on_meta.blocks] == [block.saved_sizes for block in measured.blocks]
     assert [block.saved_earlier for block in on_meta.blocks] == [block.saved_earlier for block in measured.blocks]
     assert on_meta.blocks[1].saved_earlier == [[1, 0, 0]] and on_meta.blocks[2].saved_earlier == [[1, 1, 0]]
@@ -189,18 +193,14 @@ def test_in_a_block_of_several_ops_the_shared_storage_comes_back_no_later_than_i
     """The second block's first Linear saves the first block's output; its own ReLUs' outputs are
     saved after it, so backward uses them first. The simulator brings the shared storage back before
     the block's first own storage is used (its op comes later still: at most one storage early)."""
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(LinearRelu(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
-                                                         nn.ReLU()), nn.Linear(WIDTH, WIDTH))
     inputs, loss_fn = torch.randn(BATCH, WIDTH, requires_grad=True), (lambda out: out.square().mean())
-    profile = oomless.profile(model(), inputs, loss_fn=loss_fn, blocks=["0", "1", "2"])
+    profile = oomless.profile(_four_op_model(), inputs, loss_fn=loss_fn, blocks=["0", "1", "2"])
     assert profile.blocks[1].saved_earlier == [[1, 0, 0]] and len(profile.blocks[1].saved_sizes) == 2
     for decisions in (["swap", "swap", "swap"], ["swap", "keep", "keep"], ["recompute", "swap", "swap"]):
-        plan = oomless.plan(model(), inputs, "1TiB", loss_fn=loss_fn, blocks=["0", "1", "2"], min_swap_bytes=0,
+        plan = oomless.plan(_four_op_model(), inputs, "1TiB", loss_fn=loss_fn, blocks=["0", "1", "2"], min_swap_bytes=0,
                             profile=profile,
                             decisions=dict(zip("012", decisions)))
-        measured = _runtime_ledger_by_backward(model(), plan, inputs, loss_fn)
+        measured = _runtime_ledger_by_backward(_four_op_model(), plan, inputs, loss_fn)
         simulated = _simulated_ledger_by_backward(profile, decisions, plan.prefetch_bytes, monkeypatch)
         assert all(measured[block] <= simulated[block] <= measured[block] + STORAGE for block in (0, 1)), (
             decisions, measured, simulated)

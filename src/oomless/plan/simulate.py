@@ -189,8 +189,10 @@ def _phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase,
     of any decision but a recompute's backward, which holds the more of its forward's and backward's
     (the simulator asks both for every plan it replays)."""
     forward, backward = [], []
-    least = None
     before_backward = gradients_absent_bytes(profile, 0)
+    loss_absent = before_backward + profile.loss_static_absent_bytes
+    loss = Phase(-1, loss_other_bytes(profile) - loss_absent, _less(profile.loss_peak_bytes, loss_absent), "loss")
+    least = loss.other
     for i, (block, decision) in enumerate(zip(profile.blocks, decisions)):
         # Where a block is kept or recomputed, its own tensors are on the ledger as what the plan
         # holds: the profiling step's peak, which had them swapped, does not describe it.
@@ -203,7 +205,7 @@ def _phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase,
         gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
         absent = gradients_absent + block.backward_static_absent_bytes
         other = backward_other_bytes(profile, block) - absent
-        least = min(other, forward[-1].other, least if least is not None else other)
+        least = min(least, other, forward[-1].other)
         # The static bytes a placement takes off the device in this phase are those of the stretch
         # where its other bytes peak (`plan.static_phases`), not necessarily where its own peak is:
         # only static bytes it adds are counted there.
@@ -217,9 +219,7 @@ def _phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase,
                 own_peak = max(own_peak, forward_own_peak_bytes(profile, block) - recompute_absent)
         backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward",
                               own_peak))
-    loss_absent = before_backward + profile.loss_static_absent_bytes
-    loss = Phase(-1, loss_other_bytes(profile) - loss_absent, _less(profile.loss_peak_bytes, loss_absent), "loss")
-    return forward, loss, backward, loss.other if least is None else min(least, loss.other)
+    return forward, loss, backward, least
 
 
 SWAPPED, HELD, AHEAD, INPUT = 0, 1, 2, 3     # INPUT: a recompute block's held inputs (not its own saves)

@@ -45,8 +45,8 @@ from oomless.profile.fake_autocast import FakeAutocast
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
-from oomless.profile.tensors import (InputSharing, alive_bytes, attributes_kept, earlier_saves_by_place,
-                                     holders_by_place, parameters_read_by, tensors_in)
+from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
+                                     earlier_saves_by_place, holders_by_place, parameters_read_by, tensors_in)
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device.
@@ -213,9 +213,7 @@ class _FakeRecorder:
         the real recorder's `saved_again`, a `BlockProfile.saved_earlier` record in recorder numbers."""
         if first is None or self.in_backward or self.forward_block is None or first[0] == self.forward_block:
             return
-        block = self.blocks[self.forward_block]
-        if not any(record[:2] == list(first) for record in block.saved_earlier):
-            block.saved_earlier.append([*first, len(block.saved_sizes)])
+        add_saved_earlier(self.blocks[self.forward_block], *first)
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):

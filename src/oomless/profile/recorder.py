@@ -23,8 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import (InputSharing, alive_bytes, has_storage, storage_bytes, storage_key, tensors_in,
-                                     weak_storages)
+from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, has_storage, storage_bytes,
+                                     storage_key, tensors_in, weak_storages)
 
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
@@ -312,9 +312,7 @@ class Recorder:
         first = self.first_saves.get(id(entry))
         if first is None or first[0] is not entry or first[1] == block_index or self.in_backward:
             return
-        block = self.blocks[block_index]
-        if not any(record[:2] == [first[1], first[2]] for record in block.saved_earlier):
-            block.saved_earlier.append([first[1], first[2], len(block.saved_sizes)])
+        add_saved_earlier(self.blocks[block_index], first[1], first[2])
 
     def segment_started(self, name: str, args) -> None:
         """A module around blocks starts its forward (its pre-hook runs before its first block's)."""

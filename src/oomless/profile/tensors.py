@@ -230,6 +230,14 @@ def holders_by_place(blocks: list, order: list[int]) -> None:
                                     for size, saver, users in block.input_held_earlier]
 
 
+def add_saved_earlier(block, saver: int, index: int) -> None:
+    """Record in ``block`` (a `BlockProfile`, its forward running) that it saves storage ``index`` of
+    block ``saver``'s saved_sizes, once per storage, at its place among the block's own saves so far
+    (`BlockProfile.saved_earlier`, in recorder numbers until `earlier_saves_by_place`)."""
+    if not any(record[:2] == [saver, index] for record in block.saved_earlier):
+        block.saved_earlier.append([saver, index, len(block.saved_sizes)])
+
+
 def earlier_saves_by_place(blocks: list, order: list[int]) -> None:
     """Rewrite each of ``blocks``' `BlockProfile.saved_earlier` from the recorder's numbers to how
     many places back in the profile (its blocks are the recorder's ``order``) the saver is. A block
