@@ -12,11 +12,14 @@ import ctypes
 import functools
 import itertools
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
-from collections import defaultdict, deque
+import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -254,6 +257,66 @@ class _DiskTicket:
             self.written = None
 
 
+def _host_tag() -> str:
+    """This machine's name as a directory name may carry it."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True     # another user's process, or not a pid this system has: left alone
+    return True
+
+
+DIRECTORY_KINDS = ("swap", "static")
+
+
+@functools.cache
+def _sweep_left_behind(parent: str) -> list[str]:
+    """Remove the ``oomless-{kind}-{host}-{pid}-*`` directories in ``parent`` that processes of this
+    host left when they died without cleaning up (killed, or out of memory): the files of a dead
+    process's swap and state are never read again. Once per process and directory; what is
+    removed, returned."""
+    pattern = re.compile(rf"oomless-(?:{'|'.join(DIRECTORY_KINDS)})-{re.escape(_host_tag())}-([0-9]+)-[^-]+")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or int(match[1]) == os.getpid() or _process_alive(int(match[1])):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _remove_own_directory(path: str, owner_pid: int) -> None:
+    # A forked child (a DataLoader worker) inherits the object but not the directory's ownership.
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def private_directory(owner, kind: str, directory: str | None = None) -> tuple[str, weakref.finalize]:
+    """A new directory for ``owner``'s files in ``directory`` (default: the system's temporary
+    directory), named ``oomless-{kind}-{host}-{pid}-*``, and the finalizer that removes it: when
+    ``owner`` is garbage collected, when the process exits (the owner still alive: a user who never
+    calls `oomless.remove`), or when called (the owner's ``close``). A process killed outright leaves
+    it; the next process of this host to make one in the same place removes it then."""
+    if kind not in DIRECTORY_KINDS:
+        raise ValueError(f"kind must be one of {DIRECTORY_KINDS}, got {kind!r}")
+    parent = directory if directory is not None else tempfile.gettempdir()
+    _sweep_left_behind(os.path.abspath(parent))
+    path = tempfile.mkdtemp(prefix=f"oomless-{kind}-{_host_tag()}-{os.getpid()}-", dir=parent)
+    return path, weakref.finalize(owner, _remove_own_directory, path, os.getpid())
+
+
 DISK_MAX_PENDING_BYTES = 256 * 2**20
 # The profiler's sizing step on CUDA (no budget there): copies out in flight at most (`PinnedHostTier`).
 PROFILING_MAX_PENDING_BYTES = 256 * 2**20
@@ -269,7 +332,7 @@ class DiskTier:
     """
 
     def __init__(self, directory: str | None = None, max_pending_bytes: int = DISK_MAX_PENDING_BYTES):
-        self.directory = tempfile.mkdtemp(prefix="oomless-swap-", dir=directory)
+        self.directory, self._remove_directory = private_directory(self, "swap", directory)
         self.max_pending_bytes = max_pending_bytes
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-disk-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-disk-read")
@@ -372,7 +435,7 @@ class DiskTier:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove_directory()
 
 
 class MappedFile:
@@ -402,7 +465,7 @@ class MappedFiles:
     """
 
     def __init__(self, directory: str | None = None):
-        self.directory = tempfile.mkdtemp(prefix="oomless-static-", dir=directory)
+        self.directory, self._remove_directory = private_directory(self, "static", directory)
         self._names = itertools.count()
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oomless-map")
 
@@ -463,7 +526,7 @@ class MappedFiles:
 
     def close(self) -> None:
         self._mapper.shutdown(wait=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove_directory()
 
 
 @functools.cache
