@@ -15,16 +15,22 @@ from oomless.train.loop import build_segmentation_model, seed_everything
 from oomless.train.losses import segmentation_loss
 
 
-def main(argv: list[str]) -> None:
-    # The demo's command line (Makefile): --size 64 --global-batch 2 --memory 256MiB --seed 0.
-    config = TrainConfig(size=64, global_batch=2, memory=argv[0] if argv else "256MiB", seed=0)
-    torch.set_num_threads(int(argv[1]) if len(argv) > 1 else 2)
+def demo_step(memory: str = "256MiB", threads: int = 2):
+    """(config, model, optimizer, volumes, loss_fn) of the demo's command line (Makefile): --size 64
+    --global-batch 2 --memory 256MiB --seed 0."""
+    config = TrainConfig(size=64, global_batch=2, memory=memory, seed=0)
+    torch.set_num_threads(threads)
     seed_everything(config.seed)
     model = build_segmentation_model(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     volumes, labels = SyntheticVolumes(config.shape, seed=config.seed, channels=config.channels,
                                        classes=config.classes).batch(0, config.global_batch)
-    loss_fn = lambda logits: segmentation_loss(logits, labels)    # noqa: E731
+    return config, model, optimizer, volumes, lambda logits: segmentation_loss(logits, labels)
+
+
+def main(argv: list[str]) -> None:
+    config, model, optimizer, volumes, loss_fn = demo_step(argv[0] if argv else "256MiB",
+                                                           int(argv[1]) if len(argv) > 1 else 2)
     profile = oomless.profile(model, volumes, loss_fn=loss_fn, optimizer=optimizer, memory=config.memory_bytes)
     result = {"memory_bytes": config.memory_bytes}
     try:

@@ -28,6 +28,9 @@ class PlanError(OomlessError):
         # The profile the refused plans were made from, where it is not the one `plan` measured first
         # (a step measured with chains split, `plan.splitting`): what it plans from when given back.
         self.profile = None
+        # Which chains a refusal's step had in slabs and the smallest budget without them, where
+        # splitting lowered it (its message ends with it).
+        self.split_note: str | None = None
 
     def kept(self) -> "PlanError":
         """This refusal as a value to keep (a candidate's result, the floor a search probes): without
