@@ -46,3 +46,44 @@ def test_hf_model_plans_for_a_target_on_meta():
     plan = oomless.plan(model, tokens, "2GiB", target="h100", loss_fn=oomless.sum_of_outputs)
     assert plan.predicted_peak_bytes <= 2 * 2**30
     assert plan.predicted_step_seconds > 0
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=True))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("policy", ["swap", "recompute"])
+@pytest.mark.parametrize("build", [_llama, _mixtral], ids=["llama", "mixtral"])
+def test_hf_llama_and_a_mixture_of_experts_train_bitwise_like_plain_pytorch(build, policy):
+    """Grouped-query attention, rotary embeddings, tied input and output embeddings (Llama) and routed
+    experts, each token through 2 of 4 (Mixtral), as users build them: bit-equal to plain PyTorch."""
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, 256, (2, 32))
+    inputs = {"input_ids": tokens, "labels": tokens}
+    reference = copy.deepcopy(model)
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=lambda output: output.loss, min_swap_bytes=0)
+    assert any(name.startswith("model.layers.") for name in plan.decisions)
+    oomless.apply(model, plan.with_decisions({name: policy for name in plan.decisions}))
+    for trained in (reference, model):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(10 + step)
+            trained(**inputs).loss.backward()
+            optimizer.step()
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected, actual), name
+        assert torch.equal(expected.grad, actual.grad), name
+    stats = oomless.stats(model)
+    assert stats.offloaded_bytes > 0 if policy == "swap" else stats.recomputed_blocks > 0
