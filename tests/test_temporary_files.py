@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from oomless.runtime import tiers
 
@@ -92,7 +93,7 @@ def test_the_next_process_removes_what_a_killed_one_left_and_nothing_of_the_livi
 
 def test_a_forked_child_never_removes_its_parents_files(tmp_path):
     tier = tiers.DiskTier(str(tmp_path))
-    ticket = tier.put(tiers.torch.arange(256, dtype=tiers.torch.uint8))
+    ticket = tier.put(torch.arange(256, dtype=torch.uint8))
     tier.wait_out(ticket)
     pid = os.fork()
     if pid == 0:    # the child: what it inherited is closed and collected, as a DataLoader worker's may be
@@ -102,7 +103,7 @@ def test_a_forked_child_never_removes_its_parents_files(tmp_path):
             os._exit(0)
     os.waitpid(pid, 0)
     try:
-        assert tiers.torch.equal(tier.get(ticket), tiers.torch.arange(256, dtype=tiers.torch.uint8))
+        assert torch.equal(tier.get(ticket), torch.arange(256, dtype=torch.uint8))
     finally:
         tier.close()
     assert not os.path.exists(tier.directory)
@@ -110,7 +111,7 @@ def test_a_forked_child_never_removes_its_parents_files(tmp_path):
 
 def test_a_store_garbage_collected_removes_its_directory(tmp_path):
     files = tiers.MappedFiles(str(tmp_path))
-    files.create(tiers.torch.zeros(4096, dtype=tiers.torch.uint8))
+    files.create(torch.zeros(4096, dtype=torch.uint8))
     directory = files.directory
     assert os.listdir(directory)
     del files

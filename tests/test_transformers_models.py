@@ -8,8 +8,24 @@ import torch
 
 import oomless
 from oomless.models import build_model, example_input_for
+from oomless.profile.tensors import call_model
 
 pytest.importorskip("transformers")
+
+
+def _assert_two_steps_bitwise_equal(reference, model, inputs, loss_fn):
+    """Two AdamW steps of each from the same state (dropout seeded per step, a dict of inputs passed
+    as keywords), then every parameter and gradient of ``model`` equal to ``reference``'s."""
+    for trained in (reference, model):
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(10 + step)
+            loss_fn(call_model(trained, inputs)).backward()
+            optimizer.step()
+    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(expected, actual), name
+        assert torch.equal(expected.grad, actual.grad), name
 
 
 @pytest.mark.parametrize("policy", ["swap", "recompute"])
@@ -25,16 +41,7 @@ def test_hf_gpt2_trains_bitwise_like_plain_pytorch(policy):
     plan = oomless.plan(model, tokens, "1GiB", loss_fn=loss_fn, min_swap_bytes=0)
     assert any(name.startswith("transformer.h.") for name in plan.decisions)
     oomless.apply(model, plan.with_decisions({name: policy for name in plan.decisions}))
-    for trained in (reference, model):
-        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-        for step in range(2):
-            optimizer.zero_grad(set_to_none=True)
-            torch.manual_seed(10 + step)
-            loss_fn(trained(tokens)).backward()
-            optimizer.step()
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected, actual), name
-        assert torch.equal(expected.grad, actual.grad), name
+    _assert_two_steps_bitwise_equal(reference, model, tokens, loss_fn)
     stats = oomless.stats(model)
     assert stats.offloaded_bytes > 0 or stats.recomputed_blocks > 0
 
@@ -75,15 +82,6 @@ def test_hf_llama_and_a_mixture_of_experts_train_bitwise_like_plain_pytorch(buil
     plan = oomless.plan(model, inputs, "1GiB", loss_fn=lambda output: output.loss, min_swap_bytes=0)
     assert any(name.startswith("model.layers.") for name in plan.decisions)
     oomless.apply(model, plan.with_decisions({name: policy for name in plan.decisions}))
-    for trained in (reference, model):
-        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-        for step in range(2):
-            optimizer.zero_grad(set_to_none=True)
-            torch.manual_seed(10 + step)
-            trained(**inputs).loss.backward()
-            optimizer.step()
-    for (name, expected), (_, actual) in zip(reference.named_parameters(), model.named_parameters()):
-        assert torch.equal(expected, actual), name
-        assert torch.equal(expected.grad, actual.grad), name
+    _assert_two_steps_bitwise_equal(reference, model, inputs, lambda output: output.loss)
     stats = oomless.stats(model)
     assert stats.offloaded_bytes > 0 if policy == "swap" else stats.recomputed_blocks > 0
