@@ -219,4 +219,9 @@ def test_profiling_the_same_model_again_names_the_same_floor():
                                timeout=600)
     assert completed.returncode == 0, completed.stderr[-2000:]
     floors = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert max(floors) - min(floors) <= 5 * 2**20, [floor / 2**20 for floor in floors]
+    in_mib = [floor / 2**20 for floor in floors]
+    # The first profile in a process names a little less: the process's own one-time growth (its
+    # allocator's arenas, torch's caches) comes after it (here 184 then 187; on CI's machine 188
+    # then 193). From the second on, the same floor: the old code grew 7-11 MiB with each.
+    assert max(floors[1:]) - min(floors[1:]) <= 3 * 2**20, in_mib
+    assert 0 <= floors[1] - floors[0] <= 8 * 2**20, in_mib

