@@ -203,8 +203,12 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         except PlanError as error:
             if not may_split:
                 raise
-            if error.limiting_block is None:
-                raise   # static bytes alone exceed the budget (or the loss sets the floor): no split makes it fit
+            if error.limiting_block is None and not can_split_at(model, error.floor_block):
+                raise   # the loss sets the floor: no split lowers it
+            # Below the static bytes (limiting_block None), no split makes the budget fit, but the
+            # floor named is the split one: a request for the floor (plan at 1 byte) names what a
+            # budget between the estimate and the unsplit floor reaches in a fresh process, measured
+            # in the same order (unsplit, then the rounds).
             return plan_splitting_the_floor(model, error, plan_profile, measure)
 
     def plan_splitting_where_needed() -> Plan:

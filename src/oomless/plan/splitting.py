@@ -14,7 +14,9 @@ size), which at a large volume is several times the budget: the 3D U-Net at 232^
 tensors (`unsplit_floor_estimate`, nothing allocated, under a second for a U-Net); where even that
 estimate, which counts no kernel workspaces and no copy that lags, is over the budget, splitting
 starts from the block the estimate names, and the step is measured unsplit only if no split plan
-fits and the split floor is not below the estimate (`oomless.api.plan`).
+fits and the split floor is not below the estimate (`oomless.api.plan`). A budget below the static
+bytes (plan at 1 byte: a request for the floor) goes the same way, and the lower of the split and
+unsplit floors is named: given back in a fresh process, the same steps are measured in the same order.
 
 Where none of that fits (or the budget is below the static bytes: a request for the floor), and the
 block setting the floor holds a kernel's workspace that slabs shrink (`floor_is_a_workspace`), the
@@ -80,10 +82,12 @@ def unsplit_floor_estimate(model: nn.Module, example_inputs, optimizer, blocks, 
         plan_profile(estimated, budget)
     except PlanError as error:
         # Below the static bytes (limiting_block None) a budget asks for the floor (plan at 1 byte,
-        # read the PlanError): then the step is measured unsplit first, whose floor at a small volume
-        # may be the lower one (the U-Net at 48^3: 70 MiB unsplit, 76 streamed).
-        wanted = error.limiting_block is not None and can_split_at(model, error.floor_block)
-        return error.kept() if wanted else None
+        # read the PlanError): that too is estimated, and the step measured split first, as for a
+        # budget between the static bytes and the estimate, so that the floor it names is one a
+        # fresh process given it plans the same way (measured unsplit first, the split steps after
+        # it counted what it left held: the 3D U-Net at 64^3 named 104-106 MiB so, and a fresh
+        # process refused 106 naming 115).
+        return error.kept() if can_split_at(model, error.floor_block) else None
     return None
 
 
