@@ -327,13 +327,23 @@ def _deeplabv3():
     return model, images, lambda out: F.cross_entropy(out["out"], target) + 0.4 * F.cross_entropy(out["aux"], target)
 
 
+def _torchvision_vit():
+    # The class token a parameter concatenated in the encoder's forward, outside any block; the
+    # encoder's layers an nn.Sequential; dropout in the MLPs and attention.
+    from torchvision.models import VisionTransformer
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
+                              dropout=0.1, attention_dropout=0.1, num_classes=5)
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    return model, images, lambda out: F.cross_entropy(out, labels)
+
+
 CASES = {
     "two-names": _small(TwoNames), "called-twice": _small(CalledTwice), "tied-weights": _tied,
     "functional-between": _small(FunctionalBetween), "keyword-inputs": _keywords,
     "tuple-outputs": _small(TupleOutputs), "dict-outputs": _dicts, "torch-encoder": _torch_encoder,
     "hf-gpt2": _gpt2, "hf-bert": _bert, "hf-vit": _vit,
     "monai-unet": _monai_unet, "monai-segresnet": _segresnet, "monai-swin-unetr": _swin_unetr,
-    "torchvision-resnet50": _resnet50, "torchvision-deeplabv3": _deeplabv3,
+    "torchvision-resnet50": _resnet50, "torchvision-deeplabv3": _deeplabv3, "torchvision-vit": _torchvision_vit,
 }
 NEEDS = {"hf-": ("transformers",), "monai-swin": ("monai", "einops"), "monai-": ("monai",),
          "torchvision-": ("torchvision",)}
