@@ -277,6 +277,13 @@ def test_every_chain_split_plans_where_it_fits_else_the_lower_refusal_is_raised(
         plan_or_lowest_floor(first, {}, everything, fakes.plan_profile, fakes.profile_split)
     assert again.value.minimum_bytes == 100 and again.value.profile == ()
     assert fakes.asked == [("encoders.0", "encoders.1"), ()]
+    # Measured again as it was, a refusal of split chains still says which, and the floor without them.
+    floors[("encoders.1",)] = ("encoders.1.3", 100)
+    split = PlanError("too small", minimum_bytes=100, floor_block="encoders.1.3")
+    split.note_split("with encoders.1 computed in slabs; without: smallest budget 1.00 KiB")
+    with pytest.raises(PlanError) as noted:
+        plan_or_lowest_floor(split, {"encoders.1": DEFAULT_SLABS}, everything, fakes.plan_profile, fakes.profile_split)
+    assert noted.value.split_note == split.split_note and str(noted.value).endswith(f"({split.split_note})")
 
     def out_of_memory(chains):
         raise torch.OutOfMemoryError("the split step did not fit")

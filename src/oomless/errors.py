@@ -32,6 +32,12 @@ class PlanError(OomlessError):
         # splitting lowered it (its message ends with it).
         self.split_note: str | None = None
 
+    def note_split(self, note: str) -> None:
+        """Keep ``note`` (which chains this refusal's step had in slabs, and the smallest budget
+        without them) as `split_note`, and end the message with it."""
+        self.split_note = note
+        self.args = (f"{self.args[0]} ({note})",)
+
     def kept(self) -> "PlanError":
         """This refusal as a value to keep (a candidate's result, the floor a search probes): without
         its traceback, whose frames hold their locals (a caller's batch among them) in a cycle with

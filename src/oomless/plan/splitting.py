@@ -131,9 +131,8 @@ def plan_splitting_the_floor(model: nn.Module, error: PlanError, plan_profile: C
             if best is None:
                 raise first
             if best is not first:
-                best.split_note = (f"with {_named(best_chains)} computed in slabs; without: "
-                                   f"{_without(first_minimum, estimated)}")
-                best.args = (f"{best.args[0]} ({best.split_note})",)
+                best.note_split(f"with {_named(best_chains)} computed in slabs; without: "
+                                f"{_without(first_minimum, estimated)}")
             raise best
         chosen.update({chain: DEFAULT_SLABS for chain in more})
         try:
@@ -221,8 +220,7 @@ def plan_or_lowest_floor(refusal: PlanError, refused_chains: dict[str, int], eve
     measured.profile = again
     if refusal.split_note is not None:
         # Measured again as it was: the chains the refusal split, and the floor without them, still say.
-        measured.split_note = refusal.split_note
-        measured.args = (f"{measured.args[0]} ({refusal.split_note})",)
+        measured.note_split(refusal.split_note)
     raise measured.to_raise()
 
 
