@@ -132,11 +132,20 @@ def _frugal_plan(profile: Profile, max_pending_out_bytes: int | None) -> tuple[l
     inputs) and of recomputing exactly the blocks whose input is smaller than what they save, then
     (up to COORDINATE_SEARCH_MAX_BLOCKS blocks) single-block moves while they lower the peak."""
     run = simulator_for(profile, 0, max_pending_out_bytes, None)
+    return _frugal_search(run, profile, *_frugal_start(run, profile))
+
+
+def _frugal_start(run, profile: Profile) -> tuple[list[str], Timeline]:
+    """Where `_frugal_plan` starts its search, with its timeline: no plan it finds peaks higher."""
     count = len(profile.blocks)
     starts = [[option] * count for option in DECISIONS]
     starts.append(["recompute" if block.input_bytes < block.saved_bytes else "swap" for block in profile.blocks])
     decisions = min(starts, key=lambda start: run(start).total_peak_bytes)
-    timeline = run(decisions)
+    return decisions, run(decisions)
+
+
+def _frugal_search(run, profile: Profile, decisions: list[str], timeline: Timeline) -> tuple[list[str], Timeline]:
+    count = len(profile.blocks)
     improved, rounds = count <= COORDINATE_SEARCH_MAX_BLOCKS, 0
     while improved and rounds < 4:
         improved, rounds = False, rounds + 1
@@ -246,7 +255,14 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     names = [block.name for block in profile.blocks]
     max_pending_out_bytes = _pending_out_bound(profile, max_pending_out_bytes)
     plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
-    frugal, frugal_timeline = _frugal_plan(profile, max_pending_out_bytes)
+    frugal_run = simulator_for(profile, 0, max_pending_out_bytes, None)
+    frugal, frugal_timeline = _frugal_start(run=frugal_run, profile=profile)
+    searched = False
+    if memory_bytes < static_bytes + margin + frugal_timeline.total_peak_bytes:
+        # Only a budget below the search's start can be below its end: above it, the search is not
+        # needed to tell that some plan fits (its plan is asked for below, where none does).
+        frugal, frugal_timeline = _frugal_search(frugal_run, profile, frugal, frugal_timeline)
+        searched = True
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
     if memory_bytes < exact_minimum and decisions is None:
         # A second profile of the same step measures a little differently: the smallest budget
@@ -290,6 +306,9 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
             # When the greedy stalls (no move lowers the peak), relaxing the most frugal plans back
             # towards keep still finds a fitting plan.
             if not any(run(chosen).total_peak_bytes <= budget for _, chosen in candidates):
+                if not searched:
+                    frugal, frugal_timeline = _frugal_search(frugal_run, profile, frugal, frugal_timeline)
+                    searched = True
                 candidates += [("relaxed", relax(run, profile, budget, start))
                                for start in (frugal, ["swap"] * len(names), ["recompute"] * len(names))]
         for solver_name, chosen in candidates:
