@@ -123,15 +123,16 @@ def forward_own_peak_bytes(profile: Profile, block: BlockProfile) -> int:
     """The most at one time of ``block``'s own saved bytes and its other bytes in its forward, as a
     plan keeping it holds them (`BlockProfile.forward_own_peak_bytes`): where not measured, all of
     its saves on top of its most other bytes."""
-    summed = block.saved_bytes + forward_other_bytes(profile, block)
-    measured = block.forward_own_peak_bytes
-    return summed if measured is None else min(measured, summed)
+    return _own_peak(block.saved_bytes, forward_other_bytes(profile, block), block.forward_own_peak_bytes)
 
 
 def backward_own_peak_bytes(profile: Profile, block: BlockProfile) -> int:
     """The same as `forward_own_peak_bytes` in ``block``'s backward."""
-    summed = block.saved_bytes + backward_other_bytes(profile, block)
-    measured = block.backward_own_peak_bytes
+    return _own_peak(block.saved_bytes, backward_other_bytes(profile, block), block.backward_own_peak_bytes)
+
+
+def _own_peak(saved: int, other: int, measured: int | None) -> int:
+    summed = saved + other
     return summed if measured is None else min(measured, summed)
 
 
@@ -199,24 +200,27 @@ def _phases(profile: Profile, decisions: list[str]) -> tuple[list[Phase], Phase,
         swapped = decision == "swap"
         forward_absent = before_backward + block.forward_static_absent_bytes
         kept = decision == "keep"
-        forward.append(Phase(i, forward_other_bytes(profile, block) - forward_absent,
+        forward_other = forward_other_bytes(profile, block)
+        forward_own = _own_peak(block.saved_bytes, forward_other, block.forward_own_peak_bytes)
+        forward.append(Phase(i, forward_other - forward_absent,
                              _less(block.forward_peak_bytes, forward_absent) if swapped else None,
-                             own_peak=forward_own_peak_bytes(profile, block) - forward_absent if kept else None))
+                             own_peak=forward_own - forward_absent if kept else None))
         gradients_absent = gradients_absent_bytes(profile, block.backward_gradient_bytes)
         absent = gradients_absent + block.backward_static_absent_bytes
-        other = backward_other_bytes(profile, block) - absent
+        backward_other = backward_other_bytes(profile, block)
+        other = backward_other - absent
         least = min(least, other, forward[-1].other)
         # The static bytes a placement takes off the device in this phase are those of the stretch
         # where its other bytes peak (`plan.static_phases`), not necessarily where its own peak is:
         # only static bytes it adds are counted there.
-        own_peak = (backward_own_peak_bytes(profile, block) - gradients_absent
+        own_peak = (_own_peak(block.saved_bytes, backward_other, block.backward_own_peak_bytes) - gradients_absent
                     - min(block.backward_static_absent_bytes, 0)) if kept or decision == "recompute" else None
         if decision in RECOMPUTING:
             # The recompute re-runs the forward in backward, where the gradients so far exist.
             recompute_absent = gradients_absent + block.recompute_static_absent_bytes
-            other = max(other, forward_other_bytes(profile, block) - recompute_absent)
+            other = max(other, forward_other - recompute_absent)
             if own_peak is not None:
-                own_peak = max(own_peak, forward_own_peak_bytes(profile, block) - recompute_absent)
+                own_peak = max(own_peak, forward_own - recompute_absent)
         backward.append(Phase(i, other, _less(block.backward_peak_bytes, absent) if swapped else None, "backward",
                               own_peak))
     return forward, loss, backward, least
