@@ -93,7 +93,7 @@ def build(config: dict, device: torch.device, small: bool = False):
         # torchvision's DeepLabv3, no weights: square RGB images, two classes. Trains at a batch of 2 or
         # more: its image-pooling branch normalises a 1x1 map over the batch.
         from oomless.models import build_deeplabv3
-        side = 64 if small else config["side"]
+        side = min(64, config["side"]) if small else config["side"]     # the warm-up no larger than the step
         images = torch.randn(batch, 3, side, side, device=device)
         labels = (images[:, 0] > 0.5).long()
         model = build_deeplabv3(num_classes=2, backbone=config.get("backbone", "resnet50"))

@@ -162,11 +162,12 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
                       ["--rows", "256", "--width", "16", "--classes", "1000", "--steps", "1", "--threads", "1",
                        "--chunk-rows", "default"])})
     # Issue 15's floor guarantee on CUDA: the U-Net under plain PyTorch, checkpointing, save_on_cpu and
-    # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece).
+    # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece). The dry run
+    # checks the piece with the tiny transformer and without the steps interleaved in one process:
+    # tests/test_bench.py runs the quick U-Net with them (2.5 minutes on CI's CPU, 0.5 the transformer).
     pieces.append({"name": "floors", "writes": ["floors.json"],
-                   "command": [python, "bench/bench_floors.py", "--device", device_name, "--models", "unet3d",
-                               "--out", str(out / "floors.json")]
-                   # The dry run leaves out the steps interleaved in one process (tests/test_bench.py runs them).
+                   "command": [python, "bench/bench_floors.py", "--device", device_name,
+                               "--models", "unet3d" if cuda else "transformer", "--out", str(out / "floors.json")]
                    + ([] if cuda else ["--quick", "--threads", "1", "--speed-steps", "0"])})
     # Last: inductor compiles the transformer's block first (tens of seconds on a GPU). The dry run
     # checks the bf16 variants only: compiling on CI's CPU takes a minute more.
