@@ -164,7 +164,8 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
     # Issue 15's floor guarantee on CUDA: the U-Net under plain PyTorch, checkpointing, save_on_cpu and
     # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece). The dry run
     # checks the piece with the tiny transformer and without the steps interleaved in one process:
-    # tests/test_bench.py runs the quick U-Net with them (2.5 minutes on CI's CPU, 0.5 the transformer).
+    # tests/test_bench.py runs the quick U-Net with them (its four trials about 2 minutes on a 2-core
+    # CPU, the transformer's 35 s).
     pieces.append({"name": "floors", "writes": ["floors.json"],
                    "command": [python, "bench/bench_floors.py", "--device", device_name,
                                "--models", "unet3d" if cuda else "transformer", "--out", str(out / "floors.json")]

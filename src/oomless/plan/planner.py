@@ -6,6 +6,7 @@ state, the step's inputs) + reserve (transient memory of forward and backward, e
 profile) + activation budget (saved activations, the ledger's domain).
 """
 
+import functools
 from dataclasses import replace
 
 from oomless.errors import InputError, PlanError
@@ -145,6 +146,7 @@ def _frugal_start(run, profile: Profile) -> tuple[list[str], Timeline]:
 
 
 def _frugal_search(run, profile: Profile, decisions: list[str], timeline: Timeline) -> tuple[list[str], Timeline]:
+    """`_frugal_plan`'s single-block moves from ``decisions`` while they lower the peak."""
     count = len(profile.blocks)
     improved, rounds = count <= COORDINATE_SEARCH_MAX_BLOCKS, 0
     while improved and rounds < 4:
@@ -256,13 +258,12 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     max_pending_out_bytes = _pending_out_bound(profile, max_pending_out_bytes)
     plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     frugal_run = simulator_for(profile, 0, max_pending_out_bytes, None)
-    frugal, frugal_timeline = _frugal_start(run=frugal_run, profile=profile)
-    searched = False
-    if memory_bytes < static_bytes + margin + frugal_timeline.total_peak_bytes:
-        # Only a budget below the search's start can be below its end: above it, the search is not
-        # needed to tell that some plan fits (its plan is asked for below, where none does).
-        frugal, frugal_timeline = _frugal_search(frugal_run, profile, frugal, frugal_timeline)
-        searched = True
+    frugal_start = _frugal_start(frugal_run, profile)
+    frugal_searched = functools.cache(lambda: _frugal_search(frugal_run, profile, *frugal_start))
+    # Only a budget below the search's start can be below its end: above it, the search is not
+    # needed to tell that some plan fits (its plan is asked for below, where none does).
+    below_start = memory_bytes < static_bytes + margin + frugal_start[1].total_peak_bytes
+    frugal_timeline = (frugal_searched() if below_start else frugal_start)[1]
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
     if memory_bytes < exact_minimum and decisions is None:
         # A second profile of the same step measures a little differently: the smallest budget
@@ -306,11 +307,9 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
             # When the greedy stalls (no move lowers the peak), relaxing the most frugal plans back
             # towards keep still finds a fitting plan.
             if not any(run(chosen).total_peak_bytes <= budget for _, chosen in candidates):
-                if not searched:
-                    frugal, frugal_timeline = _frugal_search(frugal_run, profile, frugal, frugal_timeline)
-                    searched = True
                 candidates += [("relaxed", relax(run, profile, budget, start))
-                               for start in (frugal, ["swap"] * len(names), ["recompute"] * len(names))]
+                               for start in (frugal_searched()[0], ["swap"] * len(names),
+                                             ["recompute"] * len(names))]
         for solver_name, chosen in candidates:
             timeline = run(chosen)
             fits = timeline.total_peak_bytes <= budget
