@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 3
 HEADROOM = 1.3
-STREAMED_FLOOR_NOISE = 0.06     # what floors named in fresh processes may differ by, as a share
+STREAMED_FLOOR_NOISE = 0.05     # what floors named in fresh processes may differ by, as a share
 ENVIRONMENT = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}     # fresh processes of the source tree
 
 
@@ -38,10 +38,11 @@ def test_the_demo_plans_the_same_in_fresh_processes():
     # One answer, to within the noise of the step that sets it. While the floor was the unsplit
     # step's (190-193 MiB on every machine) it agreed within the 2 % margin the named floor carries
     # (planner.with_margin). Now a floor request streams the outer level in slabs, and the floor is
-    # read from resident memory of that streamed step, which varies more between processes: 102-108
-    # MiB on an Intel Xeon, quiet, 2026-11-29, in three runs of three (issue 15 keeps this open: such
-    # a floor named in one process is not always one another accepts). The bound is that noise, 6 %,
-    # plus the whole MiB the floor is rounded up to.
+    # read from resident memory of that streamed step. It varied 101-108 MiB between processes
+    # (Intel Xeon, quiet, 2026-11-29) while the profiler read its baseline and what the first step
+    # kept with the garbage and free heap pages of what ran before: 116-120 MiB in 8 processes since
+    # it reads both as held (`profiler.held_now`; the first step's start-up, 14-21 MiB read so, is 29
+    # MiB in every process). The bound is 5 %, plus the whole MiB the floor is rounded up to.
     least = min(smallest)
     assert max(smallest) - least <= STREAMED_FLOOR_NOISE * least + 2**20, smallest
 

@@ -277,10 +277,14 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     with training_state_kept(model) as (cpu_rng, cuda_rng):
         # Memory beyond static bytes is measured against what the process held before the first step:
         # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
-        # memory the training steps will hold too.
+        # memory the training steps will hold too. Read as `held_now`, as what the steps kept is: read
+        # raw, the garbage and free heap pages building the model and its inputs left (freed in the
+        # step) lowered what the first step was read to keep by as much, 13.9-20.8 MiB in 4 fresh
+        # processes profiling `make demo`'s step (their resident memory grew 30.8 MiB in each, the
+        # same to 0.1 MiB), and the floors they named after differed by 6 %.
         probe = MemoryProbe(device)
         left_before = _LEFT_BEHIND.get(model, 0)
-        start_bytes = probe.current()
+        start_bytes = held_now(device)
         baseline_bytes = start_bytes - left_before
 
         def measure(decisions: dict[str, str] | None = None):
@@ -306,7 +310,11 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             # bf16 step's 11-13 MiB of caches for its slabs' shapes were taken for start-up in 2 runs
             # of 3, and the floor it named was 14-20 MiB under the step's. (Benchmarks leave start-up
             # out as the plain runs' does: a warm-up step of the same code paths before their baseline.)
-            kept = probe.current() - baseline_bytes
+            # Read as `held_now`: what the step left as garbage and free heap pages is not held, and
+            # read raw it varied between fresh processes and rode on every phase of the step measured
+            # next (`make demo`'s floor request: 36.3-41.9 MiB kept, its floors named 116-122 MiB in 7
+            # processes whose resident memory after planning agreed within 0.4 MiB; now 114-116 in 4).
+            kept = held_now(device) - baseline_bytes
             if not _agreed(kept > max(recorder.highest_above_static_bytes // HELD_SHARE, 2**20)):
                 return recorder, loss_seconds
             # Every training step holds it from its start, the first step's phases only from where
