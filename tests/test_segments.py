@@ -99,10 +99,25 @@ def _budget_only_segments_meet(profile: Profile) -> int:
     return stages.predicted_peak_bytes
 
 
+def _profile_only_segments_meet(model, inputs, loss_fn) -> tuple[Profile, int]:
+    """A profile (slow link) and `_budget_only_segments_meet`'s budget for it, where keeping every
+    block and recomputing every block one by one are both over it. A phase's measured working memory
+    grows under load (seen with another test process beside this one): where it outweighs what
+    recomputing whole stages saves, every plan needs the same, and the profile is measured again."""
+    for _ in range(5):
+        profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
+        memory = _budget_only_segments_meet(profile)
+        single = [make_plan(profile, 2**40, decisions={block.name: decision for block in profile.blocks},
+                            min_swap_bytes=0).predicted_peak_bytes for decision in ("keep", "recompute")]
+        if min(single) > memory:
+            return profile, memory
+    pytest.fail(f"in 5 profiles recomputing whole stages never needed less than every block kept or recomputed "
+                f"({single} bytes against {memory})")
+
+
 def test_the_planner_recomputes_whole_stages_where_that_is_fastest_and_trains_as_plain():
     model, inputs, loss_fn = _case()
-    profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
-    memory = _budget_only_segments_meet(profile)
+    profile, memory = _profile_only_segments_meet(model, inputs, loss_fn)
 
     def make(device_profile):
         return make_plan(device_profile, memory, min_swap_bytes=0)
@@ -174,8 +189,7 @@ def test_no_segments_where_parameters_move_per_block():
     """Parameters off the device move per block of the plan and are counted per measured block: that
     placement plans the measured blocks."""
     model, inputs, loss_fn = _case()
-    profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
-    memory = _budget_only_segments_meet(profile)
+    profile, memory = _profile_only_segments_meet(model, inputs, loss_fn)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     free = oomless.plan(model, inputs, memory, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                         min_swap_bytes=0, offload_parameters=False)
@@ -267,8 +281,7 @@ def test_places_in_a_merged_block_go_by_its_saves():
 
 def test_a_plans_decisions_given_back_plan_the_same_segments():
     model, inputs, loss_fn = _case()
-    profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
-    memory = _budget_only_segments_meet(profile)
+    profile, memory = _profile_only_segments_meet(model, inputs, loss_fn)
     plan = oomless.plan(model, inputs, memory, loss_fn=loss_fn, profile=profile, min_swap_bytes=0)
     assert any(name.count(".") == 1 for name in plan.decisions)
     again = oomless.plan(model, inputs, memory, loss_fn=loss_fn, profile=profile, min_swap_bytes=0,
