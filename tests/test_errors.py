@@ -41,6 +41,46 @@ def test_memory_too_small_names_the_minimum_and_the_block():
     oomless.fit(model, inputs, error.value.minimum_bytes, loss_fn=_loss)
 
 
+def test_a_deferred_refusal_names_its_budget_once_when_read_and_travels_named():
+    """The planner's refusals name their smallest budget when it is read (`PlanError.deferred`): a
+    planning call refuses many candidates and reports one. Read any way (the attribute, the message,
+    a copy, a pickle, the plain data a collective carries), it is named once, the same."""
+    import pickle
+
+    from oomless.parallel.process_group import from_shared, shareable
+
+    calls = []
+
+    def named():
+        calls.append(1)
+        return f"no plan fits 1 byte: the smallest budget that fits is {5 * 2**20} bytes", 5 * 2**20
+
+    def refusal():
+        return oomless.PlanError.deferred(named, limiting_block="layers.0")
+
+    error = refusal()
+    assert calls == [] and error.limiting_block == error.floor_block == "layers.0"
+    assert error.minimum_bytes == 5 * 2**20 and str(5 * 2**20) in str(error) and calls == [1]
+    assert error.minimum_bytes == 5 * 2**20 and calls == [1]
+    for read in (str, repr, copy.copy, lambda e: pickle.loads(pickle.dumps(e)), lambda e: e.to_raise()):
+        calls.clear()
+        error = refusal()
+        seen = read(error)
+        assert calls == [1] and error.minimum_bytes == 5 * 2**20 and calls == [1]
+        if isinstance(seen, oomless.PlanError):
+            assert seen.minimum_bytes == 5 * 2**20 and str(seen) == str(error)
+    shared = shareable(refusal())
+    assert shared["attributes"]["minimum_bytes"] == 5 * 2**20
+    with pytest.raises(oomless.PlanError, match=f"is {5 * 2**20} bytes") as raised:
+        from_shared(shared)
+    assert raised.value.minimum_bytes == 5 * 2**20 and raised.value.limiting_block == "layers.0"
+    error = refusal()
+    error.note_split("layers.0 in slabs")
+    assert str(error).endswith("(layers.0 in slabs)") and error.minimum_bytes == 5 * 2**20
+    with pytest.raises(AttributeError):
+        refusal().not_an_attribute
+
+
 def test_the_named_minimum_given_back_plans_from_the_same_measurements(monkeypatch):
     """Each profile of a step measures a little differently; the budget a PlanError names is a
     promise about the step it measured. Given back (or more) for the same step, plan reuses that

@@ -17,6 +17,7 @@ class PlanError(OomlessError):
     ``minimum_bytes`` is the smallest budget that would fit and ``limiting_block`` the block
     whose footprint forces it (None when static bytes alone exceed the budget). ``floor_block`` is
     the block that sets ``minimum_bytes`` (given even when static bytes alone exceed the budget).
+    `PlanError.deferred` makes one whose message and ``minimum_bytes`` are worked out when first read.
     """
 
     def __init__(self, message: str, minimum_bytes: int | None = None, limiting_block: str | None = None,
@@ -32,9 +33,46 @@ class PlanError(OomlessError):
         # splitting lowered it (its message ends with it).
         self.split_note: str | None = None
 
+    @classmethod
+    def deferred(cls, named, limiting_block: str | None = None, floor_block: str | None = None) -> "PlanError":
+        """A refusal whose (message, minimum_bytes) ``named()`` returns, called when either is first
+        read. Naming the smallest budget takes a search of its own (the planner's, on a slower link),
+        and a planning call refuses many candidates (static placements, coarser granularities) of
+        which it reads the numbers of one."""
+        error = cls("", limiting_block=limiting_block, floor_block=floor_block)
+        del error.minimum_bytes         # read through __getattr__ until named
+        error._named = named
+        return error
+
+    def _name(self) -> None:
+        named = self.__dict__.pop("_named", None)
+        if named is not None:
+            message, self.minimum_bytes = named()
+            self.args = (message,)
+
+    def __getattr__(self, name: str):
+        # Only attributes not set: a deferred refusal's minimum_bytes before it is named.
+        if name == "minimum_bytes" and "_named" in self.__dict__:
+            self._name()
+            return self.minimum_bytes
+        raise AttributeError(name)
+
+    def __str__(self) -> str:
+        self._name()
+        return super().__str__()
+
+    def __repr__(self) -> str:
+        self._name()
+        return super().__repr__()
+
+    def __reduce__(self):
+        self._name()        # a closure does not pickle: its numbers do
+        return super().__reduce__()
+
     def note_split(self, note: str) -> None:
         """Keep ``note`` (which chains this refusal's step had in slabs, and the smallest budget
         without them) as `split_note`, and end the message with it."""
+        self._name()
         self.split_note = note
         self.args = (f"{self.args[0]} ({note})",)
 

@@ -201,8 +201,10 @@ def shareable(outcome) -> dict:
     if not isinstance(outcome, OomlessError):
         return {"value": outcome}
     # Only the message and plain attributes travel (a PlanError's profile does not, nor any traceback).
+    # The message first: a deferred PlanError (`PlanError.deferred`) works out its numbers when read.
+    message = str(outcome)
     plain = {key: value for key, value in vars(outcome).items() if isinstance(value, (str, int, float, type(None)))}
-    return {"error": type(outcome).__name__, "message": str(outcome), "attributes": plain}
+    return {"error": type(outcome).__name__, "message": message, "attributes": plain}
 
 
 def from_shared(shared: dict) -> str:

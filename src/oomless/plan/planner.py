@@ -266,20 +266,22 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     frugal_timeline = (frugal_searched() if below_start else frugal_start)[1]
     exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
     if memory_bytes < exact_minimum and decisions is None:
-        # A second profile of the same step measures a little differently: the smallest budget
-        # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
-        _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
-        minimum = with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
-                                                           slower_timeline.total_peak_bytes))
         limiting_name, why = _what_limits(profile, frugal_timeline)
         floor_name = limiting_name
         if static_bytes + margin >= memory_bytes:
             limiting_name, why = None, (f"static bytes ({format_bytes(static_bytes)}) and the measurement margin "
                                         f"({format_bytes(margin)}) alone exceed it")
-        raise PlanError(f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
-                        f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
-                        "or a smaller batch",
-                        minimum_bytes=minimum, limiting_block=limiting_name, floor_block=floor_name)
+
+        def named() -> tuple[str, int]:
+            # A second profile of the same step measures a little differently: the smallest budget
+            # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
+            _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
+            minimum = with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
+                                                               slower_timeline.total_peak_bytes))
+            return (f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
+                    f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
+                    "or a smaller batch"), minimum
+        raise PlanError.deferred(named, limiting_block=limiting_name, floor_block=floor_name)
 
     not_offered = [block.name for block in profile.blocks
                    if (decisions or {}).get(block.name) == SELECTIVE and not selective_offered(block)]
