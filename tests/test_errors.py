@@ -53,15 +53,17 @@ def test_a_deferred_refusal_names_its_budget_once_when_read_and_travels_named():
 
     def named():
         calls.append(1)
-        return f"no plan fits 1 byte: the smallest budget that fits is {5 * 2**20} bytes", 5 * 2**20
+        return f"no plan fits 1 byte: the smallest budget that fits is {5 * 2**20} bytes", 5 * 2**20, "layers.1"
 
     def refusal():
         return oomless.PlanError.deferred(named, limiting_block="layers.0")
 
     error = refusal()
-    assert calls == [] and error.limiting_block == error.floor_block == "layers.0"
-    assert error.minimum_bytes == 5 * 2**20 and str(5 * 2**20) in str(error) and calls == [1]
-    assert error.minimum_bytes == 5 * 2**20 and calls == [1]
+    assert calls == [] and error.limiting_block == "layers.0" and calls == []
+    assert error.floor_block == "layers.1" and calls == [1]
+    error = refusal()
+    assert error.minimum_bytes == 5 * 2**20 and str(5 * 2**20) in str(error) and calls == [1, 1]
+    assert error.minimum_bytes == 5 * 2**20 and error.floor_block == "layers.1" and calls == [1, 1]
     for read in (str, repr, copy.copy, lambda e: pickle.loads(pickle.dumps(e)), lambda e: e.to_raise()):
         calls.clear()
         error = refusal()
@@ -74,6 +76,7 @@ def test_a_deferred_refusal_names_its_budget_once_when_read_and_travels_named():
     with pytest.raises(oomless.PlanError, match=f"is {5 * 2**20} bytes") as raised:
         from_shared(shared)
     assert raised.value.minimum_bytes == 5 * 2**20 and raised.value.limiting_block == "layers.0"
+    assert raised.value.floor_block == "layers.1"
     error = refusal()
     error.note_split("layers.0 in slabs")
     assert str(error).endswith("(layers.0 in slabs)") and error.minimum_bytes == 5 * 2**20

@@ -34,27 +34,27 @@ class PlanError(OomlessError):
         self.split_note: str | None = None
 
     @classmethod
-    def deferred(cls, named, limiting_block: str | None = None, floor_block: str | None = None) -> "PlanError":
-        """A refusal whose (message, minimum_bytes) ``named()`` returns, called when either is first
-        read. Naming the smallest budget takes a search of its own (the planner's, on a slower link),
+    def deferred(cls, named, limiting_block: str | None = None) -> "PlanError":
+        """A refusal whose (message, minimum_bytes, floor_block) ``named()`` returns, called when any
+        of them is first read. Naming the smallest budget takes a search of its own (the planner's),
         and a planning call refuses many candidates (static placements, coarser granularities) of
         which it reads the numbers of one."""
-        error = cls("", limiting_block=limiting_block, floor_block=floor_block)
-        del error.minimum_bytes         # read through __getattr__ until named
+        error = cls("", limiting_block=limiting_block)
+        del error.minimum_bytes, error.floor_block      # read through __getattr__ until named
         error._named = named
         return error
 
     def _name(self) -> None:
         named = self.__dict__.pop("_named", None)
         if named is not None:
-            message, self.minimum_bytes = named()
+            message, self.minimum_bytes, self.floor_block = named()
             self.args = (message,)
 
     def __getattr__(self, name: str):
-        # Only attributes not set: a deferred refusal's minimum_bytes before it is named.
-        if name == "minimum_bytes" and "_named" in self.__dict__:
+        # Only attributes not set: a deferred refusal's numbers before they are named.
+        if name in ("minimum_bytes", "floor_block") and "_named" in self.__dict__:
             self._name()
-            return self.minimum_bytes
+            return getattr(self, name)
         raise AttributeError(name)
 
     def __str__(self) -> str:

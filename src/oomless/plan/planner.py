@@ -256,33 +256,37 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
     budget = memory_bytes - static_bytes - margin     # beyond static bytes, for the whole step
     names = [block.name for block in profile.blocks]
     max_pending_out_bytes = _pending_out_bound(profile, max_pending_out_bytes)
-    plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     frugal_run = simulator_for(profile, 0, max_pending_out_bytes, None)
-    frugal_start = _frugal_start(frugal_run, profile)
-    frugal_searched = functools.cache(lambda: _frugal_search(frugal_run, profile, *frugal_start))
-    # Only a budget below the search's start can be below its end: above it, the search is not
-    # needed to tell that some plan fits (its plan is asked for below, where none does).
-    below_start = memory_bytes < static_bytes + margin + frugal_start[1].total_peak_bytes
-    frugal_timeline = (frugal_searched() if below_start else frugal_start)[1]
-    exact_minimum = static_bytes + margin + frugal_timeline.total_peak_bytes
-    if memory_bytes < exact_minimum and decisions is None:
-        limiting_name, why = _what_limits(profile, frugal_timeline)
-        floor_name = limiting_name
-        if static_bytes + margin >= memory_bytes:
-            limiting_name, why = None, (f"static bytes ({format_bytes(static_bytes)}) and the measurement margin "
-                                        f"({format_bytes(margin)}) alone exceed it")
+    frugal_started = functools.cache(lambda: _frugal_start(frugal_run, profile))
+    frugal_searched = functools.cache(lambda: _frugal_search(frugal_run, profile, *frugal_started()))
+    # Below static bytes and the margin, no plan fits whatever the search finds: it runs only if the
+    # refusal's numbers are read (a floor request refuses every candidate placement, and reports one).
+    static_alone = decisions is None and memory_bytes < static_bytes + margin
+    if not static_alone:
+        # Only a budget below the search's start can be below its end: above it, the search is not
+        # needed to tell that some plan fits (its plan is asked for below, where none does).
+        below_start = memory_bytes < static_bytes + margin + frugal_started()[1].total_peak_bytes
+        frugal_timeline = (frugal_searched() if below_start else frugal_started())[1]
+    if static_alone or (memory_bytes < static_bytes + margin + frugal_timeline.total_peak_bytes and decisions is None):
+        limiting_name = None if static_alone else _what_limits(profile, frugal_timeline)[0]
 
-        def named() -> tuple[str, int]:
+        def named() -> tuple[str, int, str | None]:
+            timeline = frugal_searched()[1]
+            floor_name, why = _what_limits(profile, timeline)
+            if static_bytes + margin >= memory_bytes:
+                why = (f"static bytes ({format_bytes(static_bytes)}) and the measurement margin "
+                       f"({format_bytes(margin)}) alone exceed it")
             # A second profile of the same step measures a little differently: the smallest budget
             # reported carries a margin, and fits a slower link too, so that planning again with it succeeds.
             _, slower_timeline = _frugal_plan(_with_slower_link(profile), max_pending_out_bytes)
-            minimum = with_margin(static_bytes + margin + max(frugal_timeline.total_peak_bytes,
+            minimum = with_margin(static_bytes + margin + max(timeline.total_peak_bytes,
                                                                slower_timeline.total_peak_bytes))
             return (f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                     f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
-                    "or a smaller batch"), minimum
-        raise PlanError.deferred(named, limiting_block=limiting_name, floor_block=floor_name)
+                    "or a smaller batch"), minimum, floor_name
+        raise PlanError.deferred(named, limiting_block=None if static_bytes + margin >= memory_bytes else limiting_name)
 
+    plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     not_offered = [block.name for block in profile.blocks
                    if (decisions or {}).get(block.name) == SELECTIVE and not selective_offered(block)]
     if not_offered:
