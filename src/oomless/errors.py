@@ -17,7 +17,8 @@ class PlanError(OomlessError):
     ``minimum_bytes`` is the smallest budget that would fit and ``limiting_block`` the block
     whose footprint forces it (None when static bytes alone exceed the budget). ``floor_block`` is
     the block that sets ``minimum_bytes`` (given even when static bytes alone exceed the budget).
-    `PlanError.deferred` makes one whose message and ``minimum_bytes`` are worked out when first read.
+    `PlanError.deferred` makes one whose message, ``minimum_bytes`` and ``floor_block`` are worked out
+    when first read.
     """
 
     def __init__(self, message: str, minimum_bytes: int | None = None, limiting_block: str | None = None,
