@@ -268,12 +268,13 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         below_start = memory_bytes < static_bytes + margin + frugal_started()[1].total_peak_bytes
         frugal_timeline = (frugal_searched() if below_start else frugal_started())[1]
     if static_alone or (memory_bytes < static_bytes + margin + frugal_timeline.total_peak_bytes and decisions is None):
-        limiting_name = None if static_alone else _what_limits(profile, frugal_timeline)[0]
+        static_exceeds = static_bytes + margin >= memory_bytes
+        limiting_name = None if static_exceeds else _what_limits(profile, frugal_timeline)[0]
 
         def named() -> tuple[str, int, str | None]:
             timeline = frugal_searched()[1]
             floor_name, why = _what_limits(profile, timeline)
-            if static_bytes + margin >= memory_bytes:
+            if static_exceeds:
                 why = (f"static bytes ({format_bytes(static_bytes)}) and the measurement margin "
                        f"({format_bytes(margin)}) alone exceed it")
             # A second profile of the same step measures a little differently: the smallest budget
@@ -284,7 +285,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
             return (f"no plan fits {format_bytes(memory_bytes)}: the smallest budget that fits is "
                     f"{format_bytes(minimum)} ({minimum} bytes); {why}. Give memory >= {minimum}, "
                     "or a smaller batch"), minimum, floor_name
-        raise PlanError.deferred(named, limiting_block=None if static_bytes + margin >= memory_bytes else limiting_name)
+        raise PlanError.deferred(named, limiting_block=limiting_name)
 
     plain = simulate(profile, ["keep"] * len(names), None, max_pending_out_bytes)
     not_offered = [block.name for block in profile.blocks
