@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 3
 HEADROOM = 1.3
-STREAMED_FLOOR_NOISE = 0.05     # what floors named in fresh processes may differ by, as a share
+STREAMED_FLOOR_NOISE = 0.10     # what floors named in fresh processes may differ by, as a share
 ENVIRONMENT = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}     # fresh processes of the source tree
 
 
@@ -38,11 +38,17 @@ def test_the_demo_plans_the_same_in_fresh_processes():
     # One answer, to within the noise of the step that sets it. While the floor was the unsplit
     # step's (190-193 MiB on every machine) it agreed within the 2 % margin the named floor carries
     # (planner.with_margin). Now a floor request streams the outer level in slabs, and the floor is
-    # read from resident memory of that streamed step. It varied 101-108 MiB between processes
-    # (Intel Xeon, quiet, 2026-11-29) while the profiler read its baseline and what the first step
-    # kept with the garbage and free heap pages of what ran before: 116-120 MiB in 8 processes since
-    # it reads both as held (`profiler.held_now`; the first step's start-up, 14-21 MiB read so, is 29
-    # MiB in every process). The bound is 5 %, plus the whole MiB the floor is rounded up to.
+    # read from resident memory of that streamed step: its loss phase (`Profile.loss_peak_bytes`).
+    # What the process holds then varies between fresh processes by a few MiB, the same amount in
+    # every phase of the step: glibc's main heap (small objects and tensors under the 64 KiB mmap
+    # threshold, `rss.return_freed_memory_to_the_system`) re-faults the pages `held_now` trimmed in
+    # a different pattern each time. In 4 processes (Intel Xeon, quiet, 2026-11-29) its resident
+    # pages at the loss phase were 118.4-129.1 MiB, file pages the same to 0.3 MiB, and what the
+    # first streamed step kept, read after collecting and trimming, the same to 0.1 MiB. Not the
+    # hash seed, the thread count, glibc's arenas or huge pages: with each fixed the spread stayed
+    # 6-10 MiB. The floors named: 114, 121, 121 in CI (stop 50); 115-124 in 12 processes here. The
+    # bound is 10 %, plus the whole MiB the floor is rounded up to; a plan that lost the streamed
+    # step (196-198 MiB) or accepted in one process and refused in another fails it.
     least = min(smallest)
     assert max(smallest) - least <= STREAMED_FLOOR_NOISE * least + 2**20, smallest
 
