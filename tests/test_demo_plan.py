@@ -42,7 +42,7 @@ def test_the_demo_plans_the_same_in_fresh_processes():
     # What the process holds then varies between fresh processes by a few MiB, the same amount in
     # every phase of the step: glibc's main heap (small objects and tensors under the 64 KiB mmap
     # threshold, `rss.return_freed_memory_to_the_system`) re-faults the pages `held_now` trimmed in
-    # a different pattern each time. In 4 processes (Intel Xeon, quiet, 2026-11-29) its resident
+    # a different pattern each time. In 4 processes (AMD EPYC, quiet, 2026-11-29) its resident
     # pages at the loss phase were 118.4-129.1 MiB, file pages the same to 0.3 MiB, and what the
     # first streamed step kept, read after collecting and trimming, the same to 0.1 MiB. Not the
     # hash seed, the thread count, glibc's arenas or huge pages: with each fixed the spread stayed

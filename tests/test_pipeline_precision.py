@@ -18,6 +18,13 @@ Tolerances, and why:
 - 1e-6 absolute (tests/test_pipeline.py's) where fp32 sums run in another order: a tied weight's
   gradient is the sum of its two stages' parts, and the replica average adds replicas' gradients
   rather than accumulating chunks. Measured 7e-9 to 9e-8.
+- Under fp16 those fp32 differences can flip the rounding of a weight cast to fp16, and that one
+  element's gradient differs by an fp16 ulp: the transformer's zero-bubble job (tied weights, the
+  overflow skipped at step 1) agreed to 1.9e-9 after four steps and 4.9e-6 after the fifth on an AMD
+  EPYC (torch 2.13.0+cpu, 2026-11-29; 149 of its 78,848 weights beyond 1e-6, the 1f1b cut the same;
+  9e-8 or less on the Intel Xeon before). A non-exact fp16 job may have `FLIP_SHARE` of its weights
+  beyond 1e-6 and none beyond `FLIP_TOLERANCE`; a layout that lost a chunk's gradient or unscaled
+  twice moves most of them, far further.
 - Every comparison also checks that the reference at its precision is further from the fp32 one than
   100x the tolerance (bf16: 5.5e-4 for the transformer, 1.1e-2 for the U-Net), so a layout that
   silently trained in fp32 would fail.
@@ -45,12 +52,20 @@ from tests.parallel_workers import run_jobs, tiny_config
 from tests.pipeline_workers import STEPS, build, run_pipeline_jobs, train_reference
 
 TOLERANCE = 1e-6
+FLIP_TOLERANCE = 2e-5       # under fp16: an fp16 rounding flipped by fp32 sum-order differences (see above)
+FLIP_SHARE = 0.01           # ... in at most this share of the weights
 COMPILE = {"backend": "aot_eager"}       # inductor takes minutes on this CPU; aot_eager runs the same ops
 
 
 def _max_difference(first: dict, second: dict) -> float:
     assert first.keys() == second.keys()
     return max((first[name].double() - second[name].double()).abs().max().item() for name in first)
+
+
+def _share_beyond(first: dict, second: dict, tolerance: float) -> float:
+    """The share of all elements of ``first`` further than ``tolerance`` from ``second``'s."""
+    beyond = sum(int(((first[name].double() - second[name].double()).abs() > tolerance).sum()) for name in first)
+    return beyond / sum(first[name].numel() for name in first)
 
 
 def _parameters(model) -> dict:
@@ -67,6 +82,9 @@ def _check(results: dict, jobs: list[dict]) -> None:
         if job["exact"]:
             unequal = [name for name in expected if not torch.equal(result["parameters"][name], expected[name])]
             assert not unequal, (job["name"], unequal[:3], _max_difference(result["parameters"], expected))
+        elif job["precision"] == "fp16":
+            assert _max_difference(result["parameters"], expected) <= FLIP_TOLERANCE, job["name"]
+            assert _share_beyond(result["parameters"], expected, TOLERANCE) <= FLIP_SHARE, job["name"]
         else:
             assert _max_difference(result["parameters"], expected) <= TOLERANCE, job["name"]
         fp32 = _parameters(train_reference(job["kind"], chunks)[0])
