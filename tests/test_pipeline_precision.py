@@ -57,15 +57,21 @@ FLIP_SHARE = 0.01           # ... in at most this share of the weights
 COMPILE = {"backend": "aot_eager"}       # inductor takes minutes on this CPU; aot_eager runs the same ops
 
 
-def _max_difference(first: dict, second: dict) -> float:
+def _differences(first: dict, second: dict) -> list[torch.Tensor]:
+    """Each tensor's elementwise absolute difference, in float64."""
     assert first.keys() == second.keys()
-    return max((first[name].double() - second[name].double()).abs().max().item() for name in first)
+    return [(first[name].double() - second[name].double()).abs() for name in first]
+
+
+def _max_difference(first: dict, second: dict) -> float:
+    return max(difference.max().item() for difference in _differences(first, second))
 
 
 def _share_beyond(first: dict, second: dict, tolerance: float) -> float:
     """The share of all elements of ``first`` further than ``tolerance`` from ``second``'s."""
-    beyond = sum(int(((first[name].double() - second[name].double()).abs() > tolerance).sum()) for name in first)
-    return beyond / sum(first[name].numel() for name in first)
+    differences = _differences(first, second)
+    return sum(int((difference > tolerance).sum()) for difference in differences) / \
+        sum(difference.numel() for difference in differences)
 
 
 def _parameters(model) -> dict:
