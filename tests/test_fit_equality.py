@@ -23,16 +23,16 @@ def _mlp():
 
 
 def _cnn():
-    return SmallCNN(in_channels=3, num_classes=10), torch.randn(4, 3, 32, 32), lambda out: out.logsumexp(1).mean()
+    return SmallCNN(in_channels=3, num_classes=10), torch.randn(8, 3, 32, 32), lambda out: out.logsumexp(1).mean()
 
 
 def _unet():
-    volume = torch.randn(2, 1, 16, 16, 16)
+    volume = torch.randn(4, 1, 16, 16, 16)
     return UNet3D(base_channels=4, depth=2), volume, lambda out: F.cross_entropy(out, (volume[:, 0] > 0).long())
 
 
 def _transformer():
-    tokens = torch.randint(0, 256, (4, 32))
+    tokens = torch.randint(0, 256, (8, 32))
     return (TinyTransformer(vocab_size=256, dim=64, depth=3, heads=4, max_len=32),
             tokens, lambda out: F.cross_entropy(out.flatten(0, 1), tokens.roll(-1, 1).flatten()))
 
