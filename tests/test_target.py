@@ -12,7 +12,7 @@ import torch
 
 import oomless
 from oomless.models import MLP, SmallCNN, TinyTransformer, UNet3D
-from oomless.plan.devices import devices, find_device, load_devices
+from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, devices, find_device, load_devices
 from oomless.profile.fake import profile_for_target
 from oomless.profile.profiler import profile_model
 
@@ -46,6 +46,22 @@ def test_meta_profile_counts_the_bytes_the_real_profiler_measures(name):
     # The model is left as found: same values, no gradients, nothing on meta.
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bringing_a_saved_tensor_back_takes_no_device_time():
+    """Backward's use of a kept saved tensor runs no kernel: on meta tensors its unpack points a
+    tensor at the storage again (`set_`), which the roofline once charged the storage's bytes, as
+    much as the ReLU that saved it. A ReLU block's backward is threshold_backward's alone: it moves
+    three tensors of the input's size (gradient in, the saved output, gradient out) where the
+    forward moves two."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU())
+    profile = profile_for_target(model, torch.empty(4096, 1024, device="meta"), "h100",
+                                 loss_fn=oomless.sum_of_outputs, blocks=["0", "1"])
+    relu = profile.blocks[1]
+    assert relu.saved_bytes == 4096 * 1024 * 4
+    assert relu.backward_seconds - KERNEL_OVERHEAD_SECONDS == \
+        pytest.approx(1.5 * (relu.forward_seconds - KERNEL_OVERHEAD_SECONDS), rel=1e-9)
 
 
 def test_meta_model_and_dtype():
