@@ -23,7 +23,7 @@ def _mlp():
 
 
 def _cnn():
-    return SmallCNN(in_channels=3, num_classes=10), torch.randn(8, 3, 32, 32), lambda out: out.logsumexp(1).mean()
+    return SmallCNN(in_channels=3, num_classes=10), torch.randn(16, 3, 32, 32), lambda out: out.logsumexp(1).mean()
 
 
 def _unet():
