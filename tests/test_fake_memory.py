@@ -158,11 +158,11 @@ def test_a_refusal_named_by_a_split_step_plans_from_it_when_given_back(monkeypat
 
 def test_the_flop_note_reads_in_the_unit_of_its_size():
     """A small model's step read "0.00 TFLOP per step" in `oomless simulate`'s notes."""
-    from oomless.profile.fake import _format_flops
+    from oomless.profile.fake import format_flops
 
-    assert _format_flops(163.58e6) == "163.58 MFLOP"
-    assert _format_flops(2.5e12) == "2.50 TFLOP"
-    assert _format_flops(3.1e15) == "3.10 PFLOP"
+    assert format_flops(163.58e6) == "163.58 MFLOP"
+    assert format_flops(2.5e12) == "2.50 TFLOP"
+    assert format_flops(3.1e15) == "3.10 PFLOP"
 
 
 class _CachesAGrid(torch.nn.Module):

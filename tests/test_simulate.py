@@ -22,7 +22,7 @@ from oomless.plan.collectives import (Group, all_gather_seconds, all_reduce_seco
 from oomless.plan.devices import Device, find_device, register_device
 from oomless.plan.layouts import estimate_data_parallel, estimate_fsdp, estimate_layouts, recommend
 from oomless.plan.microbatches import scale_profile
-from oomless.profile.fake import profile_for_target
+from oomless.profile.fake import format_flops, profile_for_target
 from oomless.profile.repeated import profile_few_layers
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
@@ -193,10 +193,21 @@ def test_a_deep_model_is_profiled_from_three_layers_and_extended():
     for mine, theirs in zip(few.blocks, whole.blocks):
         assert mine.saved_bytes == theirs.saved_bytes and mine.parameter_bytes == theirs.parameter_bytes
         assert mine.forward_seconds == pytest.approx(theirs.forward_seconds)
+        assert mine.flops == pytest.approx(theirs.flops)
     for name in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buffer_bytes",
                  "unassigned_saved_bytes", "input_bytes"):
         assert getattr(few, name) == getattr(whole, name), name
-    assert any("3 of the 9 identical layers" in note for note in few.notes)
+    # The step's operations count all nine layers, as the whole model's do, and the note says so.
+    assert few.flops == pytest.approx(whole.flops) and whole.flops >= sum(block.flops for block in whole.blocks) > 0
+    assert any("3 of the 9 identical layers" in note and f"the step with all 9 is {format_flops(whole.flops)}" in note
+               for note in few.notes)
+    # Pipeline blocks merged and micro-batches scaled carry them along.
+    from oomless.plan.microbatches import merge_blocks
+    merged = merge_blocks(few, [("first", list(range(4))), ("rest", list(range(4, len(few.blocks))))])
+    assert sum(block.flops for block in merged.blocks) == pytest.approx(sum(block.flops for block in few.blocks))
+    half = scale_profile(few, 0.5)
+    busiest = max(range(len(few.blocks)), key=lambda i: few.blocks[i].flops)
+    assert half.flops == pytest.approx(few.flops / 2) and half.blocks[busiest].flops == few.blocks[busiest].flops / 2 > 0
 
 
 def _layout_table(simulation) -> dict:

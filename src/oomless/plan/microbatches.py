@@ -29,7 +29,8 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
     if fraction <= 0:
         raise InputError(f"fraction must be positive, got {fraction}")
     bytes_ = lambda value: None if value is None else math.ceil(value * fraction)
-    blocks = [replace(block, forward_seconds=block.forward_seconds * fraction,
+    flops = lambda value: None if value is None else value * fraction
+    blocks = [replace(block, forward_seconds=block.forward_seconds * fraction, flops=flops(block.flops),
                       backward_seconds=block.backward_seconds * fraction,
                       saved_bytes=bytes_(block.saved_bytes), largest_saved_bytes=bytes_(block.largest_saved_bytes),
                       saved_sizes=[bytes_(size) for size in block.saved_sizes],
@@ -48,8 +49,13 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
                    target_bytes=bytes_(profile.target_bytes),
                    unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
-                   loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None,
+                   loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None, flops=flops(profile.flops),
                    notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
+
+
+def _summed(values):
+    """The sum of traced values; None where any is not traced (`BlockProfile.flops`)."""
+    return None if any(value is None for value in values) else sum(values)
 
 
 def _largest(values):
@@ -90,6 +96,7 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
             held_backward_bytes=last.held_backward_bytes,
             forward_seconds=sum(part.forward_seconds for part in parts),
             backward_seconds=sum(part.backward_seconds for part in parts),
+            flops=_summed([part.flops for part in parts]),
             saved_bytes=sum(part.saved_bytes for part in parts),
             # Which earlier block holds an input names blocks of the profile before the merge: left
             # out (every input of the group counts), the group's own inputs saved are its first's.

@@ -126,7 +126,7 @@ class _Roofline(TorchDispatchMode):
         seconds = max(flops / (self.device.flops_for(dtype, kind) * MATMUL_EFFICIENCY),
                       moved / (self.device.memory_bytes_per_second * MEMORY_EFFICIENCY)) + KERNEL_OVERHEAD_SECONDS
         self.flops += flops
-        self.charge(seconds)
+        self.charge(seconds, flops)
         return out
 
 
@@ -134,7 +134,7 @@ class _FakeRecorder:
     """Block boundaries, saved storages and held bytes during the meta step."""
 
     def __init__(self, names: list[str], resident: set[int]):
-        self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
+        self.blocks = {index: BlockProfile(name, flops=0.0) for index, name in enumerate(names)}
         self.order: list[int] = []
         self.resident = resident
         self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had
@@ -166,14 +166,16 @@ class _FakeRecorder:
         if parameter.grad is not None:
             self.memory.accumulated(parameter.grad)
 
-    def charge(self, seconds: float) -> None:
+    def charge(self, seconds: float, flops: float) -> None:
         if self.in_backward:
             if self.backward_block is None:
                 self.loss_seconds += seconds
             else:
                 self.blocks[self.backward_block].backward_seconds += seconds
+                self.blocks[self.backward_block].flops += flops
         elif self.forward_block is not None:
             self.blocks[self.forward_block].forward_seconds += seconds
+            self.blocks[self.forward_block].flops += flops
         else:
             self.loss_seconds += seconds  # between blocks and after them: embeddings' glue, the loss
 
@@ -393,7 +395,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
     holders_by_place(block_profiles, order)
     earlier_saves_by_place(block_profiles, order)
     trainable = [p for p in parameters if p.requires_grad]
-    notes.append(f"{_format_flops(roofline.flops)} per step (matmuls, convolutions, attention); "
+    notes.append(f"{format_flops(roofline.flops)} per step (matmuls, convolutions, attention); "
                  f"profiled in {time.perf_counter() - started:.1f} s")
     return Profile(
         device=device.name,
@@ -405,6 +407,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         input_bytes=_distinct_bytes(tensors_in(inputs)),
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=recorder.loss_seconds,
+        flops=roofline.flops,
         loss_other_bytes=loss_other_bytes,
         loss_peak_bytes=loss_peak_bytes,
         memory_traced=True,
@@ -429,7 +432,7 @@ def _optimizer_state_bytes(optimizer, trainable: list[torch.Tensor], notes: list
     return copies * _distinct_bytes(trainable)
 
 
-def _format_flops(flops: float) -> str:
+def format_flops(flops: float) -> str:
     """"1.23 TFLOP", "4.56 GFLOP", "7.89 MFLOP": three digits of a small model's count as of a large one's."""
     for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
         if flops >= scale:

@@ -50,6 +50,9 @@ class BlockProfile:
     saved_earlier: list = field(default_factory=list)
     parameter_bytes: int = 0
     calls: int = 0
+    # Floating-point operations of the block's forward and backward as the roofline counts them
+    # (`profile.fake`: matmuls, convolutions, attention); None where not traced on meta tensors.
+    flops: float | None = None
     # Bytes the forward itself holds when the block starts (earlier blocks' outputs still referenced,
     # e.g. U-Net skips) and gradients of block outputs alive when its backward starts: memory that
     # no swap or recompute of saved tensors can free.
@@ -213,6 +216,9 @@ class Profile:
     # Modules around consecutive blocks that a plan may recompute as one (`SegmentProfile`), outermost
     # first; measured in the sizing step. Empty where not measured (meta-tensor profiles).
     segments: list[SegmentProfile] = field(default_factory=list)
+    # The step's floating-point operations, blocks and loss (`BlockProfile.flops`); None where not
+    # traced on meta tensors.
+    flops: float | None = None
 
     @property
     def activation_bytes(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from oomless.profile.blocks import find_blocks
-from oomless.profile.fake import profile_for_target
+from oomless.profile.fake import format_flops, profile_for_target
 from oomless.profile.profile import Profile
 
 KEPT_LAYERS = 3
@@ -112,12 +112,17 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
     layer_gradient_bytes = cast_bytes([p for p in dict.fromkeys(layer.parameters()) if p.requires_grad], dtype)
     gradient_bytes = profile.gradient_bytes + added * layer_gradient_bytes
     state_per_gradient_byte = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0
+    flops = None if profile.flops is None else \
+        profile.flops + added * sum(block.flops or 0 for block in by_layer[1])
     return replace(
         profile, blocks=blocks,
         parameter_bytes=profile.parameter_bytes + added * layer_parameter_bytes,
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=round(gradient_bytes * state_per_gradient_byte),
         buffer_bytes=profile.buffer_bytes + added * cast_bytes(dict.fromkeys(layer.buffers()), dtype),
+        flops=flops,
         notes=[*profile.notes, f"profiled {kept_layers} of the {depth} identical layers of {stack_name} on meta "
                                f"tensors; layers 1 to {depth - 2} are copies of layer 1's profile, and the static "
-                               f"bytes count all {depth} (the FLOP figure above counts the {kept_layers} run)"])
+                               f"bytes count all {depth}"
+                               + ("" if flops is None else f"; the step with all {depth} is {format_flops(flops)} "
+                                                           f"(the figure above counts the {kept_layers} run)")])
