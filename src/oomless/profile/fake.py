@@ -51,7 +51,8 @@ from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_byte
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device. `set_` points a tensor
 # at a storage: the unpack of every saved tensor makes one (`_FakeRecorder.unpack`), and was charged
-# its storage's bytes, as much as the ReLU that saved it (10 % of a 8192-wide transformer layer's time).
+# as reading and writing its storage, as much as the ReLU that saved it (10 % of an 8192-wide
+# transformer layer's time).
 _FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
          "split", "split_with_sizes", "chunk", "select", "slice", "as_strided", "alias", "unbind",
          "lift_fresh", "_reshape_alias", "reshape", "empty", "empty_like", "empty_strided", "new_empty",

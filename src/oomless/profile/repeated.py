@@ -7,7 +7,7 @@ costs time for numbers that are all the same. Here the model's largest stack of 
 (an `nn.ModuleList` or `nn.Sequential` whose children have one class and the same parameter
 shapes) is cut to its first ``kept_layers`` for the meta-tensor step (`profile.fake`), then put
 back; the profile is extended to the full depth: the first and last layers as profiled, every
-layer between a copy of the second one (times, saved bytes, held bytes), and the static totals
+layer between a copy of the second one (times, FLOPs, saved bytes, held bytes), and the static totals
 (parameters, gradients, optimizer state, buffers) grown by the layers not run. The profile's notes
 say so. A model without such a stack (or not deeper than ``kept_layers``) is profiled whole.
 """
@@ -112,8 +112,8 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
     layer_gradient_bytes = cast_bytes([p for p in dict.fromkeys(layer.parameters()) if p.requires_grad], dtype)
     gradient_bytes = profile.gradient_bytes + added * layer_gradient_bytes
     state_per_gradient_byte = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0
-    flops = None if profile.flops is None else \
-        profile.flops + added * sum(block.flops or 0 for block in by_layer[1])
+    layer_flops = [block.flops for block in by_layer[1]]
+    flops = None if profile.flops is None or None in layer_flops else profile.flops + added * sum(layer_flops)
     return replace(
         profile, blocks=blocks,
         parameter_bytes=profile.parameter_bytes + added * layer_parameter_bytes,
