@@ -123,6 +123,31 @@ def test_a_model_too_big_for_dp_is_recommended_fsdp_or_a_pipeline(small_gpu):
     assert best.memory_per_rank_bytes <= small_gpu.memory_bytes
 
 
+def test_each_layout_reports_its_model_flops_utilisation(small_gpu):
+    """MFU: a sample's traced operations (25 layers of 1024 x 1024: 6 x 1024^2 a layer and sample,
+    forward and backward, less the first layer's input gradient) times the samples a second, over
+    the GPUs' peak in the dtype the step computes in (fp32 here); none for a profile measured on a
+    real device, whose operations are not counted."""
+    model = _deep_mlp()
+    simulation = oomless.simulate(model, torch.randn(2, 1024), global_batch=16, target="test-256mib", gpus=8,
+                                  loss_fn=oomless.sum_of_outputs, optimizer=torch.optim.Adam(model.parameters()))
+    assert simulation.flops_per_sample == (25 * 6 - 2) * 1024**2
+    assert simulation.peak_flops_per_second == small_gpu.fp32_flops
+    best = simulation.best
+    expected = simulation.flops_per_sample * 16 / best.step_seconds / (8 * small_gpu.fp32_flops)
+    assert simulation.model_flops_utilisation(best) == pytest.approx(expected) and 0 < expected < 1
+    assert all(simulation.model_flops_utilisation(estimate) is None for estimate in simulation.layouts
+               if not estimate.fits)
+    entry = next(entry for entry in simulation.to_dict()["layouts"] if entry["name"] == best.name)
+    assert entry["model_flops_utilisation"] == pytest.approx(expected)
+    assert f"model FLOPs utilisation {100 * expected:.0f} %" in str(simulation)
+    measured = oomless.profile(model, torch.randn(2, 1024), loss_fn=oomless.sum_of_outputs)
+    assert measured.flops is None
+    scaled = oomless.simulate(model, torch.randn(2, 1024), global_batch=16, target="test-256mib", gpus=8,
+                              loss_fn=oomless.sum_of_outputs, profile=measured)
+    assert scaled.flops_per_sample is None and scaled.model_flops_utilisation(scaled.layouts[0]) is None
+
+
 def test_the_recommended_layout_is_the_fastest_that_fits(small_gpu):
     model = _deep_mlp()
     profile = profile_for_target(model, torch.randn(2, 1024), small_gpu, loss_fn=oomless.sum_of_outputs,

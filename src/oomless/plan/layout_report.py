@@ -32,6 +32,11 @@ class Simulation:
     notes: list[str] = field(default_factory=list)
     elapsed_seconds: float = 0.0
     loss: str | None = None          # the loss planned, where named (`oomless simulate --loss`)
+    # A sample's forward and backward operations as traced on meta tensors (`Profile.flops`; no
+    # recompute), and one GPU's peak FLOP/s in the dtype the step computes in: each layout's model
+    # FLOPs utilisation. None where the profile was measured, not traced.
+    flops_per_sample: float | None = None
+    peak_flops_per_second: float | None = None
 
     def layout(self, name: str) -> LayoutEstimate:
         for estimate in self.layouts:
@@ -49,6 +54,14 @@ class Simulation:
             return 0.0
         return self.global_batch / estimate.step_seconds
 
+    def model_flops_utilisation(self, estimate: LayoutEstimate) -> float | None:
+        """The share of the GPUs' peak FLOP/s that ``estimate``'s step spends on the model's own
+        operations (recomputed forwards not counted, as MFU is usually defined); None where the
+        FLOPs are not known or the layout does not fit."""
+        if self.flops_per_sample is None or not self.peak_flops_per_second or self.throughput(estimate) == 0:
+            return None
+        return self.flops_per_sample * self.throughput(estimate) / (self.cluster["gpus"] * self.peak_flops_per_second)
+
     def to_dict(self) -> dict:
         layouts = []
         for estimate in self.layouts:
@@ -60,6 +73,7 @@ class Simulation:
             entry["samples_per_second"] = self.throughput(estimate)
             if self.tokens_per_sample:
                 entry["tokens_per_second"] = entry["samples_per_second"] * self.tokens_per_sample
+            entry["model_flops_utilisation"] = self.model_flops_utilisation(estimate)
             layouts.append(entry)
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["layouts"] = layouts
@@ -76,7 +90,7 @@ class Simulation:
         loss = f", loss {self.loss}" if self.loss else ""
         table = Table(title=f"oomless simulate: {self.model}{loss}, global batch {self.global_batch}")
         for column in ("", "layout", "micro-batches", "memory plan", "memory / rank", "fits", "step",
-                       "comm. exposed", rate, "note"):
+                       "comm. exposed", rate, "MFU", "note"):
             table.add_column(column, justify="left" if column in ("layout", "memory plan", "note") else "right",
                              no_wrap=column != "note")
         for estimate in self.layouts:
@@ -87,7 +101,8 @@ class Simulation:
                           str(estimate.microbatches) if estimate.microbatches else "-", estimate.memory_plan,
                           format_bytes(estimate.memory_per_rank_bytes), "yes" if estimate.fits else "no", step,
                           _seconds(estimate.exposed_communication_seconds) if estimate.fits else "-",
-                          f"{throughput:,.0f}" if estimate.fits else "-", note)
+                          f"{throughput:,.0f}" if estimate.fits else "-", _share(self.model_flops_utilisation(estimate)),
+                          note)
         buffer = io.StringIO()
         Console(file=buffer, width=180, force_terminal=False, color_system=None).print(table)
         best = self.best
@@ -99,7 +114,9 @@ class Simulation:
         else:
             verdict = (f"recommended: {best.name} (*), step {_seconds(best.step_seconds)}, "
                        f"{self.throughput(best) * (self.tokens_per_sample or 1):,.0f} {rate}, "
-                       f"{format_bytes(best.memory_per_rank_bytes)} per rank, memory plan: {best.memory_plan}")
+                       f"{format_bytes(best.memory_per_rank_bytes)} per rank, memory plan: {best.memory_plan}"
+                       + ("" if (mfu := self.model_flops_utilisation(best)) is None
+                          else f", model FLOPs utilisation {_share(mfu)}"))
         lines = [f"cluster: {self.cluster_summary}", verdict]
         lines += [f"note: {note}" for note in self.notes]
         lines.append(f"simulated in {self.elapsed_seconds:.1f} s")
@@ -111,6 +128,10 @@ class Simulation:
         if estimate is None:
             raise InputError("no layout fits, so there is no recommended step to draw; name one with name=...")
         return plot_timeline(estimate, path)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
 
 
 def _seconds(value: float) -> str:
