@@ -189,6 +189,41 @@ def test_what_each_process_keeps_is_added_to_every_layouts_peak_per_rank(small_g
         assert with_held[name].step_seconds == without[name].step_seconds, name
 
 
+def test_a_pipeline_too_tight_to_keep_every_block_recomputes_only_what_it_must():
+    """Between every block kept and every block recomputed, a pipeline stage's plan may recompute
+    three quarters, half or a quarter of the blocks, spread evenly (`layouts.recompute_profile`):
+    the fastest that fits is taken. A transformer whose 2-stage 1F1B pipeline keeps every block in
+    205 MiB a rank: at 60 % of that it recomputes 9 of its 13 blocks, faster than recomputing all."""
+    from dataclasses import replace
+
+    from oomless.plan.layouts import recompute_profile
+
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=256, dim=128, depth=8, heads=4, max_len=256)
+    tokens = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    profile = profile_for_target(model, tokens, "h100", loss_fn=oomless.sum_of_outputs,
+                                 optimizer=torch.optim.Adam(model.parameters()))
+    half = recompute_profile(profile, 0.5)
+    recomputed = [i for i, (mine, theirs) in enumerate(zip(half.blocks, profile.blocks)) if mine != theirs]
+    assert recomputed == list(range(1, len(profile.blocks), 2))
+    assert half.blocks[1].backward_seconds == profile.blocks[1].backward_seconds + profile.blocks[1].forward_seconds
+    h100 = find_device("h100")
+
+    def pipeline(memory: int):
+        device = register_device(replace(h100, name=f"test-pipeline-{memory}", aliases=(), memory_bytes=memory))
+        estimates = estimate_layouts(profile, 8, make_cluster(device, 2, 1), 32)
+        return next(estimate for estimate in estimates if estimate.name == "pipeline pp2 1f1b"), device
+
+    roomy, _ = pipeline(80 * 1024 * MiB)
+    assert roomy.memory_plan == "keep all"
+    tight, device = pipeline(int(0.6 * roomy.memory_per_rank_bytes))
+    every, _ = pipeline(int(0.4 * roomy.memory_per_rank_bytes))
+    assert every.fits and every.memory_plan == "recompute all"
+    assert tight.fits and tight.memory_per_rank_bytes <= device.memory_bytes
+    assert tight.memory_plan == f"keep {len(profile.blocks) - 9}, recompute 9"
+    assert roomy.step_seconds < tight.step_seconds < every.step_seconds
+
+
 def test_of_layouts_predicted_as_fast_the_one_holding_least_memory_is_recommended():
     """GPipe and 1F1B predict the same step; 1F1B holds fewer micro-batches: it is recommended. A
     layout more than 1 % faster wins whatever its memory."""

@@ -324,11 +324,16 @@ def estimate_fsdp(profile: Profile, cluster: Cluster, samples_per_rank: int) -> 
                         profile.process_held_bytes)
 
 
-def recompute_profile(profile: Profile) -> Profile:
-    """The profile as if every block were recomputed: it holds its input between forward and
-    backward, runs its forward again in backward, and holds its saved bytes during its backward."""
+def recompute_profile(profile: Profile, share: float = 1.0) -> Profile:
+    """The profile as if every block were recomputed, or ``share`` of them spread evenly (block i
+    where floor((i + 1) x share) > floor(i x share): every other one at a half): a recomputed block
+    holds its input between forward and backward, runs its forward again in backward, and holds
+    its saved bytes during its backward."""
     blocks = []
-    for block in profile.blocks:
+    for index, block in enumerate(profile.blocks):
+        if math.floor((index + 1) * share) == math.floor(index * share):
+            blocks.append(block)
+            continue
         working = 2 * block.output_bytes + 2 * block.largest_saved_bytes
         held_input = block.input_bytes // max(block.calls, 1)
         blocks.append(replace(block, saved_bytes=min(block.saved_bytes, held_input),
@@ -419,9 +424,22 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     pieces = pipeline_ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
     smallest = at(samples // max(candidates))
 
+    def partitioned(make):
+        """The fastest partition of ``make``'s micro-batch profiles that fits, or the error why none does."""
+        try:
+            return choose_microbatches(None, pipeline_ranks, samples, cluster.device.memory_bytes, schedule,
+                                       stages_per_rank, bytes_per_second, overhead, candidates,
+                                       microbatch_profile=lambda m: make(at(samples // m)))
+        except (PlanError, InputError) as error:    # InputError: no micro-batch count this schedule accepts
+            return error
+
     def cut(adjust):
-        """(plan name, partition) of the first uniform plan some cut fits (or None), the least
-        memory a cut would need, and what was tried; ``adjust``: applied to each micro-batch's profile."""
+        """(plan name, partition) of the fastest plan some cut fits (or None), the least memory a cut
+        would need, and what was tried; ``adjust``: applied to each micro-batch's profile. Every block
+        kept where that fits; else every block recomputed, and where that fits, three quarters, half
+        and a quarter of them (spread evenly over the model, `recompute_profile`), the fastest that
+        fits: recomputing fewer blocks takes less time and holds more activations per micro-batch in
+        flight."""
         best, least, tried = None, None, []
         for plan_name, make in (("keep all", adjust), ("recompute all", lambda one: recompute_profile(adjust(one)))):
             if best is not None:
@@ -429,18 +447,24 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
             if not cut_may_fit(make(smallest), pieces, cluster.device.memory_bytes):
                 tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
                 continue
-            try:
-                partition = choose_microbatches(None, pipeline_ranks, samples, cluster.device.memory_bytes,
-                                                schedule, stages_per_rank, bytes_per_second, overhead, candidates,
-                                                microbatch_profile=lambda m, make=make: make(at(samples // m)))
-            except PlanError as error:
-                least = error.minimum_bytes if least is None else min(least, error.minimum_bytes)
+            partition = partitioned(make)
+            if isinstance(partition, PlanError):
+                least = partition.minimum_bytes if least is None else min(least, partition.minimum_bytes)
                 tried.append(f"{plan_name}: no cut fits")
                 continue
-            except InputError as error:          # no micro-batch count this schedule accepts
-                tried.append(f"{plan_name}: {error}")
+            if isinstance(partition, InputError):
+                tried.append(f"{plan_name}: {partition}")
                 continue
             best = (plan_name, partition)
+        if best is None or best[0] == "keep all":
+            return best, least, tried
+        for share in (0.75, 0.5, 0.25):
+            # Each tried: a share that fits only with fewer micro-batches in flight may be slower.
+            partition = partitioned(lambda one, share=share: recompute_profile(adjust(one), share))
+            if not isinstance(partition, Exception) and \
+                    partition.predicted_step_seconds < best[1].predicted_step_seconds:
+                recomputed = math.floor(len(profile.blocks) * share)
+                best = (f"keep {len(profile.blocks) - recomputed}, recompute {recomputed}", partition)
         return best, least, tried
 
     best, least, tried = cut(lambda one: one)
