@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import oomless
-from oomless.models import MLP, TinyTransformer
+from oomless.models import MLP, TinyTransformer, UNet3D
 from oomless.plan.cluster import make_cluster
 from oomless.plan.collectives import (Group, all_gather_seconds, all_reduce_seconds, point_to_point_seconds,
                                       reduce_scatter_seconds, ring_all_gather_seconds, ring_all_reduce_seconds,
@@ -132,7 +132,7 @@ def test_each_layout_reports_its_model_flops_utilisation(small_gpu):
     simulation = oomless.simulate(model, torch.randn(2, 1024), global_batch=16, target="test-256mib", gpus=8,
                                   loss_fn=oomless.sum_of_outputs, optimizer=torch.optim.Adam(model.parameters()))
     assert simulation.flops_per_sample == (25 * 6 - 2) * 1024**2
-    assert simulation.peak_flops_per_second == small_gpu.fp32_flops
+    assert simulation.peak_flops_per_second == pytest.approx(small_gpu.fp32_flops)
     best = simulation.best
     expected = simulation.flops_per_sample * 16 / best.step_seconds / (8 * small_gpu.fp32_flops)
     assert simulation.model_flops_utilisation(best) == pytest.approx(expected) and 0 < expected < 1
@@ -146,6 +146,25 @@ def test_each_layout_reports_its_model_flops_utilisation(small_gpu):
     scaled = oomless.simulate(model, torch.randn(2, 1024), global_batch=16, target="test-256mib", gpus=8,
                               loss_fn=oomless.sum_of_outputs, profile=measured)
     assert scaled.flops_per_sample is None and scaled.model_flops_utilisation(scaled.layouts[0]) is None
+
+
+def test_the_peak_an_mfu_is_read_against_is_each_operations_own():
+    """Each op counts at the peak of the dtype and kind it runs in, as the roofline times it: an fp32
+    3D U-Net's convolutions at TF32's (cuDNN's default), a transformer's matmuls under bf16 autocast
+    at bf16's, whatever precision simulate is told."""
+    h100 = find_device("h100")
+    with torch.device("meta"):
+        unet = UNet3D(base_channels=4, depth=2)
+        transformer = TinyTransformer(vocab_size=256, dim=64, depth=2, heads=4, max_len=64)
+    volume = profile_for_target(unet, torch.empty(1, 1, 16, 16, 16, device="meta"), h100,
+                                loss_fn=oomless.sum_of_outputs)
+    assert volume.peak_flops_per_second == pytest.approx(h100.tf32_flops)
+    tokens = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    bf16 = profile_for_target(transformer, tokens, h100, loss_fn=oomless.sum_of_outputs, precision="bf16")
+    assert bf16.peak_flops_per_second == pytest.approx(h100.bf16_flops)
+    simulation = oomless.simulate(transformer, tokens, global_batch=16, target="h100", gpus=8,
+                                  loss_fn=oomless.sum_of_outputs, profile=bf16)
+    assert simulation.peak_flops_per_second == bf16.peak_flops_per_second
 
 
 def test_the_recommended_layout_is_the_fastest_that_fits(small_gpu):

@@ -99,12 +99,11 @@ def simulate(model: nn.Module, example_inputs, global_batch: int, target="h100",
     estimates = estimate_layouts(profile, batch, made, global_batch, pipeline_profile, profile_at)
     best = recommend(estimates)
     tokens = int(first.shape[1]) if first.dim() == 2 and not first.is_floating_point() else None
-    computes_in = autocast_dtype(precision) or dtype or torch.float32
     return Simulation(type(model).__name__, made.describe(), made.summary(), global_batch, batch, estimates,
                       best.name if best else None, tokens, notes=list(profile.notes) + notes,
                       elapsed_seconds=time.perf_counter() - started,
                       flops_per_sample=None if profile.flops is None else profile.flops / batch,
-                      peak_flops_per_second=made.device.flops_for(str(computes_in).removeprefix("torch.")))
+                      peak_flops_per_second=profile.peak_flops_per_second)
 
 
 def _batch_of(example_inputs) -> int:

@@ -33,8 +33,9 @@ class Simulation:
     elapsed_seconds: float = 0.0
     loss: str | None = None          # the loss planned, where named (`oomless simulate --loss`)
     # A sample's forward and backward operations as traced on meta tensors (`Profile.flops`; no
-    # recompute), and one GPU's peak FLOP/s in the dtype the step computes in: each layout's model
-    # FLOPs utilisation. None where the profile was measured, not traced.
+    # recompute), and one GPU's peak FLOP/s over them, each op at its dtype's
+    # (`Profile.peak_flops_per_second`): each layout's model FLOPs utilisation. None where the
+    # profile was measured, not traced.
     flops_per_sample: float | None = None
     peak_flops_per_second: float | None = None
 

@@ -437,9 +437,9 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
         """(plan name, partition) of the fastest plan some cut fits (or None), the least memory a cut
         would need, and what was tried; ``adjust``: applied to each micro-batch's profile. Every block
         kept where that fits; else every block recomputed, and where that fits, three quarters, half
-        and a quarter of them (spread evenly over the model, `recompute_profile`), the fastest that
-        fits: recomputing fewer blocks takes less time and holds more activations per micro-batch in
-        flight."""
+        and a quarter of them (spread evenly over the model, `recompute_profile`), the one whose
+        schedule runs fastest among those that fit: recomputing fewer blocks takes less time and holds
+        more activations per micro-batch in flight."""
         best, least, tried = None, None, []
         for plan_name, make in (("keep all", adjust), ("recompute all", lambda one: recompute_profile(adjust(one)))):
             if best is not None:
@@ -458,12 +458,18 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
             best = (plan_name, partition)
         if best is None or best[0] == "keep all":
             return best, least, tried
+        counts = set()
         for share in (0.75, 0.5, 0.25):
             # Each tried: a share that fits only with fewer micro-batches in flight may be slower.
-            partition = partitioned(lambda one, share=share: recompute_profile(adjust(one), share))
+            recomputed = math.floor(len(profile.blocks) * share)
+            make = lambda one, share=share: recompute_profile(adjust(one), share)
+            if recomputed in counts or not 0 < recomputed < len(profile.blocks) \
+                    or not cut_may_fit(make(smallest), pieces, cluster.device.memory_bytes):
+                continue        # a few blocks: the same plan as a share tried, or none or all of them
+            counts.add(recomputed)
+            partition = partitioned(make)
             if not isinstance(partition, Exception) and \
                     partition.predicted_step_seconds < best[1].predicted_step_seconds:
-                recomputed = math.floor(len(profile.blocks) * share)
                 best = (f"keep {len(profile.blocks) - recomputed}, recompute {recomputed}", partition)
         return best, least, tried
 

@@ -96,6 +96,7 @@ class _Roofline(TorchDispatchMode):
         self.charge = charge
         self.made = made    # told every op's outputs, for the working memory
         self.flops = 0
+        self.peak_seconds = 0.0     # the operations at the device's peak for each op's dtype and kind
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -124,7 +125,9 @@ class _Roofline(TorchDispatchMode):
         floats = [t for t in tensors if t.is_floating_point()]
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "float32"
         kind = "convolution" if name in _CONVOLUTIONS else "matmul"
-        seconds = max(flops / (self.device.flops_for(dtype, kind) * MATMUL_EFFICIENCY),
+        peak = self.device.flops_for(dtype, kind)
+        self.peak_seconds += flops / peak
+        seconds = max(flops / (peak * MATMUL_EFFICIENCY),
                       moved / (self.device.memory_bytes_per_second * MEMORY_EFFICIENCY)) + KERNEL_OVERHEAD_SECONDS
         self.flops += flops
         self.charge(seconds, flops)
@@ -409,6 +412,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=recorder.loss_seconds,
         flops=roofline.flops,
+        peak_flops_per_second=roofline.flops / roofline.peak_seconds if roofline.peak_seconds else None,
         loss_other_bytes=loss_other_bytes,
         loss_peak_bytes=loss_peak_bytes,
         memory_traced=True,

@@ -216,9 +216,12 @@ class Profile:
     # Modules around consecutive blocks that a plan may recompute as one (`SegmentProfile`), outermost
     # first; measured in the sizing step. Empty where not measured (meta-tensor profiles).
     segments: list[SegmentProfile] = field(default_factory=list)
-    # The step's floating-point operations, blocks and loss (`BlockProfile.flops`); None where not
-    # traced on meta tensors.
+    # The step's floating-point operations, blocks and loss (`BlockProfile.flops`), and the device's
+    # peak FLOP/s over them, each op at its dtype's and kind's (fp32 convolutions at TF32's, as cuDNN
+    # runs them; bf16 matmuls under autocast at bf16's): their total over the seconds they take at
+    # those peaks. None where not traced on meta tensors.
     flops: float | None = None
+    peak_flops_per_second: float | None = None
 
     @property
     def activation_bytes(self) -> int:
