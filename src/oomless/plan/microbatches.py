@@ -17,7 +17,7 @@ from dataclasses import replace
 from oomless.errors import InputError, PlanError
 from oomless.plan.partition import DEFAULT_OVERHEAD_SECONDS, Partition, partition_stages
 from oomless.plan.schedules import check_schedule, microbatch_problem
-from oomless.profile.profile import Profile
+from oomless.profile.profile import Profile, flops_of
 from oomless.sizes import format_bytes
 
 
@@ -51,11 +51,6 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                    unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
                    loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None, flops=flops(profile.flops),
                    notes=[*profile.notes, f"scaled to {fraction:.4g} of the profiled batch"])
-
-
-def _summed(values):
-    """The sum of traced values; None where any is not traced (`BlockProfile.flops`)."""
-    return None if any(value is None for value in values) else sum(values)
 
 
 def _largest(values):
@@ -96,7 +91,7 @@ def merge_blocks(profile: Profile, groups: list[tuple[str, list[int]]]) -> Profi
             held_backward_bytes=last.held_backward_bytes,
             forward_seconds=sum(part.forward_seconds for part in parts),
             backward_seconds=sum(part.backward_seconds for part in parts),
-            flops=_summed([part.flops for part in parts]),
+            flops=flops_of(parts),
             saved_bytes=sum(part.saved_bytes for part in parts),
             # Which earlier block holds an input names blocks of the profile before the merge: left
             # out (every input of the group counts), the group's own inputs saved are its first's.

@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 
 from oomless.errors import InputError, PlanError
-from oomless.profile.profile import BlockProfile, Profile, SegmentProfile
+from oomless.profile.profile import BlockProfile, Profile, SegmentProfile, flops_of
 
 
 def depth_cuts(profile: Profile) -> list[list[SegmentProfile]]:
@@ -152,7 +152,7 @@ def _merged(segment: SegmentProfile, members: list[BlockProfile], alive: list[li
         name=segment.name,
         forward_seconds=max(sum(block.forward_seconds for block in members), segment.forward_seconds),
         backward_seconds=sum(block.backward_seconds for block in members),
-        flops=None if any(block.flops is None for block in members) else sum(block.flops for block in members),
+        flops=flops_of(members),
         saved_bytes=sum(block.saved_bytes for block in members),
         largest_saved_bytes=max(block.largest_saved_bytes for block in members),
         saved_sizes=[size for block in members for size in block.saved_sizes],

@@ -115,6 +115,13 @@ class BlockProfile:
     batchnorm_channels: list[int] = field(default_factory=list)
 
 
+def flops_of(blocks) -> float | None:
+    """The floating-point operations of ``blocks`` together (`BlockProfile.flops`); None where any
+    was not traced."""
+    counts = [block.flops for block in blocks]
+    return None if None in counts else sum(counts)
+
+
 @dataclass
 class SegmentProfile:
     """A module around consecutive blocks (a U-Net stage's ``nn.Sequential``, a transformer layer

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from oomless.profile.blocks import find_blocks
 from oomless.profile.fake import format_flops, profile_for_target
-from oomless.profile.profile import Profile
+from oomless.profile.profile import Profile, flops_of
 
 KEPT_LAYERS = 3
 
@@ -112,8 +112,8 @@ def extend_profile(profile: Profile, stack_name: str, kept_layers: int, depth: i
     layer_gradient_bytes = cast_bytes([p for p in dict.fromkeys(layer.parameters()) if p.requires_grad], dtype)
     gradient_bytes = profile.gradient_bytes + added * layer_gradient_bytes
     state_per_gradient_byte = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0
-    layer_flops = [block.flops for block in by_layer[1]]
-    flops = None if profile.flops is None or None in layer_flops else profile.flops + added * sum(layer_flops)
+    layer_flops = flops_of(by_layer[1])
+    flops = None if profile.flops is None or layer_flops is None else profile.flops + added * layer_flops
     return replace(
         profile, blocks=blocks,
         parameter_bytes=profile.parameter_bytes + added * layer_parameter_bytes,
