@@ -11,7 +11,7 @@ from torch import nn
 
 import oomless
 from oomless.models import UNet3D
-from oomless.plan.planner import make_plan
+from oomless.plan.planner import make_plan, smallest_memory
 from oomless.plan.segments import best_of_granularities, coarsened, depth_cuts
 from oomless.plan.simulate import simulate
 from oomless.profile.profile import Profile
@@ -101,15 +101,17 @@ def _budget_only_segments_meet(profile: Profile) -> int:
 
 def _profile_only_segments_meet(model, inputs, loss_fn) -> tuple[Profile, int]:
     """A profile (slow link) and `_budget_only_segments_meet`'s budget for it, where keeping every
-    block and recomputing every block one by one are both over it. A phase's measured working memory
-    grows under load (seen with another test process beside this one): where it outweighs what
-    recomputing whole stages saves, every plan needs the same, and the profile is measured again."""
+    block and recomputing every block one by one are both over it, and a plan of the blocks one by
+    one (swaps included) fits. A phase's measured working memory grows under load (seen with another
+    test process beside this one): where it outweighs what recomputing whole stages saves, every plan
+    needs the same, or no plan of single blocks fits (CI: one block's forward read 13.19 MiB, the
+    block plan needed 17.00 MiB for 15.58), and the profile is measured again."""
     for _ in range(5):
         profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
         memory = _budget_only_segments_meet(profile)
         single = [make_plan(profile, 2**40, decisions={block.name: decision for block in profile.blocks},
                             min_swap_bytes=0).predicted_peak_bytes for decision in ("keep", "recompute")]
-        if min(single) > memory:
+        if min(single) > memory and smallest_memory(profile, min_swap_bytes=0) <= memory:
             return profile, memory
     pytest.fail(f"in 5 profiles recomputing whole stages never needed less than every block kept or recomputed "
                 f"({single} bytes against {memory})")
