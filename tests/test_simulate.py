@@ -243,6 +243,41 @@ def test_a_pipeline_too_tight_to_keep_every_block_recomputes_only_what_it_must()
     assert roomy.step_seconds < tight.step_seconds < every.step_seconds
 
 
+def test_a_pipeline_whose_cut_the_memory_bends_recomputes_to_cut_evenly():
+    """Every block kept can fit a 4-stage 1F1B pipeline only by cutting unevenly (the first rank
+    holds 4 micro-batches in flight, so it takes fewer blocks) and then runs slower than with no
+    limit: recomputing some blocks lets the cut be even. The plans are compared by the layout's
+    whole step, and the note says what keeping every block would have taken."""
+    import re
+    from dataclasses import replace
+
+    with torch.device("meta"):
+        model = TinyTransformer(vocab_size=256, dim=128, depth=8, heads=4, max_len=256)
+    tokens = torch.zeros(8, 256, dtype=torch.long, device="meta")
+    profile = profile_for_target(model, tokens, "h100", loss_fn=oomless.sum_of_outputs,
+                                 optimizer=torch.optim.Adam(model.parameters()))
+    h100 = find_device("h100")
+
+    def pipeline(memory: int):
+        device = register_device(replace(h100, name=f"test-bent-{memory}", aliases=(), memory_bytes=memory))
+        estimates = estimate_layouts(profile, 8, make_cluster(device, 4, 1), 32)
+        return next(estimate for estimate in estimates if estimate.name == "pipeline pp4 1f1b")
+
+    roomy = pipeline(80 * 1024 * MiB)
+    assert roomy.memory_plan == "keep all" and roomy.microbatches == 16
+    assert not any("keep all: fits" in note for note in roomy.notes)     # nothing else tried
+    tight_bytes = int(0.85 * roomy.memory_per_rank_bytes)
+    tight = pipeline(tight_bytes)
+    assert tight.fits and tight.memory_per_rank_bytes <= tight_bytes
+    assert tight.memory_plan.startswith("keep ") and "recompute" in tight.memory_plan, tight.memory_plan
+    kept = [re.search(r"keep all: fits, ([0-9.]+) ms a step \(([0-9.]+) ms with no memory limit\)", note)
+            for note in tight.notes]
+    kept = next(match for match in kept if match)
+    bent, unbounded = float(kept.group(1)), float(kept.group(2))
+    assert unbounded == pytest.approx(roomy.step_seconds * 1e3, abs=0.05)
+    assert roomy.step_seconds * 1e3 < tight.step_seconds * 1e3 < bent
+
+
 def test_of_layouts_predicted_as_fast_the_one_holding_least_memory_is_recommended():
     """GPipe and 1F1B predict the same step; 1F1B holds fewer micro-batches: it is recommended. A
     layout more than 1 % faster wins whatever its memory."""

@@ -389,6 +389,9 @@ def at_batch(profile: Profile, profiled_batch: int,
     return at
 
 
+UNBOUNDED_BYTES = 1 << 62     # a memory limit no plan reaches: the cut that time alone would choose
+
+
 def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, profiled_batch: int,
                       pipeline_ranks: int, schedule: str,
                       profile_at: Callable[[int], Profile] | None = None) -> LayoutEstimate | None:
@@ -424,53 +427,93 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
     pieces = pipeline_ranks * (1 if schedule in SINGLE_STAGE_SCHEDULES else stages_per_rank)
     smallest = at(samples // max(candidates))
 
-    def partitioned(make):
-        """The fastest partition of ``make``'s micro-batch profiles that fits, or the error why none does."""
+    def partitioned(make, memory_bytes: int = cluster.device.memory_bytes):
+        """The fastest partition of ``make``'s micro-batch profiles that fits ``memory_bytes`` a rank,
+        or the error why none does."""
         try:
-            return choose_microbatches(None, pipeline_ranks, samples, cluster.device.memory_bytes, schedule,
+            return choose_microbatches(None, pipeline_ranks, samples, memory_bytes, schedule,
                                        stages_per_rank, bytes_per_second, overhead, candidates,
                                        microbatch_profile=lambda m: make(at(samples // m)))
         except (PlanError, InputError) as error:    # InputError: no micro-batch count this schedule accepts
             return error
 
+    parameters = _block_shares(profile, profile.parameter_bytes)
+    gradients = _block_shares(profile, profile.gradient_bytes)
+    index = {block.name: i for i, block in enumerate(profile.blocks)}
+    state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
+
+    def whole_step(plan_name: str, partition) -> LayoutEstimate:
+        """The layout's estimate with ``partition``: its schedule's step, then the replicas'
+        all-reduce of the fullest rank's gradients and the slowest rank's update."""
+        rank_parameters, rank_gradients = [0.0] * pipeline_ranks, [0.0] * pipeline_ranks
+        for names, rank in zip(partition.stage_blocks, partition.stage_ranks):
+            rank_parameters[rank] += sum(parameters[index[name]] for name in names)
+            rank_gradients[rank] += sum(gradients[index[name]] for name in names)
+        reduce = all_reduce_seconds(cluster, group, max(rank_gradients))
+        update = max(optimizer_seconds(cluster, p, g, g * state_share) for p, g in zip(rank_parameters, rank_gradients))
+        pipeline_seconds = max(partition.predicted_step_seconds, shared_cores_seconds(partition, cluster))
+        # Activations and their gradients crossing each cut, both ways, per micro-batch.
+        sends = sum(2 * crossing / bytes_per_second for crossing in partition.crossing_bytes[1:]) * partition.microbatches
+        return LayoutEstimate(
+            layout, replicas, pipeline_ranks, schedule, partition.microbatches, samples, True,
+            pipeline_seconds + reduce + update, max(partition.rank_bytes) + profile.process_held_bytes,
+            max(2 * p + g * state_share for p, g in zip(rank_parameters, rank_gradients)), plan_name,
+            sends / pipeline_ranks + reduce, reduce, pipeline_seconds * (1 - partition.bubble_fraction) + update,
+            notes=[f"bubble {partition.bubble_fraction:.0%}"], partition=partition)
+
     def cut(adjust):
-        """(plan name, partition) of the fastest plan some cut fits (or None), the least memory a cut
-        would need, and what was tried; ``adjust``: applied to each micro-batch's profile. Every block
-        kept where that fits; else every block recomputed, and where that fits, three quarters, half
-        and a quarter of them (spread evenly over the model, `recompute_profile`), the one whose
-        schedule runs fastest among those that fit: recomputing fewer blocks takes less time and holds
-        more activations per micro-batch in flight."""
+        """The estimate of the fastest plan some cut fits (or None), the least memory a cut would
+        need, and what was tried; ``adjust``: applied to each micro-batch's profile. Every block kept
+        where that fits with the cut and micro-batches it would have with no memory limit; else every
+        block recomputed, and three quarters, half and a quarter of them (spread evenly over the
+        model, `recompute_profile`), and every block kept where that fits at all: the one whose whole
+        step (schedule, all-reduce and update) is fastest. Recomputing fewer blocks takes less time
+        but holds more activations per micro-batch in flight; recomputing more may let the cut be even
+        and the micro-batches many (a smaller bubble)."""
         best, least, tried = None, None, []
-        for plan_name, make in (("keep all", adjust), ("recompute all", lambda one: recompute_profile(adjust(one)))):
-            if best is not None:
-                break       # every block kept fits: recomputing would only add time
-            if not cut_may_fit(make(smallest), pieces, cluster.device.memory_bytes):
-                tried.append(f"{plan_name}: too big for {pipeline_ranks} ranks")
-                continue
+
+        def consider(plan_name, make) -> bool:
+            """Partition ``make``'s profiles; keep the estimate if fastest. True if it fits."""
+            nonlocal best, least
             partition = partitioned(make)
             if isinstance(partition, PlanError):
                 least = partition.minimum_bytes if least is None else min(least, partition.minimum_bytes)
                 tried.append(f"{plan_name}: no cut fits")
-                continue
+                return False
             if isinstance(partition, InputError):
                 tried.append(f"{plan_name}: {partition}")
-                continue
-            best = (plan_name, partition)
-        if best is None or best[0] == "keep all":
+                return False
+            estimate = whole_step(plan_name, partition)
+            if best is None or estimate.step_seconds < best.step_seconds * (1 - 1e-9):
+                best = estimate
+            return True
+
+        if not cut_may_fit(adjust(smallest), pieces, cluster.device.memory_bytes):
+            tried.append(f"keep all: too big for {pipeline_ranks} ranks")
+        elif consider("keep all", adjust):
+            unbounded = partitioned(adjust, UNBOUNDED_BYTES)
+            if isinstance(unbounded, Exception) or \
+                    best.step_seconds <= whole_step("keep all", unbounded).step_seconds * (1 + 1e-9):
+                return best, least, tried      # as fast as with no memory limit: recomputing only adds time
+            # The memory bent the cuts (fewer blocks on the ranks holding the most micro-batches) or
+            # kept the micro-batches few: a plan recomputing some blocks may cut evenly and run faster.
+            tried.append(f"keep all: fits, {best.step_seconds * 1e3:.1f} ms a step ("
+                         f"{whole_step('keep all', unbounded).step_seconds * 1e3:.1f} ms with no memory limit)")
+        make_all = lambda one: recompute_profile(adjust(one))
+        if not cut_may_fit(make_all(smallest), pieces, cluster.device.memory_bytes):
+            tried.append(f"recompute all: too big for {pipeline_ranks} ranks")
             return best, least, tried
+        if not consider("recompute all", make_all):
+            return best, least, tried      # fewer blocks recomputed hold more
         counts = set()
         for share in (0.75, 0.5, 0.25):
-            # Each tried: a share that fits only with fewer micro-batches in flight may be slower.
             recomputed = math.floor(len(profile.blocks) * share)
             make = lambda one, share=share: recompute_profile(adjust(one), share)
             if recomputed in counts or not 0 < recomputed < len(profile.blocks) \
                     or not cut_may_fit(make(smallest), pieces, cluster.device.memory_bytes):
                 continue        # a few blocks: the same plan as a share tried, or none or all of them
             counts.add(recomputed)
-            partition = partitioned(make)
-            if not isinstance(partition, Exception) and \
-                    partition.predicted_step_seconds < best[1].predicted_step_seconds:
-                best = (f"keep {len(profile.blocks) - recomputed}, recompute {recomputed}", partition)
+            consider(f"keep {len(profile.blocks) - recomputed}, recompute {recomputed}", make)
         return best, least, tried
 
     best, least, tried = cut(lambda one: one)
@@ -481,27 +524,9 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
                               least or static_share, static_share, "no plan fits", 0.0, 0.0, compute / pipeline_ranks,
                               notes=[tried[-1] + (f" ({format_bytes(least)} per rank would fit)" if least else ""),
                                      *tried[:-1]])
-    plan_name, partition = best
-    parameters = _block_shares(profile, profile.parameter_bytes)
-    gradients = _block_shares(profile, profile.gradient_bytes)
-    index = {block.name: i for i, block in enumerate(profile.blocks)}
-    rank_parameters, rank_gradients = [0.0] * pipeline_ranks, [0.0] * pipeline_ranks
-    for names, rank in zip(partition.stage_blocks, partition.stage_ranks):
-        rank_parameters[rank] += sum(parameters[index[name]] for name in names)
-        rank_gradients[rank] += sum(gradients[index[name]] for name in names)
-    state_share = profile.optimizer_state_bytes / profile.gradient_bytes if profile.gradient_bytes else 0.0
-    reduce = all_reduce_seconds(cluster, group, max(rank_gradients))
-    update = max(optimizer_seconds(cluster, p, g, g * state_share) for p, g in zip(rank_parameters, rank_gradients))
-    pipeline_seconds = max(partition.predicted_step_seconds, shared_cores_seconds(partition, cluster))
-    # Activations and their gradients crossing each cut, both ways, per micro-batch.
-    sends = sum(2 * crossing / bytes_per_second for crossing in partition.crossing_bytes[1:]) * partition.microbatches
-    return LayoutEstimate(
-        layout, replicas, pipeline_ranks, schedule, partition.microbatches, samples, True,
-        pipeline_seconds + reduce + update, max(partition.rank_bytes) + profile.process_held_bytes,
-        max(2 * p + g * state_share for p, g in zip(rank_parameters, rank_gradients)), plan_name,
-        sends / pipeline_ranks + reduce, reduce, pipeline_seconds * (1 - partition.bubble_fraction) + update,
-        notes=[f"bubble {partition.bubble_fraction:.0%}"] + ([f"{'; '.join(tried)}"] if tried else []),
-        partition=partition)
+    if tried:
+        best.notes.append("; ".join(tried))
+    return best
 
 
 def shared_cores_seconds(partition, cluster: Cluster) -> float:
