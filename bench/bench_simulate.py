@@ -94,6 +94,7 @@ from common import provenance, result_path, write_result  # noqa: E402  (bench/c
 
 from oomless.errors import InputError  # noqa: E402
 from oomless.plan.collectives import ring_all_gather_seconds  # noqa: E402
+from oomless.plan.layouts import all_ranks_bytes  # noqa: E402
 
 SIZES = {"full": dict(size=16, base_channels=8, depth=3, global_batch=32),
          "quick": dict(size=8, base_channels=2, depth=2, global_batch=4)}
@@ -587,11 +588,13 @@ def layout_row(world_size: int, estimates: list, runs: list[list[dict]], warmup:
     per_rank = [max(records[rank]["peak_rise_bytes"] for records in runs) for rank in range(world_size)]
     predicted_step = statistics.median(estimate.step_seconds for estimate in estimates)
     predicted_peak = statistics.median(estimate.memory_per_rank_bytes for estimate in estimates)
+    predicted_all_ranks = statistics.median(all_ranks_bytes(estimate) for estimate in estimates)
     measured_step, measured_peak = statistics.median(steps), statistics.median(peaks)
     first = estimates[0]
     row = {"layout": first.name, "world_size": world_size, "kind": first.layout, "schedule": first.schedule,
            "microbatches": first.microbatches, "memory_plan": first.memory_plan,
            "predicted": {"step_seconds": predicted_step, "peak_bytes": predicted_peak,
+                         "all_ranks_bytes": predicted_all_ranks,
                          "step_seconds_each_round": [estimate.step_seconds for estimate in estimates],
                          "peak_bytes_each_round": [estimate.memory_per_rank_bytes for estimate in estimates],
                          "compute_seconds": first.compute_seconds,
@@ -612,7 +615,8 @@ def layout_row(world_size: int, estimates: list, runs: list[list[dict]], warmup:
 
 def recommendation_check(world_size: int, simulation, rows: list[dict]) -> dict:
     """Whether the layout simulate would recommend among those run (its rule, `layouts.recommend`:
-    the fastest predicted, the least memory among those within 1 % of it) is the measured fastest,
+    the fastest predicted, the least memory per rank and then over all ranks among those within 1 %
+    of it) is the measured fastest,
     or within 5 % of it (simulate's own recommendation may be a layout not run: it is recorded too)."""
     from oomless.plan.layouts import RECOMMEND_TIE
 
@@ -620,7 +624,7 @@ def recommendation_check(world_size: int, simulation, rows: list[dict]) -> dict:
     fastest = min(here, key=lambda row: row["measured"]["step_seconds"])
     quickest = min(row["predicted"]["step_seconds"] for row in here)
     recommended = min((row for row in here if row["predicted"]["step_seconds"] <= quickest * (1 + RECOMMEND_TIE)),
-                      key=lambda row: row["predicted"]["peak_bytes"])
+                      key=lambda row: (row["predicted"]["peak_bytes"], row["predicted"].get("all_ranks_bytes", 0)))
     slower = recommended["measured"]["step_seconds"] / fastest["measured"]["step_seconds"] - 1
     return {"world_size": world_size, "simulate_recommended": simulation.recommended,
             "recommended_among_run": recommended["layout"], "measured_fastest": fastest["layout"],

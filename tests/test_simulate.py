@@ -295,6 +295,32 @@ def test_of_layouts_predicted_as_fast_the_one_holding_least_memory_is_recommende
     assert recommend([replace(gpipe, fits=False), replace(dp, fits=False)]) is None
 
 
+def test_of_layouts_as_fast_and_as_full_on_their_fullest_rank_the_one_holding_least_over_all_ranks_wins():
+    """With as many micro-batches as stages, GPipe's and 1F1B's first ranks hold the same; 1F1B's
+    last rank holds one micro-batch where GPipe's holds them all. Both predict the same step and
+    the same peak per rank: 1F1B holds less over all ranks and is recommended, whatever the order."""
+    from oomless.plan.layouts import all_ranks_bytes, estimate_pipeline
+
+    with torch.device("meta"):
+        model = UNet3D(base_channels=8, depth=3)
+    volume = torch.zeros(8, 1, 16, 16, 16, device="meta")
+    profile = profile_for_target(model, volume, "h100", loss_fn=oomless.sum_of_outputs,
+                                 optimizer=torch.optim.Adam(model.parameters()))
+    cluster = make_cluster("h100", 4, 1)
+    gpipe, one_f_one_b = (estimate_pipeline(profile, cluster, 4, 8, 2, schedule) for schedule in ("gpipe", "1f1b"))
+    assert gpipe.microbatches == one_f_one_b.microbatches == 2
+    assert gpipe.step_seconds == pytest.approx(one_f_one_b.step_seconds)
+    # The first rank holds both micro-batches under either; the last, GPipe both and 1F1B one.
+    assert gpipe.memory_per_rank_bytes == one_f_one_b.memory_per_rank_bytes
+    assert gpipe.partition.rank_bytes[-1] > one_f_one_b.partition.rank_bytes[-1]
+    assert all_ranks_bytes(gpipe) == pytest.approx(
+        2 * (sum(gpipe.partition.rank_bytes) + 2 * profile.process_held_bytes))
+    assert all_ranks_bytes(one_f_one_b) < all_ranks_bytes(gpipe)
+    assert recommend([gpipe, one_f_one_b]) is one_f_one_b and recommend([one_f_one_b, gpipe]) is one_f_one_b
+    dp = estimate_data_parallel(profile, cluster, 1)
+    assert all_ranks_bytes(dp) == 4 * dp.memory_per_rank_bytes
+
+
 def test_a_deep_model_is_profiled_from_three_layers_and_extended():
     with torch.device("meta"):
         model = TinyTransformer(vocab_size=500, dim=64, depth=9, heads=4, max_len=32)

@@ -593,14 +593,26 @@ def estimate_layouts(profile: Profile, profiled_batch: int, cluster: Cluster, gl
 RECOMMEND_TIE = 0.01
 
 
+def all_ranks_bytes(estimate: LayoutEstimate) -> float:
+    """The predicted peaks of every rank of a layout, summed: each pipeline rank's own (a 1F1B
+    pipeline's later ranks hold fewer micro-batches than its first; GPipe's hold them all), times
+    the replicas; a data-parallel layout's ranks are alike."""
+    partition = estimate.partition
+    if partition is None:
+        return estimate.memory_per_rank_bytes * estimate.data_parallel
+    held = estimate.memory_per_rank_bytes - max(partition.rank_bytes)      # `Profile.process_held_bytes`
+    return (sum(partition.rank_bytes) + held * len(partition.rank_bytes)) * estimate.data_parallel
+
+
 def recommend(estimates: list[LayoutEstimate]) -> LayoutEstimate | None:
     """The fastest predicted step among the layouts that fit; among those within `RECOMMEND_TIE` of
     it, the one with the least memory per rank (GPipe and 1F1B predict the same step, 1F1B holding
-    fewer micro-batches; the first listed, on ties of both)."""
+    fewer micro-batches), then the least over all ranks (`all_ranks_bytes`: with as many
+    micro-batches as ranks, GPipe's and 1F1B's first ranks hold the same, 1F1B's later ranks less;
+    ranks sharing a host share its memory); the first listed, on ties of all three."""
     fitting = [estimate for estimate in estimates if estimate.fits]
     if not fitting:
         return None
     fastest = min(estimate.step_seconds for estimate in fitting)
     close = [estimate for estimate in fitting if estimate.step_seconds <= fastest * (1 + RECOMMEND_TIE)]
-    return min(close, key=lambda estimate: estimate.memory_per_rank_bytes)
-
+    return min(close, key=lambda estimate: (estimate.memory_per_rank_bytes, all_ranks_bytes(estimate)))
