@@ -14,7 +14,8 @@ Nothing runs here: the model is built on the meta device and one step is profile
 (a few layers of a deep model's identical stack) at each batch a layout runs at once (dp's per-rank
 batch, each pipeline micro-batch), with the input shape's other sides. The loss
 is `oomless plan`'s (``--loss``, `oomless.cli.planned_loss`): a language model's next-token
-cross-entropy by default, which a pipeline runs on its last stage.
+cross-entropy by default, which a pipeline runs on its last stage. For the models `oomless train`
+trains, the last lines give the command that runs the recommended layout (`cli.train_command`).
 """
 
 import argparse
@@ -22,6 +23,7 @@ import sys
 
 from oomless.cli.plan import _DTYPES, check_model_runs, parse_model_args, parse_shape
 from oomless.cli.planned_loss import add_loss_argument, check_loss, planned_step, resolve_loss
+from oomless.cli.train_command import train_command
 from oomless.errors import InputError
 
 
@@ -106,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None, precision=args.precision,
         example_at=example_at)
     simulation.model, simulation.loss = args.model, resolve_loss(args.loss, args.model)
+    simulation.train_command = train_command(
+        args.model, model_kwargs, shape, args.global_batch, args.gpus, args.nodes,
+        simulation.cluster["device_memory_bytes"], simulation.best, args.precision, args.optimizer, args.dtype)
     print(simulation.to_json() if args.json else simulation)
     if args.plot:
         if simulation.best is None:

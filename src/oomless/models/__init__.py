@@ -29,7 +29,7 @@ from oomless.models.vision import build_deeplabv3, make_torchvision_importable
 
 __all__ = [
     "MODEL_NAMES", "MLP", "DictOutputModel", "SmallCNN", "TinyTransformer", "UNet3D",
-    "build_deeplabv3", "build_model", "example_input_for", "make_torchvision_importable",
+    "build_deeplabv3", "build_model", "example_input_for", "make_torchvision_importable", "model_defaults",
 ]
 
 
@@ -88,6 +88,14 @@ _FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "deeplabv3": build_deeplabv3,
 }
 MODEL_NAMES = tuple(_FACTORIES)
+
+
+def model_defaults(name: str) -> dict:
+    """The keyword arguments a registered model is built with when not given, and their defaults."""
+    if name not in _FACTORIES:
+        raise InputError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    return {key: parameter.default for key, parameter in inspect.signature(_FACTORIES[name]).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
 
 
 def _import_module(module_name: str):

@@ -38,6 +38,9 @@ class Simulation:
     # profile was measured, not traced.
     flops_per_sample: float | None = None
     peak_flops_per_second: float | None = None
+    # The `oomless train` command running the recommended layout, where that trainer trains the
+    # model (`oomless simulate` sets it: `cli.train_command`).
+    train_command: str | None = None
 
     def layout(self, name: str) -> LayoutEstimate:
         for estimate in self.layouts:
@@ -119,6 +122,8 @@ class Simulation:
                        + ("" if (mfu := self.model_flops_utilisation(best)) is None
                           else f", model FLOPs utilisation {_share(mfu)}"))
         lines = [f"cluster: {self.cluster_summary}", verdict]
+        if self.train_command:
+            lines.append(f"run it: {self.train_command}")
         lines += [f"note: {note}" for note in self.notes]
         lines.append(f"simulated in {self.elapsed_seconds:.1f} s")
         return buffer.getvalue() + "\n".join(lines)
