@@ -283,3 +283,31 @@ def test_the_timing_steps_start_up_is_not_counted_by_a_later_profile():
     second = profile(model, batch=256)
     assert first.blocks[1].forward_other_bytes < 0.5 * WIDE_BYTES
     assert second.blocks[1].forward_other_bytes < 0.5 * WIDE_BYTES
+
+
+def test_inputs_larger_than_the_example_planned_are_warned_once_and_smaller_ones_not():
+    """The plan holds for the example's inputs: a step on more bytes of input (a larger batch here)
+    may pass its memory, and says so once, naming the loop's line; smaller inputs, a batch sliced
+    from a larger tensor (its own bytes count, not its storage's), and evaluation without gradients
+    are not warned."""
+    example = torch.randn(64, WIDTH)
+    model = WideOutput()
+    oomless.fit(model, example, "1GiB", loss_fn=classes, blocks=BLOCKS, decisions={name: "swap" for name in BLOCKS})
+
+    def messages(inputs, grad=True) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.set_grad_enabled(grad):
+                loss = classes(model(inputs))
+            if grad:
+                loss.backward()
+        found = [warning for warning in caught if "more than the" in str(warning.message)]
+        assert all(warning.filename == __file__ for warning in found), "names the loop's line"
+        return [str(warning.message) for warning in found]
+
+    dataset = torch.randn(256, WIDTH)
+    assert messages(example) == [] and messages(example[:32]) == [] and messages(dataset[64:128]) == []
+    assert messages(dataset, grad=False) == []
+    warned = messages(dataset)
+    assert len(warned) == 1 and "inputs hold 64.00 KiB, more than the 16.00 KiB of the example" in warned[0], warned
+    assert messages(dataset) == []          # once

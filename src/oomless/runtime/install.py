@@ -92,6 +92,7 @@ class InstalledPlan:
         self._parameters_move = True
         self._warned_gradients = False
         self._warned_output = False
+        self._warned_inputs = False
         self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         # Whether the hooks only count here (every block kept, nothing moved or measured), and how
         # many forwards of each inputs' signature they have counted.
@@ -145,6 +146,8 @@ class InstalledPlan:
                     f"exceed the plan's {format_bytes(self.plan.memory_bytes)}. Call optimizer.zero_grad() before "
                     "the forward, or for gradient accumulation plan with accumulation_steps=k", UserWarning,
                     stacklevel=_callers_level())
+        if not self._warned_inputs:
+            self._check_inputs(args, kwargs)
         if self._counts_only and self._counted_enough((args, kwargs)):
             self.ledger.steps += 1
             return args, kwargs
@@ -163,6 +166,25 @@ class InstalledPlan:
         if self.recorder is not None:
             self.recorder.forward_started(resident)
         return args, kwargs
+
+    def _check_inputs(self, args, kwargs) -> None:
+        """Warn once where a step's inputs hold more bytes than the example the plan was made for
+        (`Profile.input_bytes`): saved activations grow with them (a larger batch, a longer sequence,
+        a larger volume), so the plan's memory may not hold. Bytes of the tensors themselves, not of
+        their storages: a batch sliced from a larger tensor counts its own size."""
+        planned = self.plan.static_breakdown.get("inputs", 0)
+        if not planned:
+            return      # a plan without the figure (made from a hand-written profile)
+        tensors = {id(tensor): tensor for tensor in tensors_in((args, kwargs))}.values()
+        now = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        if now > planned:
+            self._warned_inputs = True
+            warnings.warn(
+                f"this step's inputs hold {format_bytes(now)}, more than the {format_bytes(planned)} of the example "
+                "the plan was made for: saved activations grow with the inputs, so the step may exceed the plan's "
+                f"{format_bytes(self.plan.memory_bytes)}. Plan with the largest inputs you train on, passed as the "
+                "loop passes them (oomless.plan(model, largest_example, ...)); smaller ones stay within it",
+                UserWarning, stacklevel=_callers_level())
 
     def _counted_enough(self, inputs) -> bool:
         """An all-keep plan: whether forwards of these inputs' shapes were counted `COUNTED_FORWARDS`
