@@ -21,6 +21,7 @@ from oomless.profile.rss import give_back_free_heap
 from oomless.profile.tensors import model_device, parameters_held_by, tensors_in
 from oomless.runtime.compile import (apply_compile, check_compile_available, check_compile_composes, compile_options,
                                      remove_compile)
+from oomless.runtime.deepcopy import allow_deepcopy, forget_deepcopy
 from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 from oomless.runtime.ledger import Stats
 from oomless.runtime.precision import (apply_precision, autocast_dtype, check_can_apply, precision_state,
@@ -365,6 +366,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         except Exception:
             remove(model)                   # all or nothing: the model is left as it was
             raise
+    allow_deepcopy(model, remove, optimizer_bound=per_parameter or plan.precision == "fp16")
     if device.type == "cpu":
         give_back_free_heap()               # planning's freed objects: the budget is resident memory
     return model
@@ -373,6 +375,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
 def remove(model: nn.Module) -> nn.Module:
     """Uninstall oomless; the model (and an optimizer stepped in backward) exactly as before `apply`."""
     check_model(model, "remove")
+    forget_deepcopy(model)
     remove_update_in_backward(model)
     uninstall_plan(model)
     remove_split(model)

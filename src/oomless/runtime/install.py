@@ -7,6 +7,7 @@
 The state lives on the model as ``model._oomless`` and `remove` restores the model exactly.
 """
 
+import copy
 import inspect
 import os
 import sys
@@ -108,6 +109,14 @@ class InstalledPlan:
         self.recomputes = RECOMPUTE in plan.decisions.values()
         compiled = any(_is_compiled(module) for _, _, module in self.block_modules)
         self._pack, self._unpack = _eager(self.engine.pack, compiled), _eager(self.engine.unpack, compiled)
+
+    def __deepcopy__(self, memo: dict) -> "InstalledPlan":
+        """What a copy of the model needs of this to have the plan taken off it (`remove`, as
+        `runtime.deepcopy` does right after copying): the hooks' handles, on the copy's modules.
+        The engine, tier and ledger are this model's, and are not copied."""
+        copied = object.__new__(type(self))
+        copied.plan, copied.tier, copied.handles = self.plan, None, copy.deepcopy(self.handles, memo)
+        return copied
 
     def install(self, model: nn.Module) -> None:
         self.handles.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
