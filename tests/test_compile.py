@@ -225,3 +225,37 @@ def test_more_blocks_of_one_class_than_dynamos_recompile_limit_all_run_compiled(
     assert torch._dynamo.config.recompile_limit >= 12
     frames = torch._dynamo.utils.counters["frames"]
     assert frames["ok"] == frames["total"], dict(frames)
+
+
+def test_a_model_compiled_as_a_whole_after_apply_is_warned_that_its_plan_does_not_run(fresh_dynamo):
+    """``torch.compile(model)`` after `oomless.apply`: the graph saves its tensors once the blocks
+    have run, so no block's decision applies (every swap plan moves nothing) while training stays
+    right. Backward's first unpack says so, once, naming the loop's line; the same plan in eager
+    mode, and the plan compiled by oomless (``compile=``), say nothing."""
+    import warnings
+
+    def step(model, tokens, loss_fn) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_fn(model(tokens)).backward()
+        found = [warning for warning in caught if "compiled as a whole" in str(warning.message)]
+        assert all(warning.filename == __file__ for warning in found), "names the loop's line"
+        return [str(warning.message) for warning in found]
+
+    model, tokens, loss_fn = _case()
+    blocks = [name for name, _ in model.named_modules() if name.startswith("blocks.") and name.count(".") == 1]
+    oomless.fit(model, tokens, "1GiB", loss_fn=loss_fn, blocks=blocks, decisions=dict.fromkeys(blocks, "swap"),
+                min_swap_bytes=0)
+    assert step(model, tokens, loss_fn) == [] and oomless.stats(model).offloaded_bytes > 0
+    whole = torch.compile(model, backend="aot_eager")
+    moved = oomless.stats(model).offloaded_bytes
+    warned = step(whole, tokens, loss_fn)
+    assert len(warned) == 1 and "oomless.plan(..., compile=True)" in warned[0], warned
+    assert oomless.stats(model).offloaded_bytes == moved           # what the warning is about
+    assert step(whole, tokens, loss_fn) == []                       # once
+    assert step(model, tokens, loss_fn) == []
+
+    compiled, tokens, loss_fn = _case()
+    oomless.fit(compiled, tokens, "1GiB", loss_fn=loss_fn, blocks=blocks, decisions=dict.fromkeys(blocks, "swap"),
+                min_swap_bytes=0, compile={"backend": "aot_eager"})
+    assert step(compiled, tokens, loss_fn) == [] and oomless.stats(compiled).offloaded_bytes > 0

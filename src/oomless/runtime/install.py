@@ -84,6 +84,8 @@ class InstalledPlan:
                                         device, [block.forward_limit_bytes for block in plan.blocks],
                                         [block.backward_limit_bytes for block in plan.blocks])
         self.engine.recorder = recorder
+        if recorder is None and any(block.saved_bytes and block.decision != RECOMPUTE for block in plan.blocks):
+            self.engine.blocks_unseen = self._warn_blocks_unseen
         self.engine.recompute_bytes = {
             index: block.saved_bytes if block.recomputed_bytes is None else block.recomputed_bytes
             for index, block in enumerate(plan.blocks)}
@@ -258,6 +260,17 @@ class InstalledPlan:
                     UserWarning, stacklevel=_callers_level())
 
         self.engine.backward_check = check
+
+    def _warn_blocks_unseen(self) -> None:
+        """Backward reads saved tensors of a forward in which no block saved one through the plan's
+        hooks: the blocks ran where the hooks could not see them, most likely inside a graph
+        compiled from the whole model, which saves its tensors once the graph is done."""
+        warnings.warn(
+            "oomless saw none of the plan's blocks save a tensor in this forward, yet backward reads saved tensors: "
+            "the model is most likely compiled as a whole (torch.compile(model)), whose graph saves its tensors after "
+            "the blocks ran, so the plan's swaps and recomputes do not happen and the step holds plain PyTorch's "
+            "memory. Compile with the plan instead: oomless.plan(..., compile=True) compiles each block with the "
+            "plan around it (or leave the model uncompiled)", UserWarning, stacklevel=_callers_level())
 
     def _block_enter(self, index: int, decision: str):
         def hook(module, args):

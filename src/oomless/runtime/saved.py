@@ -256,6 +256,11 @@ class SavedTensorEngine:
         self.offloaded_parameters = None
         # Called once at the first unpack in backward after a forward, then cleared.
         self.backward_check = None
+        # Tensors packed inside a block since the forward began; where none were and backward
+        # unpacks one all the same, ``blocks_unseen`` is called once (then cleared): the blocks ran
+        # where the hooks did not see them (a model compiled as a whole, `InstalledPlan`).
+        self.packed_in_blocks = 0
+        self.blocks_unseen = None
 
     def position_of(self, block_index: int) -> int:
         """Where in the step the call of block ``block_index`` running (or about to start) is: the
@@ -323,6 +328,7 @@ class SavedTensorEngine:
         self.resident_storages = resident_storages
         self.registry = ForwardRegistry(self)
         self.forward_position, self._called, self._call_position = -1, set(), None
+        self.packed_in_blocks = 0
 
     def forward_limit(self, block_index: int) -> int | None:
         if block_index < len(self.forward_limits):
@@ -409,6 +415,7 @@ class SavedTensorEngine:
             if self.recorder is not None and tensor.device.type != "meta":
                 self.recorder.unassigned(tensor.untyped_storage().nbytes())
             return tensor
+        self.packed_in_blocks += 1
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
             return tensor
         storage = tensor.untyped_storage()
@@ -444,6 +451,9 @@ class SavedTensorEngine:
         if self.backward_check is not None and _in_backward():
             check, self.backward_check = self.backward_check, None
             check()
+        if self.blocks_unseen is not None and not self.packed_in_blocks and _in_backward():
+            unseen, self.blocks_unseen = self.blocks_unseen, None
+            unseen()
         if not isinstance(packed, _Handle):
             if isinstance(packed, _ParameterUse):
                 self.offloaded_parameters.ensure_in(packed.parameter)
