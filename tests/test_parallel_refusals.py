@@ -87,3 +87,15 @@ def test_a_forced_policy_that_cannot_fit_its_stage_is_refused_in_memory_per_rank
     assert needed is not None and needed > 2**20 and "per rank" in str(refused.value)
     plan = plan_for(needed)
     assert set(plan.decisions.values()) == {"recompute"}
+
+
+def test_a_stage_without_parameters_plans_with_no_optimizer_state():
+    """The partitioner may cut a U-Net's pooling alone onto a stage (a hybrid zero-bubble run of
+    the 16^3 U-Net did: stage 1 = ``pool1``). Its plan counts no optimizer state; before, Adam
+    refused the empty parameter list and two of four ranks died in planning."""
+    stage = torch.nn.Sequential(torch.nn.MaxPool3d(2))
+    inputs = (torch.randn(2, 8, 16, 16, 16, requires_grad=True),)
+    plan = _plan_stage(stage, inputs, oomless.sum_of_outputs, StageShare(1, 2, 64 * 2**20), 4, None,
+                       torch.optim.Adam, 64 * 1024, "fp32", None)
+    assert plan.static_breakdown["optimizer state"] == 0 and plan.static_breakdown["parameters"] == 0
+    assert list(plan.decisions) == ["0"]

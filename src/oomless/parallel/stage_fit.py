@@ -159,7 +159,10 @@ def _loss_on(loss_fn, target: torch.Tensor):
 def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, policy: str | None, optimizer_class,
                 min_swap_bytes: int, precision: str, compile: dict | None) -> oomless.Plan:
     """The stage's plan; a refusal names the memory per rank (what the user gives) that fits."""
-    optimizer = optimizer_class(module.parameters())
+    # A stage may hold no parameters (the partitioner can cut a U-Net's pooling alone onto one):
+    # then it has no optimizer state to count, and torch's optimizers refuse an empty list.
+    trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
+    optimizer = optimizer_class(trainable) if trainable else None
     configured = dict(precision=precision, compile=False if compile is None else compile)
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
     # weight gradients), and torch's cache of kept outputs serves one replay.
