@@ -168,6 +168,14 @@ def sequential_sequence(model: nn.Sequential) -> BlockSequence:
     return BlockSequence(blocks)
 
 
+def has_hand_written_sequence(model: nn.Module) -> bool:
+    """Whether `sequence_for` cuts ``model`` by hand (else it traces it)."""
+    from oomless.models import TinyTransformer, UNet3D
+
+    return isinstance(model, (BlockSequence, UNet3D, TinyTransformer)) or (
+        isinstance(model, nn.Sequential) and len(model) >= 2)
+
+
 def sequence_for(model: nn.Module, example=None, output=None) -> BlockSequence:
     """The `BlockSequence` of a model: written by hand for `UNet3D`, `TinyTransformer` and any
     ``nn.Sequential`` of two or more children (a `BlockSequence` is itself); any other model is
@@ -200,10 +208,7 @@ def pipeline_block_groups(model: nn.Module, names: list[str]) -> list[tuple[str,
     block name, indices into ``names``)], in order. A block that is none of the sequence's (the
     U-Net's one pooling module, copied per level in the sequence) joins the group before it. None
     for a model without a hand-written sequence (`sequence_for` would trace it)."""
-    from oomless.models import TinyTransformer, UNet3D
-
-    if not isinstance(model, (BlockSequence, UNet3D, TinyTransformer)) and not (
-            isinstance(model, nn.Sequential) and len(model) >= 2):
+    if not has_hand_written_sequence(model):
         return None
     owner = {}
     for block in sequence_for(model).blocks:

@@ -67,6 +67,12 @@ class ParallelConfig:
         return self.mode in PIPELINE_MODES
 
     @property
+    def ever_pipelined(self) -> bool:
+        """Whether any layout of the run (this one, or one it switches to) is a pipeline."""
+        layouts = [layout for _, layout in self.switch] + [layout for _, layout in self.switch_when]
+        return self.pipelined or any(layout.partition(":")[0] in PIPELINE_MODES for layout in layouts)
+
+    @property
     def sharded(self) -> bool:
         return self.mode == "fsdp"
 

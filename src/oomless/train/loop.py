@@ -28,6 +28,8 @@ from oomless.errors import CheckpointError
 from oomless.models import build_model
 from oomless.parallel import join_process_group, leave_process_group, make_strategy
 from oomless.parallel.config import condition_holds
+from oomless.parallel.block_sequence import has_hand_written_sequence
+from oomless.parallel.traced import warm_up_tracing
 from oomless.parallel.process_group import first_rank_outcome, refusal_or
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
@@ -214,6 +216,14 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
     # The first optimizer built imports ~800 modules (~70 MB resident): library start-up, done now.
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])
+    # So does the model's own library, imported as it is built (MONAI: ~99 MB resident, which made
+    # `--model monai-unet --memory 64MiB` measure 134 MiB for a plan predicted at 34): built once on
+    # the meta device, which allocates nothing.
+    with torch.device("meta"):
+        meta_model = build_segmentation_model(config)
+    if config.parallel.ever_pipelined and not has_hand_written_sequence(meta_model):
+        warm_up_tracing()       # and torch.export's, where a pipeline traces the model (~30 MB)
+    del meta_model
     memory = MemoryProbe(device)
     memory.mark()
 
