@@ -423,3 +423,20 @@ def test_plan_counts_what_it_took_before_its_first_measured_step(monkeypatch):
     monkeypatch.setattr(profiler, "_START_UP_COUNTED", [False])     # as in a fresh process
     oomless.plan(model, inputs, "1GiB", loss_fn=loss_fn)
     assert abs(profiler._LEFT_BEHIND.get(model, 0) - before - 32 * 2**20) <= 4 * 2**20
+
+
+def test_restarting_the_peak_keeps_the_mark_and_forgets_the_highest_point():
+    """The trainer restarts the probe's peak after each whole-volume validation, so the steps'
+    peak after it is read apart from validation's, above the same mark."""
+    from oomless.profile.rss import return_freed_memory_to_the_system
+
+    probe = MemoryProbe(torch.device("cpu"))
+    probe.mark()
+    start = probe.start_bytes
+    block = torch.ones(64 * 2**20 // 4)         # 64 MiB touched, then freed
+    del block
+    return_freed_memory_to_the_system()
+    high = probe.peak_since_mark()
+    assert high >= 60 * 2**20
+    probe.restart_peak()
+    assert probe.start_bytes == start and probe.peak_since_mark() < high - 32 * 2**20

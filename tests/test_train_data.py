@@ -211,3 +211,19 @@ def test_predicted_class_is_argmax_with_ties_and_nan():
             assert torch.equal(predicted_class(logits, dim), logits.argmax(dim=dim))
     tied = torch.zeros(1, 3, 2, 2, 2)
     assert predicted_class(tied).eq(0).all()
+
+
+def test_the_steps_peak_is_read_apart_from_whole_volume_validation(dataset_dir, tmp_path, capsys):
+    """Validation (an eval forward at batch 1, labels read at their grid, a NIfTI written) is not a
+    planned step: the plan is compared with the training steps' peak, validation's said apart. Its
+    own code's start-up runs once before memory is counted, on a stand-in network, and is no
+    validation of the run."""
+    import re
+
+    result = train(_config(dataset_dir, tmp_path / "run", dict(steps=2, memory="1GiB"), validate_every=1))
+    assert 0 < result.steps_peak_memory_bytes <= result.peak_memory_bytes
+    assert [record["step"] for record in result.validation] == [1, 2]
+    line = next(text for text in capsys.readouterr().err.splitlines() if text.startswith("predicted vs measured"))
+    steps = float(re.search(r"vs ([0-9.]+) MiB \(budget", line).group(1))
+    assert steps == pytest.approx(result.steps_peak_memory_bytes / 2**20, abs=0.01)
+    assert ("with whole-volume validation" in line) == (result.peak_memory_bytes > result.steps_peak_memory_bytes)

@@ -216,6 +216,11 @@ class MemoryProbe:
         self._reset()
         self.start_bytes = self.current()
 
+    def restart_peak(self) -> None:
+        """Forget the highest point so far, keeping the mark's reading: `peak_since_mark` then
+        reads the highest point from now on, above the same mark."""
+        self._reset()
+
     def peak_since_mark(self) -> int:
         """Bytes above the reading at the last mark, at the highest point since."""
         peak = self._peak()
