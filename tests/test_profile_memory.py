@@ -311,3 +311,39 @@ def test_inputs_larger_than_the_example_planned_are_warned_once_and_smaller_ones
     warned = messages(dataset)
     assert len(warned) == 1 and "inputs hold 64.00 KiB, more than the 16.00 KiB of the example" in warned[0], warned
     assert messages(dataset) == []          # once
+
+
+def test_the_inputs_planned_and_run_are_counted_alike():
+    """An example sliced from a larger tensor plans on its own bytes, not its storage's: a step on
+    a batch 8 times larger warns. Two views of one tensor passed together count each, as planned:
+    the same step does not warn."""
+    dataset = torch.randn(1024, WIDTH)
+    model = WideOutput()
+    oomless.fit(model, dataset[:64], "1GiB", loss_fn=classes, blocks=BLOCKS,
+                decisions={name: "swap" for name in BLOCKS})
+    assert oomless.installed_plan(model).input_tensor_bytes == 64 * WIDTH * 4
+
+    def warned(inputs) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            classes(model(inputs)).backward()
+        return any("more than the" in str(warning.message) for warning in caught)
+
+    assert not warned(dataset[64:128]) and warned(dataset[:512])
+
+    class TwoViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 10))
+
+        def forward(self, first, second):
+            return self.blocks(first + second)
+
+    tokens = torch.randn(65, WIDTH)
+    two = TwoViews()
+    oomless.fit(two, (tokens[:-1], tokens[1:]), "1GiB", loss_fn=classes, blocks=BLOCKS,
+                decisions={name: "swap" for name in BLOCKS})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        classes(two(tokens[:-1], tokens[1:])).backward()
+    assert not [warning for warning in caught if "more than the" in str(warning.message)]

@@ -47,6 +47,7 @@ def scale_profile(profile: Profile, fraction: float) -> Profile:
                       **({} if fraction <= 1 else {"forward_own_peak_bytes": None, "backward_own_peak_bytes": None}))
               for block in profile.blocks]
     return replace(profile, blocks=blocks, input_bytes=bytes_(profile.input_bytes),
+                   input_tensor_bytes=bytes_(profile.input_tensor_bytes),
                    target_bytes=bytes_(profile.target_bytes),
                    unassigned_saved_bytes=bytes_(profile.unassigned_saved_bytes),
                    loss_seconds=profile.loss_seconds * fraction, measured_peak_bytes=None, flops=flops(profile.flops),

@@ -100,6 +100,8 @@ class Plan:
     # counts them freed before backward, as in ``loss_fn(model(x)).backward()``; a loop that keeps
     # the output into backward holds them too (the runtime warns).
     output_freed_bytes: int = 0
+    # The example inputs' own bytes (`Profile.input_tensor_bytes`): a step on more warns (runtime/install.py).
+    input_tensor_bytes: int = 0
 
     @property
     def decisions(self) -> dict[str, str]:

@@ -348,7 +348,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         memory_bytes=memory_bytes, device=profile.device, static_bytes=static_bytes,
         reserve_bytes=worst_other + margin, activation_budget=budget - least_other_bytes(profile),
         gradients_from_backward=profile.gradients_from_backward,
-        output_freed_bytes=profile.output_freed_bytes,
+        output_freed_bytes=profile.output_freed_bytes, input_tensor_bytes=profile.input_tensor_bytes,
         predicted_peak_bytes=static_bytes + margin + timeline.total_peak_bytes,
         predicted_activation_peak_bytes=timeline.activation_peak_bytes,
         predicted_step_seconds=timeline.step_seconds,

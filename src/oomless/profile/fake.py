@@ -46,7 +46,8 @@ from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
-                                     earlier_saves_by_place, holders_by_place, parameters_read_by, tensors_in)
+                                     earlier_saves_by_place, holders_by_place, parameters_read_by, tensor_bytes,
+                                     tensors_in)
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution"}
 # Ops that only describe tensors or alias them: no kernel runs on the device. `set_` points a tensor
@@ -409,6 +410,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         buffer_bytes=_distinct_bytes(buffers),
         optimizer_state_bytes=_optimizer_state_bytes(optimizer, trainable, notes),
         input_bytes=_distinct_bytes(tensors_in(inputs)),
+        input_tensor_bytes=tensor_bytes(tensors_in(inputs)),
         unassigned_saved_bytes=recorder.unassigned_saved_bytes,
         loss_seconds=recorder.loss_seconds,
         flops=roofline.flops,

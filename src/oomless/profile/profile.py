@@ -180,6 +180,9 @@ class Profile:
     # profiled (``loss_fn(model(x)).backward()``), held through it by a loop that keeps a reference to
     # the output (the runtime warns where one does: `runtime.install`).
     output_freed_bytes: int = 0
+    # The example inputs' own bytes (`tensors.tensor_bytes`; `input_bytes` counts their storages):
+    # what the runtime compares a step's inputs with (`runtime.install`); 0 where not known.
+    input_tensor_bytes: int = 0
     # The tensors on the device the loss function holds (its targets: ``lambda out: F.cross_entropy(out,
     # labels)``; `profiler.target_bytes`), resident through the step as the inputs are.
     target_bytes: int = 0

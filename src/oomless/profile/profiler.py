@@ -24,8 +24,8 @@ from oomless.profile.rss import (MemoryProbe, give_back_free_heap, huge_pages_no
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
-                                     holders_by_place, static_overhead_bytes, storage_bytes, tensors_held_by,
-                                     tensors_in, training_state_kept)
+                                     holders_by_place, static_overhead_bytes, storage_bytes, tensor_bytes,
+                                     tensors_held_by, tensors_in, training_state_kept)
 from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
 from oomless.sizes import format_bytes
 
@@ -397,6 +397,7 @@ def _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss
         buffer_bytes=storage_bytes(list(model.buffers())),
         optimizer_state_bytes=optimizer_state_bytes(optimizer, model, notes),
         input_bytes=storage_bytes(tensors_in(example_inputs)),
+        input_tensor_bytes=tensor_bytes(tensors_in(example_inputs)),
         target_bytes=target_bytes(loss_fn, model, example_inputs, device),
         gradients_from_backward=True,   # the profiling steps start with every gradient None
         static_overhead_bytes=static_overhead_bytes(

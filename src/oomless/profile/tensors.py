@@ -109,6 +109,12 @@ def alive_bytes(storages: dict) -> int:
     return sum(num_bytes for _, num_bytes in storages.values())
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes of ``tensors`` themselves, each distinct tensor once (a batch sliced from a larger
+    tensor counts its own elements, not its storage's)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in {id(t): t for t in tensors}.values())
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}

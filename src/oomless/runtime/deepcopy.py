@@ -36,6 +36,11 @@ def allow_deepcopy(model: nn.Module, remove, optimizer_bound: bool) -> None:
                 "state or parameters off the device, or fp16 loss scaling): the copy's parameters are not the "
                 "optimizer's. Copy the model before oomless.apply, or oomless.remove(model), copy it, and apply "
                 "the plan again (oomless.apply(model, plan, optimizer=...))")
+        # The plan's hooks are copied into the copy's hook tables only to be taken off it: left as
+        # they are, not deep-copied (a recompute block's hook is a method of an object holding the
+        # engine and its transfer tier, which do not copy).
+        for hook in _plan_hooks(model):
+            memo[id(hook)] = hook
         copier = model.__dict__.pop(_COPIER)
         try:
             copied = copy.deepcopy(model, memo)
@@ -44,6 +49,20 @@ def allow_deepcopy(model: nn.Module, remove, optimizer_bound: bool) -> None:
         return remove(copied)
 
     object.__setattr__(model, _COPIER, deepcopy_without_oomless)
+
+
+def _plan_hooks(model: nn.Module) -> list:
+    """The hook functions oomless registered on ``model``'s modules: its plan's and its precision's."""
+    from oomless.runtime.install import installed_state
+    from oomless.runtime.precision import precision_state
+
+    hooks = []
+    for state in (installed_state(model), precision_state(model)):
+        for handle in getattr(state, "handles", None) or []:
+            table = handle.hooks_dict_ref()
+            if table is not None and handle.id in table:
+                hooks.append(table[handle.id])
+    return hooks
 
 
 def forget_deepcopy(model: nn.Module) -> None:

@@ -22,7 +22,7 @@ except ImportError:          # a build without torch.distributed: no sharded par
     DTensor = ()
 
 from oomless.errors import ApplyError
-from oomless.profile.tensors import alive_bytes, has_storage, tensors_in, weak_storages
+from oomless.profile.tensors import alive_bytes, has_storage, tensor_bytes, tensors_in, weak_storages
 from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
@@ -180,14 +180,14 @@ class InstalledPlan:
 
     def _check_inputs(self, args, kwargs) -> None:
         """Warn once where a step's inputs hold more bytes than the example the plan was made for
-        (`Profile.input_bytes`): saved activations grow with them (a larger batch, a longer sequence,
-        a larger volume), so the plan's memory may not hold. Bytes of the tensors themselves, not of
-        their storages: a batch sliced from a larger tensor counts its own size."""
-        planned = self.plan.static_breakdown.get("inputs", 0)
+        (`Plan.input_tensor_bytes`): saved activations grow with them (a larger batch, a longer
+        sequence, a larger volume), so the plan's memory may not hold. Both counted the same way, by
+        the tensors' own bytes (`tensors.tensor_bytes`): a batch sliced from a larger tensor counts its
+        own size, two views of one tensor each theirs."""
+        planned = self.plan.input_tensor_bytes
         if not planned:
-            return      # a plan without the figure (made from a hand-written profile)
-        tensors = {id(tensor): tensor for tensor in tensors_in((args, kwargs))}.values()
-        now = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+            return      # a plan without the figure (made from a hand-written profile, or an older file)
+        now = tensor_bytes(tensors_in((args, kwargs)))
         if now > planned:
             self._warned_inputs = True
             warnings.warn(

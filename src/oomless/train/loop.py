@@ -337,6 +337,7 @@ class _Run:
         # NIfTI), and its code's start-up alone made a 24^3 run's peak 79 MiB against its steps' 54.
         self.steps_peak_bytes = 0
         self.validation_peak_bytes = 0
+        self.stepped_since_validation = True      # else the probe's reading is validation's leftovers
         self.start_step = start_step
         self.history: list[dict] = []
         self.layouts: list[tuple[int, str]] = []
@@ -379,6 +380,7 @@ class _Run:
             volumes = volumes.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             self.loss, self.dice = strategy.train_step(train_model, volumes, labels)
+            self.stepped_since_validation = True
             self._accumulate()
             strategy.step(model, optimizer, step)          # clip, step, zero grads; averages if relaxed
             steps_done = step + 1
@@ -462,7 +464,11 @@ class _Run:
             self.console.print(f"step {steps_done}/{config.steps}  {metrics}", soft_wrap=True)
 
     def peak_bytes(self) -> int:
-        """The training steps' peak above the memory mark so far, whole-volume validations left out."""
+        """The training steps' peak above the memory mark so far, whole-volume validations left out
+        (after a validation the probe's peak restarts at what validation left resident: read only
+        once a step has run since)."""
+        if not self.stepped_since_validation:
+            return self.steps_peak_bytes
         return max(self.steps_peak_bytes, self.memory.peak_since_mark())
 
     def _validate(self, strategy, model: nn.Module, steps_done: int) -> None:
@@ -471,6 +477,9 @@ class _Run:
             self.console.print(f"step {steps_done}: validation skipped under a pipelined layout", soft_wrap=True)
             return
         strategy.synchronize(model)            # no update in flight: the weights validated are the step's
+        # Before the full copy a sharded model is gathered into: that is validation's memory.
+        self.steps_peak_bytes = self.peak_bytes()
+        self.stepped_since_validation = False
         evaluated = model
         if strategy.shards_parameters:
             # Rank 0 validates alone, and a sharded model's forward needs every rank: a full copy.
@@ -479,13 +488,13 @@ class _Run:
                 with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                     evaluated = build_segmentation_model(self.config).to(self.device)
                 evaluated.load_state_dict(model_state)
-        self.steps_peak_bytes = self.peak_bytes()
         if strategy.ranks.is_first:
             record = self.validation.run(evaluated, self.device, steps_done)
-            self.validation_peak_bytes = max(self.validation_peak_bytes, self.memory.peak_since_mark())
-            self.memory.restart_peak()
             self.console.print(self.validation.describe(record), soft_wrap=True)
             self.started += record["seconds"]      # throughput counts training, not validation
+        del evaluated
+        self.validation_peak_bytes = max(self.validation_peak_bytes, self.memory.peak_since_mark())
+        self.memory.restart_peak()
         strategy.barrier()                     # the other ranks wait rather than run ahead of the collectives
 
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
