@@ -492,13 +492,15 @@ def estimate_pipeline(profile: Profile, cluster: Cluster, global_batch: int, pro
             tried.append(f"keep all: too big for {pipeline_ranks} ranks")
         elif consider("keep all", adjust):
             unbounded = partitioned(adjust, UNBOUNDED_BYTES)
-            if isinstance(unbounded, Exception) or \
-                    best.step_seconds <= whole_step("keep all", unbounded).step_seconds * (1 + 1e-9):
+            if isinstance(unbounded, Exception):
+                return best, least, tried
+            unbounded_seconds = whole_step("keep all", unbounded).step_seconds
+            if best.step_seconds <= unbounded_seconds * (1 + 1e-9):
                 return best, least, tried      # as fast as with no memory limit: recomputing only adds time
             # The memory bent the cuts (fewer blocks on the ranks holding the most micro-batches) or
             # kept the micro-batches few: a plan recomputing some blocks may cut evenly and run faster.
             tried.append(f"keep all: fits, {best.step_seconds * 1e3:.1f} ms a step ("
-                         f"{whole_step('keep all', unbounded).step_seconds * 1e3:.1f} ms with no memory limit)")
+                         f"{unbounded_seconds * 1e3:.1f} ms with no memory limit)")
         make_all = lambda one: recompute_profile(adjust(one))
         if not cut_may_fit(make_all(smallest), pieces, cluster.device.memory_bytes):
             tried.append(f"recompute all: too big for {pipeline_ranks} ranks")

@@ -157,9 +157,10 @@ class InstalledPlan:
                     f"exceed the plan's {format_bytes(self.plan.memory_bytes)}. Call optimizer.zero_grad() before "
                     "the forward, or for gradient accumulation plan with accumulation_steps=k", UserWarning,
                     stacklevel=_callers_level())
+        inputs = tensors_in((args, kwargs))
         if not self._warned_inputs:
-            self._check_inputs(args, kwargs)
-        if self._counts_only and self._counted_enough((args, kwargs)):
+            self._check_inputs(inputs)
+        if self._counts_only and self._counted_enough(inputs):
             self.ledger.steps += 1
             return args, kwargs
         # Whether a block's parameters may sit in storages made after this point (FSDP all-gathers
@@ -167,7 +168,7 @@ class InstalledPlan:
         # adds its own when it starts. Otherwise they never move, and the set below holds them.
         self._parameters_move = self.plan.offload_parameters or any(isinstance(p, DTensor) for p in parameters)
         resident = _storage_keys(parameters) | _storage_keys(model.buffers())
-        resident |= _storage_keys(tensors_in((args, kwargs)))
+        resident |= _storage_keys(inputs)
         self.engine.begin_forward(resident)
         self.ledger.steps += 1
         if self.tier is not None:
@@ -178,8 +179,8 @@ class InstalledPlan:
             self.recorder.forward_started(resident)
         return args, kwargs
 
-    def _check_inputs(self, args, kwargs) -> None:
-        """Warn once where a step's inputs hold more bytes than the example the plan was made for
+    def _check_inputs(self, inputs: list[torch.Tensor]) -> None:
+        """Warn once where a step's input tensors hold more bytes than the example the plan was made for
         (`Plan.input_tensor_bytes`): saved activations grow with them (a larger batch, a longer
         sequence, a larger volume), so the plan's memory may not hold. Both counted the same way, by
         the tensors' own bytes (`tensors.tensor_bytes`): a batch sliced from a larger tensor counts its
@@ -187,7 +188,7 @@ class InstalledPlan:
         planned = self.plan.input_tensor_bytes
         if not planned:
             return      # a plan without the figure (made from a hand-written profile, or an older file)
-        now = tensor_bytes(tensors_in((args, kwargs)))
+        now = tensor_bytes(inputs)
         if now > planned:
             self._warned_inputs = True
             warnings.warn(
@@ -197,10 +198,10 @@ class InstalledPlan:
                 "loop passes them (oomless.plan(model, largest_example, ...)); smaller ones stay within it",
                 UserWarning, stacklevel=_callers_level())
 
-    def _counted_enough(self, inputs) -> bool:
-        """An all-keep plan: whether forwards of these inputs' shapes were counted `COUNTED_FORWARDS`
-        times already (then this one runs without hooks); else it counts one more."""
-        signature = tuple((tuple(tensor.shape), tensor.dtype, tensor.device) for tensor in tensors_in(inputs))
+    def _counted_enough(self, inputs: list[torch.Tensor]) -> bool:
+        """An all-keep plan: whether forwards of these input tensors' shapes were counted
+        `COUNTED_FORWARDS` times already (then this one runs without hooks); else it counts one more."""
+        signature = tuple((tuple(tensor.shape), tensor.dtype, tensor.device) for tensor in inputs)
         seen = self._counted.get(signature, 0)
         if seen >= COUNTED_FORWARDS:
             return True

@@ -216,7 +216,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     # 6 MiB for a second batch of the same size), as the optimizer's below, with a budget or not.
     data.train.batch(0, 1)
     if data.validation is not None:
-        from oomless.train.validate import warm_up_validation   # see _train: imported late
+        from oomless.train.validate import warm_up_validation   # imported here, as open_training_data above
 
         warm_up_validation(data.validation, data.prepared.class_names, device)
     # Memory is counted from here: the model, optimizer state and the steps, not the interpreter.
@@ -322,7 +322,7 @@ class _Run:
 
     def __init__(self, config: TrainConfig, console: Console, device: torch.device, data, start_step: int,
                  memory: MemoryProbe):
-        from oomless.train.validate import Validation      # see _train: imported late for the same reason
+        from oomless.train.validate import Validation      # imported here, as in _train
 
         self.config, self.console, self.device, self.dataset = config, console, device, data.train
         self.data = data
