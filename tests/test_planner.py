@@ -299,3 +299,22 @@ def test_given_decisions_plan_within_the_smallest_memory_named_for_them(decision
     assert roomy.predicted_peak_bytes >= smallest
     # The whole-model minimum is no more than any one set of decisions needs.
     assert smallest_memory(profile) <= smallest
+
+
+@pytest.mark.parametrize("held_mib, said", [(0, None), (30, "30.00 MiB of it what earlier steps left"),
+                                            (40, "nearly all of it what earlier steps left")])
+def test_a_refusal_names_what_the_process_held_from_the_steps_start(held_mib, said):
+    # A phase's working memory as measured counts what earlier steps left held (kernels' caches,
+    # compiled code, start-up): the refusal that blames the phase says how much of it that is.
+    blocks = [_measured_block(f"b{i}", 1, 2, 3, 4 if i else 40, 5 if i else 41) for i in range(3)]
+    profile = _profile(blocks)
+    profile.held_from_start_bytes = held_mib * MiB
+    with pytest.raises(oomless.PlanError) as refused:
+        make_plan(profile, 50 * MiB)
+    message = str(refused.value)
+    assert "block b0's backward sets it: 40.00 MiB of working memory" in message
+    if said is None:
+        assert "earlier steps" not in message and "held tensors, gradients in flight" in message
+    else:
+        assert said in message, message
+        assert ("10.00 MiB its own" in message) == (held_mib == 30)

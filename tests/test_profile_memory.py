@@ -204,6 +204,8 @@ def test_what_the_first_step_leaves_held_counts_from_the_start_of_the_step():
     measured = profile(model, batch=512)
     assert any("left" in note and "held" in note for note in measured.notes), measured.notes
     assert measured.blocks[0].forward_other_bytes >= 0.9 * WIDE_BYTES
+    # Named apart, for a refusal that blames a phase of it (`plan.planner._working_parts`).
+    assert 0.9 * WIDE_BYTES <= measured.held_from_start_bytes <= 1.5 * WIDE_BYTES
 
 
 class KeepsALargeCacheFromItsBackward(KeepsACacheFromItsBackward):

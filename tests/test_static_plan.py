@@ -100,6 +100,38 @@ def test_the_smallest_memory_reported_counts_what_can_move(profiled):
                      profile=profile, offload_optimizer_state=False)
 
 
+class _Refusing:
+    """Stands for `plan.static._Candidates`: every placement refused, each naming its own smallest budget."""
+
+    def __init__(self, minimums):
+        self.minimums = minimums
+
+    def plan(self, placement):
+        return PlanError(f"no plan fits; the smallest budget is {self.minimums[placement]}",
+                         minimum_bytes=self.minimums[placement])
+
+
+def test_where_no_placement_fits_the_refusal_names_the_smallest_budget_of_any():
+    # Moving more off the device lowers static bytes but takes working memory of its own (the
+    # copies back): the placement that holds least need not name the least budget.
+    from oomless.plan.static import Placement, _choose
+    placements = [Placement(), Placement(True), Placement(True, True), Placement(True, True, True)]
+    minimums = dict(zip(placements, (9 * 2**20, 7 * 2**20, 8 * 2**20, 8 * 2**20)))
+    with pytest.raises(PlanError) as refused:
+        _choose(_Refusing(minimums), placements)
+    assert refused.value.minimum_bytes == 7 * 2**20
+    assert "counting update in backward: on, optimizer state on the device, parameters on the device" in \
+        str(refused.value)
+    assert "parameters off the device, the least the device can hold, the smallest budget is 8.00 MiB" in \
+        str(refused.value)
+    # Where it does name the least (ties included), it is the one named.
+    minimums[placements[1]] = 8 * 2**20
+    with pytest.raises(PlanError) as refused:
+        _choose(_Refusing(minimums), placements)
+    assert refused.value.minimum_bytes == 8 * 2**20
+    assert "parameters off the device, the least the device can hold; no placement" in str(refused.value)
+
+
 def test_forced_on_at_a_roomy_budget_and_saved_as_json(profiled):
     profile, _, _ = profiled
     model, inputs, loss_fn = _case()

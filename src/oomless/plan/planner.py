@@ -97,9 +97,21 @@ def _what_limits(profile: Profile, timeline: Timeline) -> tuple[str | None, str]
                       f"of its per-element tensors whole; a language model's head and loss in chunks, "
                       f"oomless.linear_cross_entropy, never makes its logits whole)")
     return block.name, (f"block {block.name}'s {kind} sets it: {format_bytes(working)} of working memory beyond "
-                        f"saved tensors (held tensors, gradients in flight, op workspaces), with saved tensors "
-                        f"brought back one at a time as it needs them (its largest "
-                        f"{format_bytes(block.largest_saved_bytes)})")
+                        f"saved tensors ({_working_parts(profile, working)}), with saved tensors brought back one "
+                        f"at a time as it needs them (its largest {format_bytes(block.largest_saved_bytes)})")
+
+
+def _working_parts(profile: Profile, working: int) -> str:
+    """What a phase's ``working`` bytes are: its own tensors, and what the process held from the
+    step's start (`Profile.held_from_start_bytes`), named where that is a share worth naming."""
+    own = "held tensors, gradients in flight, op workspaces"
+    held = min(profile.held_from_start_bytes, working)
+    if held < max(working // 10, 2**20):
+        return own
+    what = "what earlier steps left the process holding: kernels' caches for its shapes, compiled code, start-up"
+    if working - held < max(working // 20, 2**20):
+        return f"nearly all of it {what}, which no plan frees"
+    return f"{format_bytes(held)} of it {what}; {format_bytes(working - held)} its own: {own}"
 
 
 def _reason(profile: Profile, index: int, decision: str, timeline, budget: int, solver: str) -> str:

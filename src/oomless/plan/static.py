@@ -416,6 +416,10 @@ def plan_with_static_decisions(profile: Profile, model: nn.Module, optimizer, re
     return chosen
 
 
+def _named_minimum(refused: PlanError) -> float:
+    return refused.minimum_bytes if refused.minimum_bytes is not None else float("inf")
+
+
 # A placement that moves more (the update into backward, the optimizer's state or the parameters off
 # the device) is chosen over a simpler one that fits only where its step is predicted faster by more.
 SIMPLER_WITHIN = 0.02
@@ -439,12 +443,20 @@ def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Place
             added, how = candidates.added_seconds(placement)
             scored.append((result.predicted_step_seconds + added, placement, how))
     if not scored:
+        # The refusal naming the smallest budget of any placement: mostly that of the one holding least
+        # on the device (the last; ties go to it), not necessarily: what it moves takes working memory
+        # of its own (the copies back, the state of the module updating).
         frugal = placements[-1]
-        refused = candidates.plan(frugal)
-        raise PlanError(f"{refused} (counting {frugal.describe()}, the least the device can hold; "
-                        "the minimum with anything kept on the device is higher)",
-                        minimum_bytes=refused.minimum_bytes, limiting_block=refused.limiting_block,
-                        floor_block=refused.floor_block)
+        least = min(reversed(placements), key=lambda placement: _named_minimum(candidates.plan(placement)))
+        refused = candidates.plan(least)
+        if least == frugal:
+            why = (f"counting {frugal.describe()}, the least the device can hold; no placement that keeps more "
+                   "on it fits a smaller budget")
+        else:
+            why = (f"counting {least.describe()}; with {frugal.describe()}, the least the device can hold, "
+                   f"the smallest budget is {format_bytes(_named_minimum(candidates.plan(frugal)))}")
+        raise PlanError(f"{refused} ({why})", minimum_bytes=refused.minimum_bytes,
+                        limiting_block=refused.limiting_block, floor_block=refused.floor_block)
     # The simplest placement (``placements`` is in that order: fewer things moved first) within
     # SIMPLER_WITHIN of the fastest: two predictions that close differ by the profile's timing noise
     # (`make demo`'s plan moved its parameters to disk in some processes, for a step predicted 1 %

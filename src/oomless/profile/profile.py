@@ -206,6 +206,11 @@ class Profile:
     # a small 3D U-Net), measured from a warm baseline as a rank starts (bench/bench_simulate.py).
     # Every rank holds its own; simulate adds it to each layout's peak per rank. 0: not measured.
     process_held_bytes: int = 0
+    # Of every phase's working memory as measured ("other" bytes), what the process held from the
+    # step's start: what earlier steps and profiles left (kernels' caches for the step's shapes,
+    # compiled code, a fresh process's start-up; `profiler.profile_model`). Counted in each phase as
+    # training holds it; named apart where a refusal blames a phase (`plan.planner`). 0: none measured.
+    held_from_start_bytes: int = 0
     # The trainable parameters whose gradients were accumulated between the end of the forward and
     # the first block's backward (used by the loss only), and the static bytes absent then (see
     # `BlockProfile.backward_gradient_names` and `BlockProfile.forward_static_absent_bytes`).

@@ -296,7 +296,10 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
                                  measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
 
+        held_from_start = left_before   # what the sizes' step holds from its start (`Profile.held_from_start_bytes`)
+
         def measure_sizes():
+            nonlocal held_from_start
             recorder, loss_seconds = measure()
             for p in parameters:
                 p.grad = None
@@ -322,6 +325,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             notes.append(f"the first profiling step left {format_bytes(kept)} held (kernel caches for its shapes, "
                          "a fresh process's start-up): sizes measured again on a second step that holds it from "
                          "its start, as training does")
+            held_from_start += kept
             return measure()
 
         recorder, loss_seconds = measure_sizes()
@@ -330,6 +334,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             found = refined
             recorder, loss_seconds = measure()
         sized = _as_profile(model, example_inputs, loss_fn, optimizer, found, recorder, loss_seconds, device, notes)
+        sized.held_from_start_bytes = held_from_start
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)

@@ -33,7 +33,7 @@ from oomless.parallel.traced import warm_up_tracing
 from oomless.parallel.process_group import first_rank_outcome, refusal_or
 from oomless.parallel.rank_state import gather_other_ranks
 from oomless.profile.rss import MemoryProbe, return_freed_memory_to_the_system
-from oomless.runtime.compile import compile_blocks, compile_options
+from oomless.runtime.compile import compile_blocks, compile_options, warm_up_compile
 from oomless.runtime.precision import apply_precision, load_loss_scale_state, loss_scale_state, skipped_steps
 from oomless.sizes import format_bytes
 from oomless.train.checkpoint import (check_settings, load_checkpoint, newest_intact_checkpoint, save_checkpoint,
@@ -230,6 +230,8 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     if config.parallel.ever_pipelined and not has_hand_written_sequence(meta_model):
         warm_up_tracing()       # and torch.export's, where a pipeline traces the model (~30 MB)
     del meta_model
+    if config.compile:
+        warm_up_compile(compile_options(config.compile), device)     # and inductor's (~20 MiB)
     memory = MemoryProbe(device)
     memory.mark()
 
