@@ -56,6 +56,10 @@ CLI_CASES = [
     (TRAIN + ["--checkpoint-dir", "a-file/ck"], "a-file is a file, not a directory"),
     (TRAIN + ["--save", "."], "save . is a directory; name a file in it"),
     (TRAIN + ["--save", "a-file/w.safetensors"], "a-file is a file, not a directory"),
+    # A folder the filesystem refuses whatever the permission bits say (root passed os.access there,
+    # trained the whole run and lost its weights in a traceback at the save).
+    *([(TRAIN + ["--save", "/proc/w.safetensors"], "/proc is not writable"),
+       (TRAIN + ["--checkpoint-dir", "/proc/ck"], "/proc is not writable")] if sys.platform.startswith("linux") else []),
     (TRAIN + ["--model", "resnet"], "invalid choice: 'resnet'"),
     (TRAIN + ["--parallel", "ring"], "invalid choice: 'ring'"),
     (TRAIN + ["--average-every", "0"], "average-every must be at least 1"),
@@ -148,6 +152,14 @@ def test_unknown_hf_model_type_is_one_short_line(capsys):
     assert "no model type 'lama'; did you mean llama" in line and len(line) < 300
 
 
+def test_a_misspelt_hf_config_field_is_refused_naming_the_one_meant(capsys):
+    # AutoConfig takes any key: n_layerz built the default 12-layer GPT-2, and its plan refused 512 MiB.
+    pytest.importorskip("transformers")
+    assert main(["plan", "hf:gpt2", "--input-shape", "2,16", "--memory", "1GiB", "--model-arg", "n_layerz=2"]) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert "hf:gpt2's config has no field 'n_layerz' ('n_layerz': did you mean 'n_layer'?)" in line, line
+
+
 def _model_and_inputs():
     torch.manual_seed(0)
     return SmallCNN(in_channels=3, num_classes=10), torch.randn(2, 3, 8, 8)
@@ -164,6 +176,10 @@ API_CASES = {
     "inputs without a tensor": (lambda m, x: oomless.plan(m, ["a"], "1GiB", loss_fn=_loss), oomless.InputError,
                                 "example_inputs holds no tensor"),
     "memory -1GiB": (lambda m, x: oomless.plan(m, x, "-1GiB", loss_fn=_loss), oomless.SizeError, "must be positive"),
+    # Fractions of a byte were cut to whole ones: "0.5" refused as not positive, 1.5 planned for 1 byte.
+    "memory 0.5": (lambda m, x: oomless.plan(m, x, "0.5", loss_fn=_loss), oomless.SizeError,
+                   "'0.5' is a fraction of a byte; give whole bytes, or a unit such as '0.5GiB'"),
+    "memory 1.5": (lambda m, x: oomless.fit(m, x, 1.5, loss_fn=_loss), oomless.SizeError, "1.5 is a fraction of a byte"),
     "memory nan": (lambda m, x: oomless.fit(m, x, float("nan"), loss_fn=_loss), oomless.SizeError, "finite"),
     "memory inf": (lambda m, x: oomless.plan(m, x, float("inf"), loss_fn=_loss), oomless.SizeError, "finite"),
     "memory None": (lambda m, x: oomless.plan(m, x, None, loss_fn=_loss), oomless.SizeError, "got NoneType"),

@@ -3,6 +3,7 @@ removed. Nothing committed is lost, a damaged or partial file is never used, and
 equals an uninterrupted one."""
 
 import io
+import os
 import random
 import shutil
 import signal
@@ -222,3 +223,18 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path):
         rest, _ = child.communicate(timeout=60)
         assert child.returncode == -signal.SIGKILL
         _assert_nothing_committed_lost(directory, _committed(first + rest))
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_written_files_take_the_mode_the_umask_gives(umask, mode, tmp_path):
+    # Weights, checkpoints and predictions were all 0600 (mkstemp's), whatever the umask: other users
+    # could not read the weights, nor open a prediction in a viewer.
+    import stat
+
+    from oomless.train.checkpoint_files import atomic_write
+    before = os.umask(umask)
+    try:
+        path = atomic_write(tmp_path / "weights.safetensors", lambda temporary: Path(temporary).write_bytes(b"x"))
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == mode

@@ -86,6 +86,15 @@ def test_plan_prints_json():
     assert {block["decision"] for block in plan["blocks"]} <= {"keep", "swap", "recompute"}
 
 
+@pytest.mark.parametrize("flags", [(), ("--split", "off"), ("--target", "h100")])
+def test_plan_plot_is_written_however_the_step_is_measured(flags, tmp_path):
+    # With --split or --target the profile is measured first; the plot was then skipped, rc 0.
+    path = tmp_path / "plan.png"
+    completed = run_oomless("plan", "mlp", "--memory", "64MiB", "--batch", "4", *flags, "--plot", str(path))
+    assert completed.returncode == 0, completed.stderr
+    assert path.stat().st_size > 0 and f"written to {path}" in completed.stdout
+
+
 def test_split_flag_chooses_chains_in_slabs(tmp_path):
     """`--split all` computes every chain in slabs, `off` none (`auto`, the default, only where no plan fits)."""
     common = ("plan", "unet3d", "--memory", "4GiB", "--size", "16", "--model-arg", "base_channels=4",

@@ -1,7 +1,7 @@
 """Checks that a path the user named for output can be written, made before any work is done:
 a run must not train for an hour and then fail to save, nor leave half its outputs behind."""
 
-import os
+import tempfile
 from pathlib import Path
 
 from oomless.errors import InputError
@@ -21,6 +21,12 @@ def check_output_path(path: Path | str, flag: str, directory: bool = False) -> P
         parent = parent.parent
     if not parent.is_dir():
         raise InputError(f"{flag} {path} cannot be created: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path} cannot be created: {parent} is not writable")
+    # Tried, not asked: os.access lets root through where the filesystem still refuses (/proc, a
+    # read-only mount), and a --save refused there lost the whole run's weights at its end.
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".oomless-probe-"):
+            pass
+    except OSError as error:
+        raise InputError(f"{flag} {path} cannot be created: {parent} is not writable "
+                         f"({error.strerror or error}); name a folder you can write to") from None
     return path

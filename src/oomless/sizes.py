@@ -21,6 +21,9 @@ def parse_bytes(size: int | float | str) -> int:
     if isinstance(size, float) and not math.isfinite(size):
         raise SizeError(f"memory size must be a finite number of bytes, got {size!r}")
     if isinstance(size, (int, float)):
+        if size != int(size):
+            raise SizeError(f"memory size {size!r} is a fraction of a byte; give whole bytes, or a string with "
+                            f"a unit such as '{size:g}GiB'")
         value = int(size)
     elif isinstance(size, str):
         match = _SIZE_PATTERN.match(size)
@@ -32,6 +35,9 @@ def parse_bytes(size: int | float | str) -> int:
                 "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
             )
         number = float(match.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and math.isfinite(number) and number != int(number):
+            raise SizeError(f"memory size {size!r} is a fraction of a byte; give whole bytes, or a unit such as "
+                            f"'{match.group(1)}GiB'")
         if not math.isfinite(number):
             raise SizeError(f"memory size {size!r} is too large to be a number of bytes")
         value = int(number)

@@ -195,9 +195,10 @@ def run(args: argparse.Namespace) -> int:
     profile = measured(plan_kwargs["split"]) if measure_first else None
     plan = oomless.plan(model, example, profile=profile, solver=args.solver, **plan_kwargs)
     print(plan.to_json() if args.json else plan)
-    if args.plot and (profile is None or (plan.split or {}) != (profile.split or {})):
-        # The step the plan was made for, measured for the plot (chains split as the plan has them).
-        profile = measured(plan.split or False)
+    if args.plot:
+        if profile is None or (plan.split or {}) != (profile.split or {}):
+            # The step the plan was made for, measured for the plot (chains split as the plan has them).
+            profile = measured(plan.split or False)
         from oomless.plan.plot import plot_plan
         print(f"memory over one step written to {plot_plan(profile, plan, args.plot)}",
               file=sys.stderr if args.json else sys.stdout)

@@ -70,6 +70,16 @@ def build_transformers_model(model_type: str, **config) -> nn.Module:
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. hf:gpt2, hf:llama, hf:mistral"
         raise InputError(f"transformers has no model type {model_type!r}{hint}")
+    # AutoConfig takes any key as an attribute: a misspelt one built the default model unsaid.
+    defaults = CONFIG_MAPPING[model_type]()
+    fields = sorted({*defaults.to_dict(), *getattr(defaults, "attribute_map", {})})
+    unknown = [key for key in config if not hasattr(defaults, key)]
+    if unknown:
+        close = {key: difflib.get_close_matches(key, fields, n=1, cutoff=0.6) for key in unknown}
+        hints = "; ".join(f"{key!r}: did you mean {close[key][0]!r}?" for key in unknown if close[key])
+        raise InputError(f"hf:{model_type}'s config has no field {', '.join(map(repr, unknown))}"
+                         f"{' (' + hints + ')' if hints else ''}; its fields include "
+                         f"{', '.join(fields[:12])}{', ...' if len(fields) > 12 else ''}")
     try:
         settings = AutoConfig.for_model(model_type, **config)
         return AutoModelForCausalLM.from_config(settings)

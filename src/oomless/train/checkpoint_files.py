@@ -41,6 +41,7 @@ def atomic_write(path: Path | str, write: Callable[[str], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(descriptor)
+    os.chmod(temporary, 0o666 & ~_umask())      # mkstemp makes it 0600: give it the mode open() would
     try:
         write(temporary)
         with open(temporary, "rb") as written:
@@ -51,6 +52,21 @@ def atomic_write(path: Path | str, write: Callable[[str], None]) -> Path:
         raise
     _fsync_directory(path.parent)
     return path
+
+
+def _umask() -> int:
+    """The process's file-creation mask, read without setting it where Linux says it (setting it to
+    read it back is process-wide, and a thread creating a file meanwhile would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: Path) -> None:
