@@ -178,7 +178,7 @@ def newest_intact_checkpoint(directory: Path | str, report: Callable[[str], None
             damaged.append(error)
             continue
         for error in damaged:
-            report(f"skipping {error}; resuming from {path.name}")
+            report(f"skipping a damaged checkpoint ({error}); resuming from {path.name}")
         return path, meta
     if damaged:
         reasons = "; ".join(str(error) for error in damaged)

@@ -149,7 +149,7 @@ def _apply_oomless(model: nn.Module, optimizer: torch.optim.Optimizer, example: 
 def _find_resumable(config: TrainConfig, console: Console) -> tuple[Path, int] | None:
     """(path, step) of the newest intact checkpoint in ``config.checkpoint_dir``, its settings checked
     against ``config`` before anything is built or loaded; None (start at step 0) if there is none."""
-    found = newest_intact_checkpoint(config.checkpoint_dir, report=console.print)
+    found = newest_intact_checkpoint(config.checkpoint_dir, report=lambda line: console.print(line, soft_wrap=True))
     if found is None:
         console.print(f"no checkpoint in {config.checkpoint_dir}; starting from step 0")
         return None
@@ -164,7 +164,7 @@ def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.
             rank: int = 0, load_state=None) -> None:
     state = load_checkpoint(path, model, optimizer, rank=rank, expected_settings=config.trajectory(),
                             load_state=load_state)
-    console.print(f"resumed from {path} at step {state.step}")
+    console.print(f"resumed from {path} at step {state.step}", soft_wrap=True)
 
 
 def _stats_line(model: nn.Module) -> tuple[object | None, str]:
