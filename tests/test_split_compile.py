@@ -266,7 +266,9 @@ def test_train_with_split_all_and_compile_equals_it_without_compile(fresh_dynamo
     plan = oomless.installed_plan(compiled.model)
     assert plan.compile == OPTIONS and STREAM in plan.split and len(plan.split) > 1
     assert compiled.model.pool._compiled_call_impl is not None and GRAPHS
-    assert not READ, "the only compiled block, the pooling, has no parameters: no chain was traced"
+    # (The trainer's warm-up compiles a tiny block of its own first: `runtime.compile.warm_up_compile`.)
+    assert not READ & {id(parameter) for parameter in compiled.model.parameters()}, \
+        "the only compiled block, the pooling, has no parameters: no chain was traced"
     eager = train(TrainConfig(**config))
     losses = [record["loss"] for record in compiled.history]
     assert len(losses) == 2 and losses == [record["loss"] for record in eager.history]
