@@ -220,6 +220,22 @@ def _check_shapes(path: Path, model_state: dict[str, torch.Tensor], model: nn.Mo
                               "for another model or other settings", path)
 
 
+def _copy_what_the_optimizer_kept(optimizer: torch.optim.Optimizer, file_tensors) -> None:
+    """Replace the file's tensors that ``optimizer`` holds as they were loaded by copies of their own.
+
+    The file's tensors are slices of one mapping of the whole file (safetensors' ``safe_open``), and each
+    keeps all of it alive. ``load_state_dict`` keeps some as they are: Adam's step counters always (0-d,
+    on the host), every state tensor already on the parameters' device and dtype (CPU). One kept tensor
+    held the whole checkpoint resident through the run: with the state off the device, a resumed
+    ``--size 32 --memory 52MiB`` run held 4.06 MiB (the file) more than a fresh one, and its steps
+    measured 54.6-55.1 MiB against the plan's 52.0. Copied, the mapping goes when this returns."""
+    from_file = {id(tensor) for tensor in file_tensors}
+    for holder in [*optimizer.state.values(), *optimizer.param_groups]:
+        for key, value in holder.items():
+            if id(value) in from_file:
+                holder[key] = value.clone()
+
+
 def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True, rank: int = 0, expected_settings: dict | None = None,
                     load_state=None) -> CheckpointState:
@@ -256,6 +272,8 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
         model.load_state_dict(model_state)
         if optimizer is not None:
             optimizer.load_state_dict(optimizer_state)
+    if optimizer is not None:
+        _copy_what_the_optimizer_kept(optimizer, optimizer_tensors.values())
     load_loss_scale_state(model, meta.get("loss_scale"))
     if restore_rng:
         _set_rng_state({name: tensor for name, tensor in tensors.items() if name.startswith("rng.")}, meta["rng"])
