@@ -146,6 +146,29 @@ def test_a_loaded_checkpoint_holds_no_memory_once_loaded(offloaded, tmp_path):
     _assert_same(reference, reference_optimizer, model, optimizer)
 
 
+def test_with_the_update_after_backward_the_gradients_stay_after_step_as_in_plain_pytorch():
+    """The user's ``optimizer.step()`` steps each parameter with its state brought in and leaves its
+    gradient as the plain step does (logging gradient norms after the step), until ``zero_grad``; the
+    plan counts every gradient on the device through the step. The user's own step, which runs after
+    the per-parameter updates, does not step them again (bit-equal)."""
+    model, inputs = _case()
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(reference.parameters())
+    update = apply_update_in_backward(model, optimizer, in_backward=False, offload_state=True, min_offload_bytes=0)
+    for step in range(3):
+        for network, network_optimizer in ((reference, reference_optimizer), (model, optimizer)):
+            network_optimizer.zero_grad()
+            network(inputs + step).square().mean().backward()
+            network_optimizer.step()
+        for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+            assert actual.grad is not None, f"{name}: gradient gone after step()"
+            assert torch.equal(expected, actual) and torch.equal(expected.grad, actual.grad), name
+    assert update.state.offloaded_bytes > 0
+    optimizer.zero_grad()
+    assert all(param.grad is None for param in model.parameters())
+    _assert_same(reference, reference_optimizer, model, optimizer)
+
+
 class _ReplacingSGD(torch.optim.Optimizer):
     """Momentum SGD that replaces its state tensor at every step instead of updating it in place."""
 

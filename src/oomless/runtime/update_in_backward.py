@@ -34,6 +34,11 @@ Why the result is bit for bit the plain step's:
 The same per-parameter update carries the optimizer state off the device (`offload_state`: brought
 in around each parameter's step, in backward or, with ``in_backward=False``, inside the user's
 ``optimizer.step()``) and the blocks' parameters (`offload_parameters`: written out after their update).
+With ``in_backward=False`` the gradients stay after ``optimizer.step()`` until ``zero_grad``, as in the
+plain loop (gradient norms can be logged after the step): the plan counts every gradient on the device
+through that step anyway. They are hidden from the user's own step while it runs (a step pre-hook sets
+``grad`` to None, its post-hook puts them back) so that it does not step them a second time; a step that
+raises loses them. In backward they are freed at each update, which is the memory that mode saves.
 
 The loop's other habits:
 - LR schedulers and hand-changed settings work: the slices copy the user's param groups before each
@@ -132,7 +137,10 @@ class UpdateInBackward:
         if in_backward:
             self.handles += [param.register_post_accumulate_grad_hook(self._gradient_accumulated)
                              for param in self.names]
+        self._hidden_gradients: dict[nn.Parameter, torch.Tensor] = {}     # during the user's step
         self.handles.append(optimizer.register_step_pre_hook(self._before_user_step))
+        if not in_backward:
+            self.handles.append(optimizer.register_step_post_hook(self._after_user_step))
         setattr(optimizer, STATE_ATTRIBUTE, self)
 
     def _update(self, params: list[nn.Parameter]) -> None:
@@ -141,8 +149,9 @@ class UpdateInBackward:
             for param in params:
                 self.state.bring_in(param)
         self.slice.step_only(params)
-        for param in params:
-            param.grad = None           # this gradient's memory is free for the rest of backward
+        if self.in_backward:
+            for param in params:
+                param.grad = None       # this gradient's memory is free for the rest of backward
         if self.state is not None:
             for param in params:
                 self.state.send_out(param)
@@ -178,6 +187,8 @@ class UpdateInBackward:
             for param in order:
                 if param.grad is not None:
                     self._update([param])
+                    # Hidden from the user's step, which runs next and would step it again.
+                    self._hidden_gradients[param], param.grad = param.grad, None
             self.state.step_finished()
             return
         partial = {self.names[param]: seen for param, seen in self.gradients_seen.items()
@@ -198,6 +209,11 @@ class UpdateInBackward:
             self.state.step_finished()
         if self.parameters_off is not None:
             self.parameters_off.step_finished()
+
+    def _after_user_step(self, optimizer, args, kwargs) -> None:
+        for param, grad in self._hidden_gradients.items():
+            param.grad = grad
+        self._hidden_gradients = {}
 
     def remove(self) -> None:
         """Remove the hooks (and bring offloaded state back): from the next backward on, gradients
