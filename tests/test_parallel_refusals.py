@@ -99,3 +99,28 @@ def test_a_stage_without_parameters_plans_with_no_optimizer_state():
                        torch.optim.Adam, 64 * 1024, "fp32", None)
     assert plan.static_breakdown["optimizer state"] == 0 and plan.static_breakdown["parameters"] == 0
     assert list(plan.decisions) == ["0"]
+
+
+def test_a_stage_plan_is_the_stages_own_for_its_share_and_says_why_it_updates_after_the_schedule():
+    """A stage with 2 micro-batches in flight is planned for one within part of its share; the plan
+    returned is the stage's: its budget the share (it printed the one micro-batch's, 33.47 MiB for
+    64), its activation budget within what the share leaves beside the static bytes (the one
+    micro-batch's times 2 printed 64.46 MiB for 64), its peak with both micro-batches' activations.
+    The optimizer is passed to the planner (its step's temporaries counted), and the note says why
+    the update is not in backward (it said "no optimizer was given" while counting its state). What
+    the rank holds outside its stages' plans comes off the share and is in a refusal's budget."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(4)))
+    inputs = (torch.randn(256, 128),)
+    share = 64 * MIB
+    plan = _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, share), 2, None,
+                       torch.optim.Adam, 64 * 1024, "fp32", None)
+    assert plan.memory_bytes == share
+    assert plan.static_bytes + plan.activation_budget <= share
+    assert plan.predicted_peak_bytes <= share
+    notes = " ".join(plan.notes)
+    assert "no optimizer was given" not in notes and "steps its optimizer after the schedule" in notes
+    with pytest.raises(oomless.PlanError, match="held by the rank outside its stages' plans") as refused:
+        _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, 40 * MIB, 39 * MIB), 2, None,
+                    torch.optim.Adam, 64 * 1024, "fp32", None)
+    assert refused.value.minimum_bytes > 40 * MIB

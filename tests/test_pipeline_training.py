@@ -8,6 +8,7 @@ absolute on every weight, as for data parallel (tests/test_parallel_equality.py)
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,28 @@ def test_the_cut_is_profiled_at_one_micro_batch_when_their_number_is_given(monke
     partition = strategy._partition(sequence_for(model), (volumes, labels))
     assert profiled == [4 // (microbatches or 1)]
     assert partition.stages == 2 and (microbatches is None or partition.microbatches == microbatches)
+
+
+def test_a_pipelines_memory_per_rank_counts_what_the_rank_holds_outside_its_stages_plans(tmp_path):
+    """What a rank holds above the trainer's mark that no stage's plan counts (`held_outside_stages`:
+    on rank 0 the code and caches profiling the whole model for the cut left resident, ~30 MiB for
+    this U-Net on CPU) comes off its memory before its stages share it. Before, ``--memory 10MiB``
+    was accepted ("bytes per rank: 0: 8.25 MiB of 10.00 MiB") and rank 0 measured 41.9 MiB; now it is
+    refused, naming a budget per rank above what rank 0 holds. A run that trains prints each rank's
+    predicted and measured peak. Fresh processes: start-up is what is counted."""
+    arguments = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "oomless", "train",
+                 "--parallel", "pipeline", "--size", "16", "--depth", "2", "--base-channels", "4",
+                 "--global-batch", "4", "--steps", "2", "--device", "cpu"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    refused = subprocess.run([*arguments, "--memory", "10MiB"], env=environment, capture_output=True, text=True,
+                             timeout=240, cwd=tmp_path)
+    assert refused.returncode != 0 and "done:" not in refused.stdout, refused.stderr[-3000:]
+    message = " ".join(refused.stderr.split())
+    assert "held by the rank outside its stages' plans" in message, message[-3000:]
+    needed = re.search(r"memory >= ([0-9.]+) MiB per rank \(\d+ bytes\) fits every stage", message)
+    assert needed is not None and float(needed.group(1)) > 30, message[-3000:]
+    trained = subprocess.run([*arguments, "--memory", "64MiB"], env=environment, capture_output=True, text=True,
+                             timeout=240, cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    line = " ".join(trained.stderr.split())
+    assert "predicted vs measured: peak per rank 0: " in line and "(budget 64.00 MiB per rank)" in line

@@ -138,6 +138,7 @@ class PipelineParallel:
         self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
         self.owners = tensor_owners(sequence, cuts, placement)
         self.output = None
+        self.held_bytes = 0     # what this rank holds outside its stages' plans (`stage_fit.held_outside_stages`)
 
     @property
     def origin(self) -> str:

@@ -69,6 +69,7 @@ class PipelineTraining(Collectives):
         self.memory = None
         self.precision = "fp32"
         self.plans: list = []
+        self.held_bytes = 0         # what this rank holds outside its stages' plans (`held_outside_stages`)
 
     def shard(self, step: int, global_batch: int) -> tuple[int, int]:
         """(first item, count) of this rank's replica's part of step ``step``'s global batch."""
@@ -76,11 +77,13 @@ class PipelineTraining(Collectives):
         return step * global_batch + self.replica * count, count
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-                example=None, memory=None, compile: dict | None = None) -> nn.Module:
+                example=None, memory=None, compile: dict | None = None,
+                counted_from: int | None = None) -> nn.Module:
         """Cut the model, build this rank's stages at the precision applied to ``model`` (fp32 when
         none is); with ``memory`` (bytes per rank) each stage also gets its own plan from the fit
-        engine (`oomless.parallel.stage_fit`); ``compile`` (torch.compile options) compiles each
-        stage's blocks."""
+        engine (`oomless.parallel.stage_fit`), within what the rank does not hold already above
+        ``counted_from`` (a `MemoryProbe.current` reading: the trainer's mark; None: nothing held
+        is counted); ``compile`` (torch.compile options) compiles each stage's blocks."""
         self.max_grad_norm, self.optimizer, self.memory = max_grad_norm, optimizer, memory
         applied = precision_state(model)
         self.precision = "fp32" if applied is None else applied.precision
@@ -107,10 +110,39 @@ class PipelineTraining(Collectives):
             labels = example[1].chunk(self.partition.microbatches)[0]
             with self.collective("per-stage plans (profiling with replica BatchNorm, plan broadcast)"):
                 self.plans = fit_stages(self.pipeline, memory, target=labels, optimizer_class=type(optimizer),
-                                        compile=compile)
+                                        compile=compile, counted_from=counted_from)
+            self.held_bytes = self.pipeline.held_bytes
         elif compile is not None:
             compile_stages(self.pipeline, compile)
         return model
+
+    def planned_peak_bytes(self) -> int:
+        """This rank's predicted peak: what it holds outside its stages' plans and each stage's
+        predicted peak (every micro-batch in flight counted; stages of one rank as if at their peaks
+        together)."""
+        return self.held_bytes + sum(plan.predicted_peak_bytes for plan in self.plans)
+
+    def describe_rank_plans(self) -> str:
+        """Every rank's planned peak within the memory per rank, for rank 0 to print (every rank calls it)."""
+        planned = self._every_rank((self.planned_peak_bytes(), self.held_bytes))
+        return (f"planned per rank (stage plans, and what the rank holds outside them: the rest of the model, on "
+                f"rank 0 the cut's profiling): " + ", ".join(
+                    f"{rank}: {format_bytes(peak)} (held {format_bytes(held)})" for rank, (peak, held) in enumerate(planned))
+                + f" of {format_bytes(self.memory)}")
+
+    def describe_predicted_vs_measured(self, measured_bytes: int) -> str:
+        """Every rank's predicted and measured peak (``measured_bytes``: this rank's steps' peak
+        above the trainer's mark), for rank 0 to print (every rank calls it)."""
+        both = self._every_rank((self.planned_peak_bytes(), measured_bytes))
+        return ("predicted vs measured: peak per rank " + ", ".join(
+            f"{rank}: {format_bytes(predicted)} vs {format_bytes(measured)}" for rank, (predicted, measured)
+            in enumerate(both)) + f" (budget {format_bytes(self.memory)} per rank)")
+
+    def _every_rank(self, value) -> list:
+        gathered = [None] * self.ranks.world_size
+        with self.collective("per-rank memory report gather"):
+            dist.all_gather_object(gathered, value)
+        return gathered
 
     def _cut(self, sequence: BlockSequence, example) -> Partition:
         """Rank 0 profiles and partitions; every rank takes its answer (timings differ per rank)."""

@@ -8,10 +8,14 @@ A stage holds several micro-batches' saved activations at once (``in_flight_micr
 schedule), while the fit engine plans one forward and backward. So each stage is planned for one
 micro-batch with the activation share of the rank's memory divided by its in-flight count:
 
-    plan memory = static + reserve + (memory / stages on this rank - static - reserve) / in flight
+    share = (memory - held outside the stages) / stages on this rank
+    plan memory = static + reserve + (share - static - reserve) / in flight
 
-and its runtime budget (what the ledger enforces) is then that plan's activation budget times the
-in-flight count: the in-flight micro-batches together stay within the stage's share.
+where "held outside the stages" is what the rank holds that no stage's plan counts (`held_outside_stages`:
+the rest of the model, what profiling the cut left on rank 0, the device mesh). The plan returned is
+the stage's, for its share: its budget the share, its runtime budget (what the ledger enforces) the
+one micro-batch's activation budget times the in-flight count, at most what the share leaves beside
+the static bytes, and its peaks those of every micro-batch in flight (`_for_the_share`).
 
 Each stage is profiled on the real inputs it receives for the example micro-batch (earlier stages
 run once without gradients, their buffers and the RNG put back after, so no statistic moves). The last stage is profiled
@@ -20,7 +24,7 @@ what matters). Replicas of a stage take replica 0's plan: a recomputed block re-
 all-reduce over the replicas in backward, so their plans must agree. They take its refusal too; a
 stage refused on any rank is refused on every rank, by one `PlanError` that names each refused stage
 and the memory per rank that fits them all (a stage's smallest plan budget m needs
-``stages x (static + reserve + (m - static - reserve) x in flight)`` per rank).
+``held + stages x (static + reserve + (m - static - reserve) x in flight)`` per rank).
 
 Under the pipeline's precision (bf16 / fp16) each stage is profiled and planned at that precision,
 on inputs computed under autocast (they arrive in their autocast dtype), so the plan counts the bytes
@@ -41,7 +45,10 @@ from oomless.parallel.process_group import first_rank_outcome, from_shared, refu
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
 from oomless.plan.planner import smallest_memory_for, with_margin
+from oomless.plan.static import Placement
 from oomless.profile import profiler
+from oomless.profile.profiler import held_now
+from oomless.profile.tensors import storage_bytes
 from oomless.profile.selective import without_selective
 from oomless.runtime.compile import check_compile_available, compile_blocks
 from oomless.runtime.install import installed_state
@@ -51,9 +58,12 @@ UNLIMITED = 1 << 62      # bytes: a limit where the device's memory is not known
 
 
 def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str | None = None,
-               optimizer_class=torch.optim.Adam, min_swap_bytes: int = 64 * 1024, compile: dict | None = None) -> list:
+               optimizer_class=torch.optim.Adam, min_swap_bytes: int = 64 * 1024, compile: dict | None = None,
+               counted_from: int | None = None) -> list:
     """Plan and apply the fit engine on every stage of ``pipeline`` on this rank, for ``memory``
-    bytes per rank (split evenly among its stages); ``policy`` ("keep", "swap" or "recompute")
+    bytes per rank less what the rank holds above ``counted_from`` (a `MemoryProbe.current`
+    reading, the trainer's memory mark; None: nothing held is counted) that no stage's plan counts
+    (`held_outside_stages`, sets ``pipeline.held_bytes``), split evenly among its stages; ``policy`` ("keep", "swap" or "recompute")
     forces that decision on every block instead of searching. Returns the plans, in the order of
     ``pipeline.stage_indices``, at the pipeline's precision. ``optimizer_class`` sizes the optimizer
     state; ``min_swap_bytes`` is `oomless.plan`'s (a swap block keeps smaller saved storages);
@@ -61,6 +71,9 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     if compile is not None:
         check_compile_available(compile)
     inputs_by_stage = _stage_inputs(pipeline)
+    # Read after the earlier stages ran for the inputs: on a later stage's rank their kernels' code
+    # read in (~4 MiB for a 16^3 U-Net on CPU) is held too, and no stage's profile sees it.
+    held_bytes = pipeline.held_bytes = 0 if counted_from is None else held_outside_stages(pipeline, counted_from)
     per_rank = parse_bytes(memory)
     plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
@@ -76,7 +89,7 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
                     raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
                 loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
             plan = _replica_zero_plan(pipeline, lambda: _plan_stage(
-                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), per_rank), in_flight,
+                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), per_rank, held_bytes), in_flight,
                 policy, optimizer_class, min_swap_bytes, pipeline.precision, compile))
             # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
             oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
@@ -90,11 +103,33 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
 
 @dataclasses.dataclass(frozen=True)
 class StageShare:
-    """Where a stage's plan budget comes from: ``stages`` stages on its rank share ``per_rank`` bytes."""
+    """Where a stage's plan budget comes from: ``stages`` stages on its rank share ``per_rank`` bytes
+    less the ``held_bytes`` the rank holds outside their plans (`held_outside_stages`)."""
 
     stage: int
     stages: int
     per_rank: int
+    held_bytes: int = 0
+
+    @property
+    def share_bytes(self) -> int:
+        """The stage's bytes: at least 1, so that a rank whose held bytes fill its memory is refused
+        by the planner, naming the smallest share (and so the memory per rank) that fits."""
+        return max((self.per_rank - self.held_bytes) // self.stages, 1)
+
+
+def held_outside_stages(pipeline, counted_from_bytes: int) -> int:
+    """What this rank holds above ``counted_from_bytes`` (a `MemoryProbe.current` reading: the
+    trainer's memory mark) that its stages' plans do not count, read (`held_now`) before they are
+    made. Every rank builds the whole model and keeps it (its stages' parameters and buffers are the
+    plans' static bytes, taken off here); the device mesh's groups and the stages' shape inference
+    (FakeTensorMode) took memory after the mark; and on rank 0, profiling the whole model for the cut
+    left resident the code of every kernel it ran, read in, and their caches (~25 MiB of file pages
+    and 3 MiB anonymous for a 16^3 U-Net on CPU), which a stage's own profile then starts above and
+    does not see. Every step holds it: a 2-stage pipeline of that U-Net planned within 64 MiB per
+    rank measured 39.4 MiB on rank 0 for a stage plan predicted at 5.8, and 10 MiB was accepted."""
+    own = storage_bytes([tensor for module in pipeline.modules for tensor in (*module.parameters(), *module.buffers())])
+    return max(held_now(pipeline.device) - counted_from_bytes - own, 0)
 
 
 def _refuse_on_every_rank(pipeline, refusals: list[dict]) -> None:
@@ -170,9 +205,14 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
     # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
     profile = held_by_the_schedule(dataclasses.replace(profile, gradients_from_backward=False))
     decisions = {block.name: policy for block in profile.blocks} if policy else None
+    # With the optimizer: its step after the schedule (its temporaries) is counted. Stages step it
+    # there, every micro-batch's gradient accumulated first: no update in backward, and the state
+    # and parameters stay on the device (`oomless.apply` gets no optimizer to move them with).
+    configured.update(optimizer=optimizer, update_in_backward=False, offload_optimizer_state=False,
+                      offload_parameters=False)
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile, **configured)
     fixed = roomy.static_bytes + roomy.reserve_bytes
-    share = where.per_rank // where.stages
+    share = where.share_bytes
     # A share short of the fixed bytes is refused as it is (planning for the fixed bytes would pass it).
     memory = fixed + (share - fixed) // in_flight if share > fixed else share
     try:
@@ -190,7 +230,34 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
         raise _per_rank_refusal(oomless.PlanError(
             f"every block {policy}: predicted at {format_bytes(plan.predicted_peak_bytes)}, its smallest budget "
             f"{format_bytes(needed)}", minimum_bytes=needed), where, fixed, in_flight, memory)
-    return dataclasses.replace(plan, activation_budget=plan.activation_budget * in_flight)
+    return _for_the_share(plan, profile, share, in_flight)
+
+
+PIPELINE_PLACEMENT = ("a pipeline stage steps its optimizer after the schedule's step, every micro-batch's "
+                      "gradients accumulated first: update in backward, and optimizer state or parameters off "
+                      "the device, are not offered")
+
+
+def _for_the_share(plan: oomless.Plan, profile, share: int, in_flight: int) -> oomless.Plan:
+    """The plan for one micro-batch, made the stage's: its budget the stage's ``share``; its runtime
+    activation budget the one micro-batch's times ``in_flight``, at most what the share leaves
+    beside the static bytes (times the in-flight count alone, the one micro-batch's slack over the
+    working memory was counted that many times, and a plan for 64 MiB printed an activation budget
+    of 64.46 MiB); its peaks with every in-flight micro-batch's activations held at once."""
+    notes = [f"{Placement().describe()} ({PIPELINE_PLACEMENT})" if note.startswith(Placement().describe()) else note
+             for note in plan.notes]
+    if in_flight > 1:
+        notes.append(f"planned for one micro-batch within {format_bytes(plan.memory_bytes)} of the stage's "
+                     f"{format_bytes(share)}; {in_flight} micro-batches are in flight at once, so its budget, "
+                     "activation budget and peaks here are the stage's, each in-flight micro-batch's "
+                     "activations counted")
+    more = in_flight - 1
+    return dataclasses.replace(
+        plan, memory_bytes=share, notes=notes,
+        activation_budget=min(plan.activation_budget * in_flight, max(share - plan.static_bytes, plan.activation_budget)),
+        predicted_peak_bytes=plan.predicted_peak_bytes + more * plan.predicted_activation_peak_bytes,
+        predicted_activation_peak_bytes=plan.predicted_activation_peak_bytes * in_flight,
+        plain_peak_bytes=plan.plain_peak_bytes + more * profile.activation_bytes)
 
 
 def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, memory: int):
@@ -199,12 +266,13 @@ def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, me
     needs ``stages x (fixed + (m - fixed) x in_flight)`` per rank, rounded up to a whole MiB."""
     needed = None
     if refusal.minimum_bytes is not None:
-        exact = where.stages * (fixed + max(refusal.minimum_bytes - fixed, 0) * in_flight)
+        exact = where.held_bytes + where.stages * (fixed + max(refusal.minimum_bytes - fixed, 0) * in_flight)
         needed = -(-exact // 2**20) * 2**20
     in_terms = "" if needed is None else f"; it needs memory >= {format_bytes(needed)} ({needed} bytes) per rank"
+    held = f", {format_bytes(where.held_bytes)} held by the rank outside its stages' plans" if where.held_bytes else ""
     return oomless.PlanError(
         f"stage {where.stage}: no plan fits its share of {format_bytes(where.per_rank)} per rank ({where.stages} "
-        f"stage(s) on the rank, {in_flight} micro-batch(es) in flight){in_terms}. Its plan for one micro-batch, "
+        f"stage(s) on the rank{held}, {in_flight} micro-batch(es) in flight){in_terms}. Its plan for one micro-batch, "
         f"within {format_bytes(memory)} of the share, said: {refusal}",
         minimum_bytes=needed, limiting_block=refusal.limiting_block, floor_block=refusal.floor_block)
 

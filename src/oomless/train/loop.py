@@ -271,8 +271,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
-            stage_options = dict(memory=config.memory_bytes, compile=compile_options(config.compile)) \
-                if layout.pipelined else {}
+            # A pipeline's stages plan within what each rank does not hold already above the mark.
+            stage_options = dict(memory=config.memory_bytes, compile=compile_options(config.compile),
+                                 counted_from=memory.start_bytes) if layout.pipelined else {}
             train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example, **stage_options)
             # The plan counts one batch (its inputs and the loss's targets): the steps' own. Kept
             # here, the first batch would be a second one through every step (6 MiB at the demo's
@@ -285,6 +286,8 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                 console.print(str(strategy.partition), soft_wrap=True)
                 for stage, stage_plan in zip(strategy.pipeline.stage_indices, strategy.plans):
                     console.print(f"stage {stage} (rank 0):\n{stage_plan}", soft_wrap=True)
+            if layout.pipelined and strategy.plans:
+                console.print(strategy.describe_rank_plans(), soft_wrap=True)   # every rank gathers
             end = config.parallel.next_switch(step, config.steps)
             step, fired = run.steps(strategy, model, train_model, optimizer, step, end, conditions)
             strategy.finish(model)                  # every rank now holds the same final weights
@@ -536,6 +539,8 @@ def _result(config: TrainConfig, console: Console, device: torch.device, ranks, 
         console.print(f"predicted vs measured: peak {format_bytes(plan.predicted_peak_bytes)} vs "
                       f"{format_bytes(steps_peak)} (budget {format_bytes(plan.memory_bytes)}{validation}), step "
                       f"{plan.predicted_step_seconds:.3f} s vs {measured}", soft_wrap=True)
+    elif strategy.config.pipelined and strategy.plans:
+        console.print(strategy.describe_predicted_vs_measured(steps_peak), soft_wrap=True)   # every rank gathers
     model_state = strategy.full_state(model, None)[0] if config.save is not None and strategy.shards_parameters \
         else None
     if config.save is not None and ranks.is_first:
