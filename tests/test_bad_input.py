@@ -57,7 +57,8 @@ CLI_CASES = [
     (TRAIN + ["--save", "."], "save . is a directory; name a file in it"),
     (TRAIN + ["--save", "a-file/w.safetensors"], "a-file is a file, not a directory"),
     # A folder the filesystem refuses whatever the permission bits say (root passed os.access there,
-    # trained the whole run and lost its weights in a traceback at the save).
+    # trained the whole run and lost its weights in a traceback at the save; as another user,
+    # os.access refused it already).
     *([(TRAIN + ["--save", "/proc/w.safetensors"], "/proc is not writable"),
        (TRAIN + ["--checkpoint-dir", "/proc/ck"], "/proc is not writable")] if sys.platform.startswith("linux") else []),
     (TRAIN + ["--model", "resnet"], "invalid choice: 'resnet'"),
@@ -158,6 +159,10 @@ def test_a_misspelt_hf_config_field_is_refused_naming_the_one_meant(capsys):
     assert main(["plan", "hf:gpt2", "--input-shape", "2,16", "--memory", "1GiB", "--model-arg", "n_layerz=2"]) == 2
     line, = capsys.readouterr().err.strip().splitlines()
     assert "hf:gpt2's config has no field 'n_layerz' ('n_layerz': did you mean 'n_layer'?)" in line, line
+    # A key the config takes under another name is no misspelling.
+    from oomless.models import build_model
+    built = build_model("hf:gpt2", attn_implementation="eager", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    assert built.config._attn_implementation == "eager" and built.config.n_layer == 1
 
 
 def _model_and_inputs():

@@ -225,7 +225,7 @@ def test_writer_killed_at_random_moments_loses_nothing_committed(tmp_path):
         _assert_nothing_committed_lost(directory, _committed(first + rest))
 
 
-@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_written_files_take_the_mode_the_umask_gives(umask, mode, tmp_path):
     # Weights, checkpoints and predictions were all 0600 (mkstemp's), whatever the umask: other users
     # could not read the weights, nor open a prediction in a viewer.

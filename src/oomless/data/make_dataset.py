@@ -10,7 +10,6 @@ a folder whose writing was interrupted has no ``dataset.json`` and is refused, n
 """
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,12 +66,6 @@ def write_synthetic_dataset(directory: Path | str, cases: int = 8, size: int | t
 
 
 def _write_shared(path: Path, data: bytes) -> Path:
-    """Atomically, with the permissions the umask gives new files (a temporary file is private, 0600,
-    and a dataset on shared storage must stay readable by the group that trains on it)."""
-    umask = os.umask(0)
-    os.umask(umask)
-
-    def write(temporary: str) -> None:
-        Path(temporary).write_bytes(data)
-        os.chmod(temporary, 0o666 & ~umask)
-    return atomic_write(path, write)
+    """Atomically, with the permissions the umask gives new files (`atomic_write` does: a dataset on
+    shared storage must stay readable by the group that trains on it)."""
+    return atomic_write(path, lambda temporary: Path(temporary).write_bytes(data))

@@ -70,10 +70,18 @@ def build_transformers_model(model_type: str, **config) -> nn.Module:
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else "; e.g. hf:gpt2, hf:llama, hf:mistral"
         raise InputError(f"transformers has no model type {model_type!r}{hint}")
-    # AutoConfig takes any key as an attribute: a misspelt one built the default model unsaid.
+    try:
+        settings = AutoConfig.for_model(model_type, **config)
+    except (ValueError, TypeError) as error:       # a config field it rejects
+        raise InputError(f"transformers cannot build hf:{model_type} with {sorted(config)}: "
+                         f"{one_line(error)}") from error
+    # AutoConfig keeps any key it does not know as a field of its own: a misspelt one (n_layerz)
+    # built the default model unsaid. Keys it takes under another name (attn_implementation) are not
+    # new fields.
     defaults = CONFIG_MAPPING[model_type]()
-    fields = sorted({*defaults.to_dict(), *getattr(defaults, "attribute_map", {})})
-    unknown = [key for key in config if not hasattr(defaults, key)]
+    fields = sorted(key for key in {*defaults.to_dict(), *getattr(defaults, "attribute_map", {})}
+                    if not key.startswith("_"))
+    unknown = [key for key in config if key in settings.to_dict() and key not in fields]
     if unknown:
         close = {key: difflib.get_close_matches(key, fields, n=1, cutoff=0.6) for key in unknown}
         hints = "; ".join(f"{key!r}: did you mean {close[key][0]!r}?" for key in unknown if close[key])
@@ -81,7 +89,6 @@ def build_transformers_model(model_type: str, **config) -> nn.Module:
                          f"{' (' + hints + ')' if hints else ''}; its fields include "
                          f"{', '.join(fields[:12])}{', ...' if len(fields) > 12 else ''}")
     try:
-        settings = AutoConfig.for_model(model_type, **config)
         return AutoModelForCausalLM.from_config(settings)
     except (ValueError, TypeError) as error:       # a config field it rejects, or no causal-LM head
         raise InputError(f"transformers cannot build hf:{model_type} as a causal LM with {sorted(config)}: "

@@ -73,7 +73,10 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     inputs_by_stage = _stage_inputs(pipeline)
     # Read after the earlier stages ran for the inputs: on a later stage's rank their kernels' code
     # read in (~4 MiB for a 16^3 U-Net on CPU) is held too, and no stage's profile sees it.
-    held_bytes = pipeline.held_bytes = 0 if counted_from is None else held_outside_stages(pipeline, counted_from)
+    transient = [*pipeline.example, *(tensor for inputs in inputs_by_stage.values() for tensor in inputs),
+                 *([target] if target is not None else [])]
+    held_bytes = pipeline.held_bytes = 0 if counted_from is None else \
+        held_outside_stages(pipeline, counted_from, transient)
     per_rank = parse_bytes(memory)
     plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
@@ -118,7 +121,7 @@ class StageShare:
         return max((self.per_rank - self.held_bytes) // self.stages, 1)
 
 
-def held_outside_stages(pipeline, counted_from_bytes: int) -> int:
+def held_outside_stages(pipeline, counted_from_bytes: int, transient=()) -> int:
     """What this rank holds above ``counted_from_bytes`` (a `MemoryProbe.current` reading: the
     trainer's memory mark) that its stages' plans do not count, read (`held_now`) before they are
     made. Every rank builds the whole model and keeps it (its stages' parameters and buffers are the
@@ -127,8 +130,11 @@ def held_outside_stages(pipeline, counted_from_bytes: int) -> int:
     left resident the code of every kernel it ran, read in, and their caches (~25 MiB of file pages
     and 3 MiB anonymous for a 16^3 U-Net on CPU), which a stage's own profile then starts above and
     does not see. Every step holds it: a 2-stage pipeline of that U-Net planned within 64 MiB per
-    rank measured 39.4 MiB on rank 0 for a stage plan predicted at 5.8, and 10 MiB was accepted."""
-    own = storage_bytes([tensor for module in pipeline.modules for tensor in (*module.parameters(), *module.buffers())])
+    rank measured 39.4 MiB on rank 0 for a stage plan predicted at 5.8, and 10 MiB was accepted.
+    ``transient``: tensors alive now that the steps do not hold beside what the plans count (the
+    example micro-batch, each stage's example inputs, the target), taken off too."""
+    own = storage_bytes([tensor for module in pipeline.modules for tensor in (*module.parameters(), *module.buffers())]
+                        + list(transient))
     return max(held_now(pipeline.device) - counted_from_bytes - own, 0)
 
 
@@ -205,11 +211,10 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
     # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
     profile = held_by_the_schedule(dataclasses.replace(profile, gradients_from_backward=False))
     decisions = {block.name: policy for block in profile.blocks} if policy else None
-    # With the optimizer: its step after the schedule (its temporaries) is counted. Stages step it
-    # there, every micro-batch's gradient accumulated first: no update in backward, and the state
-    # and parameters stay on the device (`oomless.apply` gets no optimizer to move them with).
-    configured.update(optimizer=optimizer, update_in_backward=False, offload_optimizer_state=False,
-                      offload_parameters=False)
+    # The planner gets no optimizer: the profile counts its state, and stages step it after the
+    # schedule, every micro-batch's gradient accumulated first (`PIPELINE_PLACEMENT`), when no
+    # micro-batch's activations are held; planned with it, its step's temporaries would be a phase
+    # of the one micro-batch's plan, and the in-flight count would multiply them in the share.
     roomy = oomless.plan(module, inputs, UNLIMITED, profile=profile, **configured)
     fixed = roomy.static_bytes + roomy.reserve_bytes
     share = where.share_bytes

@@ -426,7 +426,8 @@ SIMPLER_WITHIN = 0.02
 
 
 def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Placement, str]:
-    """The placement to use and why; raises the PlanError of the most frugal one when none fits."""
+    """The placement to use and why; where none fits, raises the PlanError naming the smallest budget
+    of any placement."""
     if len(placements) == 1:
         only = placements[0]
         if isinstance(candidates.plan(only), PlanError):
@@ -453,8 +454,9 @@ def _choose(candidates: _Candidates, placements: list[Placement]) -> tuple[Place
             why = (f"counting {frugal.describe()}, the least the device can hold; no placement that keeps more "
                    "on it fits a smaller budget")
         else:
+            frugal_minimum = _named_minimum(candidates.plan(frugal))
             why = (f"counting {least.describe()}; with {frugal.describe()}, the least the device can hold, "
-                   f"the smallest budget is {format_bytes(_named_minimum(candidates.plan(frugal)))}")
+                   f"the smallest budget is {format_bytes(frugal_minimum) if frugal_minimum < float('inf') else 'not known'}")
         raise PlanError(f"{refused} ({why})", minimum_bytes=refused.minimum_bytes,
                         limiting_block=refused.limiting_block, floor_block=refused.floor_block)
     # The simplest placement (``placements`` is in that order: fewer things moved first) within

@@ -37,8 +37,8 @@ in around each parameter's step, in backward or, with ``in_backward=False``, ins
 With ``in_backward=False`` the gradients stay after ``optimizer.step()`` until ``zero_grad``, as in the
 plain loop (gradient norms can be logged after the step): the plan counts every gradient on the device
 through that step anyway. They are hidden from the user's own step while it runs (a step pre-hook sets
-``grad`` to None, its post-hook puts them back) so that it does not step them a second time; a step that
-raises loses them. In backward they are freed at each update, which is the memory that mode saves.
+``grad`` to None, its post-hook puts them back) so that it does not step them a second time; after a
+step that raises they stay None (its post-hook does not run), and the next step's pre-hook drops them. In backward they are freed at each update, which is the memory that mode saves.
 
 The loop's other habits:
 - LR schedulers and hand-changed settings work: the slices copy the user's param groups before each
@@ -179,6 +179,7 @@ class UpdateInBackward:
                 self.steps_in_backward += len(ready)
 
     def _before_user_step(self, optimizer, args, kwargs) -> None:
+        self._hidden_gradients = {}     # left by a step that raised: stale, not put back
         if not self.in_backward:
             # The order of the last step's updates (backward's order) is the one prefetching follows.
             order = list(self.state.order) or list(reversed(self.names))

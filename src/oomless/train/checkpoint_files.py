@@ -41,8 +41,11 @@ def atomic_write(path: Path | str, write: Callable[[str], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(descriptor)
-    os.chmod(temporary, 0o666 & ~_umask())      # mkstemp makes it 0600: give it the mode open() would
     try:
+        try:    # mkstemp makes it 0600: the mode open() would give it, where the filesystem keeps modes
+            os.chmod(temporary, 0o666 & ~_umask())
+        except OSError:
+            pass
         write(temporary)
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
