@@ -268,7 +268,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             notes.append("freed memory leaves the resident set from this profile on: what the process built and freed "
                          "before may stay in glibc's heap beyond the plan (make demo's step measured 254-265 MiB for a plan "
                          "predicted at 255.7 within 256; 253 with the rule from the start): call "
-                         "return_freed_memory_to_the_system() (from oomless.profile.rss import it) before building the model")
+                         "return_freed_memory_to_the_system() before building the model (from oomless.profile.rss import it)")
         if (huge_pages := huge_pages_note()) is not None:
             notes.append(huge_pages)
     found = find_blocks(model, blocks)
