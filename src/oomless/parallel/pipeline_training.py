@@ -69,7 +69,6 @@ class PipelineTraining(Collectives):
         self.memory = None
         self.precision = "fp32"
         self.plans: list = []
-        self.held_bytes = 0         # what this rank holds outside its stages' plans (`held_outside_stages`)
 
     def shard(self, step: int, global_batch: int) -> tuple[int, int]:
         """(first item, count) of this rank's replica's part of step ``step``'s global batch."""
@@ -111,7 +110,6 @@ class PipelineTraining(Collectives):
             with self.collective("per-stage plans (profiling with replica BatchNorm, plan broadcast)"):
                 self.plans = fit_stages(self.pipeline, memory, target=labels, optimizer_class=type(optimizer),
                                         compile=compile, counted_from=counted_from)
-            self.held_bytes = self.pipeline.held_bytes
         elif compile is not None:
             compile_stages(self.pipeline, compile)
         return model
@@ -120,13 +118,13 @@ class PipelineTraining(Collectives):
         """This rank's predicted peak: what it holds outside its stages' plans and each stage's
         predicted peak (every micro-batch in flight counted; stages of one rank as if at their peaks
         together)."""
-        return self.held_bytes + sum(plan.predicted_peak_bytes for plan in self.plans)
+        return self.pipeline.held_bytes + sum(plan.predicted_peak_bytes for plan in self.plans)
 
     def describe_rank_plans(self) -> str:
         """Every rank's planned peak within the memory per rank, for rank 0 to print (every rank calls it)."""
-        planned = self._every_rank((self.planned_peak_bytes(), self.held_bytes))
-        return (f"planned per rank (stage plans, and what the rank holds outside them: the rest of the model, on "
-                f"rank 0 the cut's profiling): " + ", ".join(
+        planned = self._every_rank((self.planned_peak_bytes(), self.pipeline.held_bytes))
+        return ("planned per rank (stage plans, and what the rank holds outside them: the rest of the model, on "
+                "rank 0 the cut's profiling): " + ", ".join(
                     f"{rank}: {format_bytes(peak)} (held {format_bytes(held)})" for rank, (peak, held) in enumerate(planned))
                 + f" of {format_bytes(self.memory)}")
 

@@ -12,15 +12,21 @@ import resource
 import sys
 
 
-def _status_bytes(field: str) -> int | None:
+def status_field(field: str) -> str | None:
+    """The first word of ``field``'s line in /proc/self/status (Linux); None where absent or unreadable."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
                 if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+                    return line.split()[1]
     except OSError:
         return None
     return None
+
+
+def _status_bytes(field: str) -> int | None:
+    value = status_field(field)
+    return None if value is None else int(value) * 1024
 
 
 def current_rss_bytes() -> int:

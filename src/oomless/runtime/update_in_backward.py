@@ -38,7 +38,8 @@ With ``in_backward=False`` the gradients stay after ``optimizer.step()`` until `
 plain loop (gradient norms can be logged after the step): the plan counts every gradient on the device
 through that step anyway. They are hidden from the user's own step while it runs (a step pre-hook sets
 ``grad`` to None, its post-hook puts them back) so that it does not step them a second time; after a
-step that raises they stay None (its post-hook does not run), and the next step's pre-hook drops them. In backward they are freed at each update, which is the memory that mode saves.
+step that raises they stay None (its post-hook does not run), and the next step's pre-hook drops them.
+In backward they are freed at each update, which is the memory that mode saves.
 
 The loop's other habits:
 - LR schedulers and hand-changed settings work: the slices copy the user's param groups before each

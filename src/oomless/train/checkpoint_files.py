@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from oomless.errors import CheckpointError
+from oomless.profile.rss import status_field
 
 FORMAT_VERSION = 2               # 2: with a checksum; 1 (no checksum) is refused
 METADATA_KEY = "oomless"
@@ -60,13 +61,9 @@ def atomic_write(path: Path | str, write: Callable[[str], None]) -> Path:
 def _umask() -> int:
     """The process's file-creation mask, read without setting it where Linux says it (setting it to
     read it back is process-wide, and a thread creating a file meanwhile would get the wrong mode)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
+    mask = status_field("Umask")
+    if mask is not None:
+        return int(mask, 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
