@@ -130,3 +130,31 @@ def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
     third.source = None                   # released
     put(90)
     assert tier._pending_bytes == 90 and len(tier._pending) == 1
+
+
+def test_the_profilers_sizing_step_keeps_one_copy_out_in_flight():
+    """At the sizing step's bound each save first waits for every copy out before it: the step holds
+    one swapped storage in flight, not 256 MiB of them beyond what an all-swap plan's budget allows
+    (the 3D U-Net's sizing step peaked at 774 MiB with 256 MiB in flight, its smallest all-swap
+    budget 479 MiB, H200, 2026-11-29). The timing step keeps a bound that lets copies overlap."""
+    from collections import deque
+
+    from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier, _CudaTicket
+
+    tier = object.__new__(PinnedHostTier)
+    tier._pending, tier._pending_bytes, tier._waited_seconds, tier._stall_marks = deque(), 0, 0.0, []
+
+    def put(size):
+        tier._wait_for_room(size)
+        ticket = _CudaTicket()
+        ticket.source, ticket.out_done = torch.empty(size, dtype=torch.uint8).untyped_storage(), _CopyOut()
+        tier._queued(ticket, size)
+        return ticket
+
+    tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
+    tickets = [put(1024) for _ in range(4)]
+    assert all(ticket.out_done.done for ticket in tickets[:-1]) and not tickets[-1].out_done.done
+    assert len(tier._pending) == 1 and tier._pending_bytes == 1024
+    tier.max_pending_bytes = TIMING_MAX_PENDING_BYTES
+    more = [put(1024) for _ in range(4)]
+    assert not any(ticket.out_done.done for ticket in more) and len(tier._pending) == 5

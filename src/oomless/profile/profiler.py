@@ -26,7 +26,7 @@ from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
                                      holders_by_place, static_overhead_bytes, storage_bytes, tensor_bytes,
                                      tensors_held_by, tensors_in, training_state_kept)
-from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, PinnedHostTier
+from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -105,8 +105,9 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
         if isinstance(tier, PinnedHostTier):
             # No budget in the profiling steps: the forward must not hold every swapped activation
             # while the copies catch up (the disk tier bounds its writes the same way), or profiling
-            # needs plain's peak.
-            tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
+            # needs plain's peak. The sizing step, whose times are not used, waits for each copy
+            # before the next save; the timing step lets copies run behind compute as a plan's do.
+            tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES if decisions is None else TIMING_MAX_PENDING_BYTES
     try:
         forward_started = recorder.now() - recorder.tier_stall()
         output = call_model(model, example_inputs)

@@ -318,8 +318,15 @@ def private_directory(owner, kind: str, directory: str | None = None) -> tuple[s
 
 
 DISK_MAX_PENDING_BYTES = 256 * 2**20
-# The profiler's sizing step on CUDA (no budget there): copies out in flight at most (`PinnedHostTier`).
-PROFILING_MAX_PENDING_BYTES = 256 * 2**20
+# The profiler's steps on CUDA (no budget there): copies out in flight at most (`PinnedHostTier`).
+# The sizing step's, 0: each save waits for the copies out before it, one in flight at a time. At
+# 256 MiB it held that much more than the all-swap plan's own smallest budget: the 3D U-Net's sizing
+# step peaked at 774 MiB, its smallest all-swap budget 479 and a plan at 660 (H200, 2026-11-29), and
+# a run must not need more memory to be profiled than to train. Its times are not used
+# (`profiler._merge_timing_step`). The timing step's times are: its copies run behind compute as a
+# plan's do, and the host's waits count as stall.
+PROFILING_MAX_PENDING_BYTES = 0
+TIMING_MAX_PENDING_BYTES = 256 * 2**20
 
 
 class DiskTier:
