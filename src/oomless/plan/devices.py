@@ -23,6 +23,18 @@ MATMUL_EFFICIENCY = 0.7        # large GEMMs / convolutions on tensor cores
 MEMORY_EFFICIENCY = 0.8        # streaming elementwise kernels against HBM/GDDR
 HOST_LINK_EFFICIENCY = 0.8     # pinned-memory copies against the PCIe link's raw rate
 KERNEL_OVERHEAD_SECONDS = 4e-6  # launch and tail of one kernel, from the host's side
+# Narrow work leaves most of the chip idle; two shapes of it, from the 3D U-Net on an H200
+# (128^3, batch 2, 16 channels, fp32; bench/results/gpu/2026-11-29-nvidia-h200/fit.json), whose
+# step the roofline without them put at a tenth of the measured (blocks 9.5 ms against 89.6):
+# - a convolution's implicit GEMM computes output tiles this wide (cuDNN's on Hopper: 64-256) in
+#   each of its two output dimensions, so 16 output channels use 16/128 of every tile: the 16->16
+#   convolution's forward measured 1.31 ms against 1.34 so counted (57.9 GFLOP of TF32);
+# - batch norm's statistics and their gradients are reduced by one thread block per channel
+#   (PyTorch's NCHW kernels), which reaches about a quarter of one multiprocessor's share of the
+#   bandwidth (fitted to the same step): the 16-channel batch norm's forward measured 2.07 ms against
+#   2.5 so counted, its backward 5.7-5.9 against 4.8 (0.2 ms each at the full bandwidth).
+GEMM_TILE = 128
+CHANNEL_BLOCK_SHARE = 0.25
 
 _PCIE4_X16 = 32e9   # bytes/s each way: PCI-SIG, PCIe 4.0 x16 (16 GT/s x 16 lanes, 128b/130b)
 _PCIE5_X16 = 64e9   # bytes/s each way: PCI-SIG, PCIe 5.0 x16 (32 GT/s x 16 lanes)
@@ -41,6 +53,7 @@ class Device:
     device_to_host_bytes_per_second: float
     source: str
     aliases: tuple[str, ...] = ()
+    multiprocessors: int = 0              # streaming multiprocessors (0: unknown, no reduction's width counted)
 
     def flops_for(self, dtype_name: str, op_kind: str = "matmul") -> float:
         """Peak FLOP/s for an op computing in ``dtype_name``; FP32 convolutions use TF32 as cuDNN
@@ -65,22 +78,22 @@ _A100_SOURCE = ("NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/c
 
 _BUILT_IN = [
     Device("h100-sxm", 80 * 10**9, 3.35e12, 989e12, 989e12, 67e12, 494e12, _PCIE5_X16, _PCIE5_X16,
-           _H100_SOURCE + " (H100 SXM column)", aliases=("h100",)),
+           _H100_SOURCE + " (H100 SXM column)", aliases=("h100",), multiprocessors=132),
     Device("h100-pcie", 80 * 10**9, 2.0e12, 756e12, 756e12, 51e12, 378e12, _PCIE5_X16, _PCIE5_X16,
-           _H100_SOURCE + " (H100 PCIe column)"),
+           _H100_SOURCE + " (H100 PCIe column)", multiprocessors=114),
     Device("h200", 141 * 10**9, 4.8e12, 989e12, 989e12, 67e12, 494e12, _PCIE5_X16, _PCIE5_X16,
            "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM)",
-           aliases=("h200-sxm",)),
+           aliases=("h200-sxm",), multiprocessors=132),
     Device("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 312e12, 19.5e12, 156e12, _PCIE4_X16, _PCIE4_X16,
-           _A100_SOURCE + " (A100 80GB SXM column)", aliases=("a100",)),
+           _A100_SOURCE + " (A100 80GB SXM column)", aliases=("a100",), multiprocessors=108),
     Device("a100-40gb", 40 * 10**9, 1.555e12, 312e12, 312e12, 19.5e12, 156e12, _PCIE4_X16, _PCIE4_X16,
-           _A100_SOURCE + " (A100 40GB PCIe column)"),
+           _A100_SOURCE + " (A100 40GB PCIe column)", multiprocessors=108),
     Device("l4", 24 * 10**9, 300e9, 121e12, 121e12, 30.3e12, 60e12, _PCIE4_X16, _PCIE4_X16,
-           "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/"),
+           "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/", multiprocessors=58),
     Device("rtx-4090", 24 * 10**9, 1008e9, 165.2e12, 165.2e12, 82.6e12, 82.6e12, _PCIE4_X16, _PCIE4_X16,
            "NVIDIA Ada GPU architecture whitepaper, Table 2 (GeForce RTX 4090; FP16/BF16 tensor with FP32 "
            "accumulate), https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
-           aliases=("4090",)),
+           aliases=("4090",), multiprocessors=128),
 ]
 
 _REGISTRY: dict[str, Device] = {}

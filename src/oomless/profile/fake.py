@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from oomless.errors import InputError
-from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device, find_device
+from oomless.plan.devices import (CHANNEL_BLOCK_SHARE, GEMM_TILE, KERNEL_OVERHEAD_SECONDS, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Device,
+                                  find_device)
 from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_attention import FusedAttention
 from oomless.profile.fake_autocast import FakeAutocast
@@ -87,6 +88,44 @@ def _argument(func, args, kwargs, name: str):
     return None
 
 
+def _tile_use(name: str, args, out) -> float:
+    """The share of a convolution's GEMM tiles its output fills (`devices.GEMM_TILE`): 1 for every
+    other op. Backward computes the input's gradient (its output dimensions: the input's positions by
+    input channels) and the weight's (output channels by input channels times kernel positions), each
+    as many FLOPs as the forward: their times add."""
+    if name not in _CONVOLUTIONS:
+        return 1.0
+
+    def filled(*widths: int) -> float:
+        share = 1.0
+        for width in widths:
+            share *= min(width / GEMM_TILE, 1.0)
+        return max(share, 1e-3)
+
+    if name != "convolution_backward":
+        return filled(out.shape[1], out.numel() // max(out.shape[1], 1))
+    grad_output, inputs, weight, mask = args[0], args[1], args[2], args[-1]
+    shares = []
+    if mask[0]:
+        shares.append(filled(inputs.shape[1], inputs.numel() // max(inputs.shape[1], 1)))
+    if mask[1]:
+        shares.append(filled(grad_output.shape[1], weight.numel() // max(weight.shape[0], 1)))
+    return len(shares) / sum(1 / share for share in shares) if shares else 1.0
+
+
+def _narrow_reduction_seconds(name: str, args, device: Device) -> float:
+    """Seconds batch norm's per-channel reductions add to its streaming: one thread block per channel
+    reads the whole input (and, in backward, the output's gradient), reaching
+    `devices.CHANNEL_BLOCK_SHARE` of one multiprocessor's share of the bandwidth. 0 for every other
+    op, or where the device's multiprocessors are unknown."""
+    if "batch_norm" not in name or not device.multiprocessors or not args or args[0].dim() < 2:
+        return 0.0
+    reduced = args[:2] if "backward" in name else args[:1]
+    channels = min(args[0].shape[1], device.multiprocessors)
+    rate = device.memory_bytes_per_second * MEMORY_EFFICIENCY * CHANNEL_BLOCK_SHARE * channels / device.multiprocessors
+    return sum(_tensor_bytes(tensor) for tensor in reduced if isinstance(tensor, torch.Tensor)) / rate
+
+
 class _Roofline(TorchDispatchMode):
     """Adds each aten op's roofline seconds to the phase that is running (a block's forward or
     backward, the loss, or nothing)."""
@@ -128,8 +167,9 @@ class _Roofline(TorchDispatchMode):
         kind = "convolution" if name in _CONVOLUTIONS else "matmul"
         peak = self.device.flops_for(dtype, kind)
         self.peak_seconds += flops / peak
-        seconds = max(flops / (peak * MATMUL_EFFICIENCY),
-                      moved / (self.device.memory_bytes_per_second * MEMORY_EFFICIENCY)) + KERNEL_OVERHEAD_SECONDS
+        seconds = (max(flops / (peak * MATMUL_EFFICIENCY * _tile_use(name, args, out)),
+                       moved / (self.device.memory_bytes_per_second * MEMORY_EFFICIENCY))
+                   + _narrow_reduction_seconds(name, args, self.device) + KERNEL_OVERHEAD_SECONDS)
         self.flops += flops
         self.charge(seconds, flops)
         return out
