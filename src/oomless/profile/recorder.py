@@ -82,7 +82,10 @@ class Recorder:
         self.segments: dict[str, SegmentCalls] = {}
         self.open_segments: dict[str, tuple[int, set, float]] = {}
         self.segment_seconds: dict[str, float] = {}   # their calls' forward time, stalls left out
-        self.hook_seconds = 0.0     # spent in block_started and block_finished (readings), not the step's
+        # Spent in block_started and block_finished (readings), not the step's; on CUDA without the
+        # waits in `now`, which are the step's own kernels finishing.
+        self.hook_seconds = 0.0
+        self.backward_hook_seconds: dict[int, float] = {}   # per block: its backward mark's readings
         self.block_starts: list[int] = []     # the blocks' forward calls, in order
         self.probe = MemoryProbe(device)
         self.in_backward = False
@@ -212,10 +215,12 @@ class Recorder:
     # The runtime's callbacks.
 
     def forward_started(self, resident_storages):
+        entered = time.perf_counter()
         self.resident = resident_storages
         self.sharing = InputSharing(storage_key)
         self._before_blocks = BlockProfile("")
         self._enter(("forward", _BEFORE_BLOCKS))
+        self.hook_seconds += time.perf_counter() - entered
         if self.selective_meter is not None:
             self.selective_meter.__enter__()
 
@@ -256,6 +261,11 @@ class Recorder:
         self.saved_freed = []
 
     def forward_finished(self, output):
+        entered = time.perf_counter()
+        self._forward_finished(output)
+        self.hook_seconds += time.perf_counter() - entered
+
+    def _forward_finished(self, output) -> None:
         self.first_saves.clear()        # the forward's saves are all made
         self._track(self.live_output, tensors_in(output))
         if self.selective_meter is not None:
@@ -337,7 +347,9 @@ class Recorder:
     def block_started(self, index, args):
         if self.in_backward:
             return
-        entered = time.perf_counter()
+        # The work between blocks done (on CUDA `now` waits for it): what follows is readings, the
+        # device idle through them, then the block's own time starts.
+        entered = self.now()
         if index not in self.order:
             self.order.append(index)
             if self.saved_alive:
@@ -356,8 +368,8 @@ class Recorder:
             block.forward_other_bytes = max(block.forward_other_bytes or 0, before.forward_other_bytes)
             block.forward_peak_bytes = max(block.forward_peak_bytes or 0, before.forward_peak_bytes)
             block.forward_own_peak_bytes = max(block.forward_own_peak_bytes or 0, before.forward_own_peak_bytes)
-        self.started[index] = self.now()
-        self.hook_seconds += time.perf_counter() - entered
+        self.started[index] = time.perf_counter()
+        self.hook_seconds += self.started[index] - entered
 
     def block_finished(self, index, output):
         if self.in_backward:
@@ -377,6 +389,7 @@ class Recorder:
 
     def _backward_mark(self, index):
         def hook(grad):
+            marked = self.now()
             if not self.in_backward_marked:
                 # Saved storages freed during the loss were alive until it; the rest into backward.
                 self.in_backward_marked = True
@@ -384,10 +397,12 @@ class Recorder:
                     self._look_for_freed(len(self.order), 0)
                 self.saved_alive = []
             self._enter(("backward", index))
-            self.backward_marks.append((self.now() - self.tier_stall(), index))
+            self.backward_marks.append((marked - self.tier_stall(), index))
             self._track(self.live_gradients, [grad])
             block = self.blocks[index]
             block.held_backward_bytes = max(block.held_backward_bytes, alive_bytes(self.live_gradients))
+            # Readings, the device idle through them after `now`'s wait on CUDA: not the block's backward.
+            self.backward_hook_seconds[index] = self.backward_hook_seconds.get(index, 0.0) + time.perf_counter() - marked
         return hook
 
     def backward_finished(self) -> None:
@@ -406,3 +421,5 @@ class Recorder:
         marks = sorted(self.backward_marks) + [(backward_end, None)]
         for (start, index), (end, _) in zip(marks, marks[1:]):
             self.blocks[index].backward_seconds += max(end - start, 0.0)
+        for index, seconds in self.backward_hook_seconds.items():
+            self.blocks[index].backward_seconds = max(self.blocks[index].backward_seconds - seconds, 0.0)
