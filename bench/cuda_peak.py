@@ -17,6 +17,7 @@ import argparse
 import copy
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import oomless  # noqa: I001  (before torch, as the `oomless` command)
@@ -80,25 +81,47 @@ def peak_from_history(trace: list[dict]) -> dict:
             "live_at_peak": [{"where": where, "bytes": size, "blocks": count} for where, (size, count) in ranked[:40]]}
 
 
+@contextmanager
+def allocation_history():
+    """The allocator's history recorded inside, with the Python stack of each allocation only
+    (``context="alloc"``): `peak_from_history` reads no other event's stack.
+
+    Stacks at frees too (torch's default, ``context="all"``) made every backward that recomputes a
+    block fail on CUDA with "run_backward ... returned NULL without setting an exception" (H200,
+    torch 2.11, Python 3.12: over `oomless.profile`'s timing step on 2026-11-27, over the recorded
+    planned step on 2026-11-29; steps without recompute, and recomputed steps without the history,
+    ran). torch's checkpoint ends each recomputation early by raising `_StopRecomputationError`
+    from its pack hook, inside backward on autograd's device thread; the tensors freed while that
+    exception unwinds are recorded, and gathering their stack there reads the running backward
+    node's forward traceback (combined_traceback.cpp, `gatherForwardTraceback`), whose dict lookup
+    on Python < 3.13 takes the pending exception for its own failure and clears it
+    (the failure of pytorch/pytorch#179536, history with non-reentrant checkpoint, new in 2.11;
+    later torch saves and restores the exception there). Nothing allocates while that exception
+    unwinds (only frees), so stacks taken at allocations should never meet it; checked by reading
+    torch's code, not yet on a GPU."""
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=500_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def _sizing_step_history(model, inputs, loss_fn, profile, device) -> dict:
     """The profiler's sizing step once more (every block swapped, no budget), the allocator's history
     recorded over it alone: what is live at its peak, by line, beside what that step's recorder
-    counted beyond the ledger per block. (Over the whole of `oomless.profile`, whose timing step
-    recomputes every block, torch 2.11's history with Python stacks made backward fail:
-    "run_backward returned NULL without setting an exception", H200, 2026-11-27.)"""
+    counted beyond the ledger per block."""
     from oomless.profile.profiler import _measure_step
 
     modules = dict(model.named_modules())
     found = [(block.name, modules[block.name]) for block in profile.blocks]
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
     try:
-        recorder, _ = _measure_step(model, inputs, loss_fn, found, device, base_bytes=base)
-        torch.cuda.synchronize(device)
-        history = torch.cuda.memory._snapshot()
+        with allocation_history():
+            recorder, _ = _measure_step(model, inputs, loss_fn, found, device, base_bytes=base)
+            torch.cuda.synchronize(device)
+            history = torch.cuda.memory._snapshot()
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
         for parameter in model.parameters():
             parameter.grad = None
     found_peak = peak_from_history(history["device_traces"][device.index])
@@ -268,11 +291,10 @@ def main(argv=None) -> int:
     ledger_peak, phases = _watch_the_ledger(model, device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
-    step()
-    torch.cuda.synchronize(device)
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    with allocation_history():
+        step()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
     phase_rows = _phase_rows(phases, plan, before)
     stats = oomless.stats(model)
     found = peak_from_history(snapshot["device_traces"][device.index])

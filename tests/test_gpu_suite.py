@@ -15,6 +15,7 @@ import pytest
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPOSITORY / "bench"))
 
+import cuda_peak  # noqa: E402  (bench/cuda_peak.py)
 from gpu_suite import CUDA_TEST_PATHS, run_piece  # noqa: E402  (bench/gpu_suite.py)
 from swap_trace import summarize_trace  # noqa: E402  (bench/swap_trace.py)
 
@@ -114,3 +115,17 @@ def test_the_trace_summary_measures_copy_time_hidden_behind_kernels():
     assert back["bytes"] == 1000 and back["count"] == 2 and out["streams"] == [20]
     assert summary["host_copy_overlap_fraction"] == pytest.approx(90 / 140)
     assert summary["pageable_copy_count"] == 1 and summary["copies_share_a_stream_with_kernels"]
+
+
+def test_cuda_peak_records_stacks_of_allocations_only(monkeypatch):
+    """Stacks at frees too lose torch's checkpoint's early-stop exception on autograd's device thread
+    (torch 2.11, Python < 3.13): every recomputed backward under the history failed with
+    "run_backward returned NULL without setting an exception" (`cuda_peak.allocation_history`).
+    The history is turned off also when the recorded step raises."""
+    calls = []
+    monkeypatch.setattr(cuda_peak.torch.cuda.memory, "_record_memory_history",
+                        lambda *args, **kwargs: calls.append((args, kwargs)))
+    with pytest.raises(ValueError), cuda_peak.allocation_history():
+        raise ValueError("the step failed")
+    assert calls == [((), {"context": "alloc", "stacks": "python", "max_entries": 500_000}),
+                     ((), {"enabled": None})]
