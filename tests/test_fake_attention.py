@@ -151,6 +151,54 @@ def test_the_fused_kernels_give_the_shapes_and_gradients_torch_gives(dtype, head
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+def test_the_working_memory_of_each_kernel_is_what_the_gpu_measured():
+    """The attention block's working memory in forward ("other" bytes: beyond static and the ledger),
+    as `oomless.profile` measured it on an H200 (torch 2.11, 2026-11-29) to the byte, or to the CUDA
+    allocator's rounding of two 2-byte scalars to 512 bytes each. Its highest point is where the
+    kernel saves its inputs (autograd saves an op's inputs before it runs): the query and key/value
+    projections' outputs are then made and not yet saved. The block's input is on the ledger (the
+    projections saved it), and the kernel's saves stay on it while the forward still holds them: on
+    meta tensors they were counted as working memory too, twice what the GPU held."""
+    token_bytes = BATCH * LENGTH * DIM * 4                 # one of q, k, v or the output, fp32
+    fp32, _ = _attention_block("fp32")                     # memory-efficient attention
+    assert fp32.forward_other_bytes == 3 * token_bytes == 6291456
+    # bf16: the same in half the bytes, and beside them what autocast holds and no op saved: the
+    # bias copies of the embedding and both projections, and the embedding's weight copy (its input
+    # needs no gradient, so its matmul saves no weight).
+    biases = 2 * (DIM + DIM + 2 * DIM)
+    bf16, _ = _attention_block("bf16")                     # FlashAttention (or cuDNN's: the same saves)
+    assert bf16.forward_other_bytes == 3 * token_bytes // 2 + DIM * DIM * 2 + biases == 3278848
+    # A boolean mask: made additive for the memory-efficient kernel (`convert_boolean_attn_mask`,
+    # a `where` of it), both alive with the projections' outputs as the kernel saves its inputs.
+    masked, _ = _attention_block("bf16", mask=True)
+    mask_bytes = LENGTH * LENGTH * (1 + 2)
+    assert masked.forward_other_bytes == bf16.forward_other_bytes + mask_bytes + 2 * 2
+    assert 6425600 - masked.forward_other_bytes == 2 * (512 - 2)
+
+
+def test_grouped_query_attention_is_counted_as_its_query_heads_work_by_torch_2_11_too(monkeypatch):
+    """The fused kernels read keys and values of fewer heads as they are; torch 2.11's FLOP formulas
+    refuse them (the GPU run's failure, emulated here). The roofline counts what the kernel does:
+    each query head over its group's keys and values, as many FLOPs as with them repeated. The
+    block's count differs from the full one's by the key/value projection's alone."""
+    import torch.utils.flop_counter as flop_counter
+
+    def refusing(count):
+        def strict(*shapes):
+            if len({shape[1] for shape in shapes}) != 1:
+                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+            return count(*shapes)
+        return strict
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", refusing(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", refusing(flop_counter.sdpa_backward_flop_count))
+    grouped, grouped_profile = _attention_block("bf16", key_heads=1)
+    full, _ = _attention_block("bf16")
+    # The key/value projection: forward, input gradient and weight gradient, 2 FLOPs a multiply-add.
+    projection_flops = lambda heads: 3 * 2 * BATCH * LENGTH * DIM * 2 * heads * HEAD_DIM   # noqa: E731
+    assert full.flops - grouped.flops == projection_flops(HEADS) - projection_flops(1)
+    assert _flops(grouped_profile) > 0
+
+
 def _flops(profile) -> float:
     note = next(note for note in profile.notes if "FLOP per step" in note)
     value, prefix = re.match(r"([\d.]+) ([PTGM]?)FLOP per step", note).groups()

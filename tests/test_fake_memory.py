@@ -31,16 +31,19 @@ class _Chain(nn.Module):
 def test_a_blocks_traced_working_memory_is_what_its_ops_hold_at_once():
     """Block b's forward makes its Linear's output (16 KiB) and tanh's (16 KiB) while a's output
     (16 KiB, its input) is alive: 48 KiB beyond static bytes at its peak, 16 of them held. Its
-    backward holds the output gradient coming in, tanh's gradient and the Linear's input gradient,
-    with tanh's saved output and the Linear's saved input brought back (the ledger's, not "other"),
-    and the Linear's parameter gradients being made."""
+    Linear saved a's output, so the runtime's ledger has it from then on (`runtime/saved.py`: an
+    entry stays on it while its storage lives): its working memory is the other 32. Its backward
+    holds the output gradient coming in, tanh's gradient and the Linear's input gradient, with
+    tanh's saved output and the Linear's saved input brought back (the ledger's, not "other"), and
+    the Linear's parameter gradients being made."""
     profile = profile_for_target(_Chain(), torch.randn(4, 1024), "h100", blocks=["a", "b", "c"],
                                  loss_fn=oomless.sum_of_outputs)
     b = {block.name: block for block in profile.blocks}["b"]
     kib = 4 * 1024 * 4
     assert b.held_forward_bytes == kib
-    assert b.forward_peak_bytes == b.forward_other_bytes == 3 * kib
-    assert b.forward_transient_bytes == 2 * kib
+    assert b.forward_peak_bytes == 3 * kib
+    assert b.forward_other_bytes == 2 * kib
+    assert b.forward_transient_bytes == kib     # less what it held at its start, as the real profiler counts it
     # At its peak, part of what the backward holds is its saved tensors brought back (tanh's output,
     # a's output): on the ledger, not "other".
     assert 0 < b.backward_peak_bytes - b.backward_other_bytes <= 2 * kib

@@ -126,6 +126,30 @@ def _narrow_reduction_seconds(name: str, args, device: Device) -> float:
     return sum(_tensor_bytes(tensor) for tensor in reduced if isinstance(tensor, torch.Tensor)) / rate
 
 
+def _keys_as_query_heads(func, args, kwargs):
+    """A fused attention kernel's arguments as torch's FLOP formulas read them (their shapes): keys
+    and values of fewer heads than the queries (grouped-query attention, which FlashAttention and
+    cuDNN read as they are) as many heads as the queries, since each query head attends over its
+    group's keys and values: the work of the same attention with them repeated. torch 2.11's
+    `sdpa_flop_count` refuses fewer key heads ("query/key/value shapes are incompatible"); later
+    ones count them so."""
+    query = _argument(func, args, kwargs, "query")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return args, kwargs
+    names = [argument.name for argument in func._schema.arguments]
+    args, kwargs = list(args), dict(kwargs)
+    for name in ("key", "value"):
+        tensor = _argument(func, args, kwargs, name)
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[1] != query.shape[1]:
+            # A shape without bytes: an expanded scalar (no storage of that size, nothing counted).
+            heads = tensor.new_empty(()).expand(tensor.shape[0], query.shape[1], *tensor.shape[2:])
+            if name in kwargs:
+                kwargs[name] = heads
+            else:
+                args[names.index(name)] = heads
+    return tuple(args), kwargs
+
+
 class _Roofline(TorchDispatchMode):
     """Adds each aten op's roofline seconds to the phase that is running (a block's forward or
     backward, the loss, or nothing)."""
@@ -159,7 +183,8 @@ class _Roofline(TorchDispatchMode):
         flops = 0
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            flop_args, flop_kwargs = _keys_as_query_heads(func, args, kwargs) if fused_attention else (args, kwargs)
+            flops = formula(*flop_args, **flop_kwargs, out_val=out)
         if fused_attention and _argument(func, args, kwargs, "is_causal"):
             flops /= 2
         floats = [t for t in tensors if t.is_floating_point()]
@@ -231,6 +256,11 @@ class _FakeRecorder:
         if key in self.resident:
             return tensor
         described = (tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+        if self.forward_block is not None:
+            # On the runtime's ledger from its save while the storage lives (`profile.fake_memory`):
+            # what the forward still holds of it is not working memory. A save outside every block
+            # is not on it (the runtime keeps such a tensor as plain PyTorch does).
+            self.memory.on_ledger(tensor)
         seen = self.saved_storages.get(key)
         if seen is not None and not seen[0].expired():
             # A storage already saved in this forward: counted once, by its first saver, and, as the
@@ -277,7 +307,7 @@ class _FakeRecorder:
                 storage = torch.empty(num_bytes, dtype=torch.uint8, device="meta").untyped_storage()
             tensor = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
             if not alive:
-                self.memory.fetch(tensor)
+                self.memory.on_ledger(tensor)
         finally:
             self.bringing_back = False
         self.brought_back.setdefault(number, []).append(weakref.ref(tensor))

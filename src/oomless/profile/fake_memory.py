@@ -5,8 +5,15 @@ outputs are new storages, and a storage goes when the last tensor (or autograd's
 to it goes. `MetaMemory` counts every storage an op makes, less the static ones (parameters,
 buffers, the step's inputs, and each gradient once accumulated), and reads the total after each op,
 while its inputs are still alive: the most at one time in each phase of the step is what the real
-profiler measures there (`profile.recorder`), with the same split between the ledger (saved tensors
-brought back for backward, `MetaMemory.fetched`) and the rest ("other" bytes).
+profiler measures there (`profile.recorder`), with the same split between the ledger
+(`MetaMemory.ledger`) and the rest ("other" bytes). The ledger is the runtime's (`runtime/saved.py`):
+a storage a block saves goes on it at its save and stays while it is alive, swapped out or not (its
+entry leaves at the copy's end only once its storage is freed, `SavedTensorEngine._left`), and a
+saved tensor brought back for backward is on it while alive. So in the forward, a saved storage the
+forward still holds (an attention layer's q, k and v while it projects its output) is the ledger's,
+not working memory; an op's outputs are working memory at the reading after it, as they are in the
+real interval that ends at their save (autograd saves an op's inputs before it runs, its outputs
+after).
 
 What meta tensors cannot show: kernels' workspaces (cuDNN, cuBLAS, oneDNN) and the allocator's
 rounding and caching. The planner carries its larger margin for such profiles (`plan.planner`).
@@ -27,7 +34,7 @@ class MetaMemory:
     def __init__(self, static: set[int]):
         self.static = static
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.fetched: set[int] = set()
+        self.ledger: set[int] = set()     # keys of the storages on the runtime's ledger
 
     def made(self, tensors) -> None:
         """Count the storages of ``tensors`` not counted yet (an op's outputs; views add nothing)."""
@@ -39,17 +46,21 @@ class MetaMemory:
             if seen is None or seen[0].expired():   # a freed storage's key may come back for a new one
                 storage = tensor.untyped_storage()
                 self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                self.ledger.discard(key)            # (the freed one's place on the ledger is not the new one's)
 
-    def fetch(self, tensor) -> None:
-        """``tensor`` is a saved tensor brought back for backward: on the ledger while alive."""
+    def on_ledger(self, tensor) -> None:
+        """``tensor`` is saved in a block (its storage now on the ledger, as at the runtime's save) or
+        brought back for backward: on the ledger while alive."""
         self.made([tensor])
-        self.fetched.add(storage_key(tensor))
+        key = storage_key(tensor)
+        if key not in self.static:
+            self.ledger.add(key)
 
     def accumulated(self, gradient) -> None:
         """A parameter's gradient: static from now on (the profile counts every gradient as static)."""
         key = storage_key(gradient)
         self.live.pop(key, None)
-        self.fetched.discard(key)
+        self.ledger.discard(key)
         self.static.add(key)
 
     def alive(self) -> tuple[int, int]:
@@ -57,9 +68,9 @@ class MetaMemory:
         freed = [key for key, (weak, _) in self.live.items() if weak.expired()]
         for key in freed:
             del self.live[key]
-            self.fetched.discard(key)
+            self.ledger.discard(key)
         total = sum(num_bytes for _, num_bytes in self.live.values())
-        ledger = sum(self.live[key][1] for key in self.fetched)
+        ledger = sum(self.live[key][1] for key in self.ledger)
         return total, ledger
 
 
