@@ -584,7 +584,9 @@ def _products_summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     kept = a.shape[:2] + (1,) * (a.dim() - 2)
     planes_a, planes_b = _as_planes(a), _as_planes(b)
     dtype = accumulation_dtype(torch.promote_types(a.dtype, b.dtype))
-    if planes_a is None or planes_b is None or a.dtype != b.dtype:
+    if planes_a is None or planes_b is None or a.dtype != b.dtype or a.device.type != "cpu":
+        # Off the CPU one product and one reduction: a dot per plane is a kernel launch each, 2560
+        # to 6656 a step for a 3D U-Net split in 16 slabs (base 16, batch 2).
         return _summed(a.to(dtype) * b.to(dtype))
     # One BLAS dot per plane: on this project's CPU 8x faster than (a * b).sum() and 17-34x faster
     # than torch.einsum or torch.bmm, which take the batched matrix product's path.
