@@ -14,6 +14,7 @@ On a machine with a CUDA GPU, each piece in its own process, one after the other
     cuda_peak         bench/cuda_peak.py: what is live at the allocator's peak of the U-Net planned at 75 % of
                       plain's peak (tests/test_cuda.py's case), by the line that allocated it; per phase
                       the allocator's peak, the ledger and the plan's working memory
+    cuda_peak_large   the same for bench_floors' U-Net (128^3, base 16) at checkpointing's share of plain (64 %)
     cuda_peak_transformer  the same for the transformer, every block recomputed at the smallest budget
                       that fits, and what is live at the peak of the profiler's sizing step
     fit_precision     oomless bench --device cuda --model transformer --precision bf16 --compile: bf16 and
@@ -57,7 +58,7 @@ if str(BENCH_DIRECTORY) not in sys.path:
 from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_report.py)
 
 TIME_BUDGET_SECONDS = 540
-PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
+PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40, "cuda_peak_large": 60,
                        "cuda_peak_transformer": 40, "max_size": 70,
                        "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "floors": 330, "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
@@ -119,6 +120,12 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         {"name": "cuda_peak", "writes": ["cuda-peak.json"],
          "command": [python, "bench/cuda_peak.py", "--model", "unet3d", "--decisions", "planned", "--share", "0.75",
                      "--out", str(out / "cuda-peak.json")],
+         **({} if cuda else {"skip": "needs CUDA (the allocator's history)"})},
+        # bench_floors' U-Net (128^3, base 16) at checkpointing's share of plain (2663 of 4143 MiB on
+        # the H200, 2026-11-29), where its step measured 6 % over the plan: which phase passes it.
+        {"name": "cuda_peak_large", "writes": ["cuda-peak-large.json"],
+         "command": [python, "bench/cuda_peak.py", "--model", "unet3d-128", "--decisions", "planned", "--share", "0.64",
+                     "--out", str(out / "cuda-peak-large.json")],
          **({} if cuda else {"skip": "needs CUDA (the allocator's history)"})},
         # The transformer's working memory as profiled on CUDA (forward 945, backward 1153 MiB beyond
         # the ledger per block, H200, 2026-11-27) against what its recomputed step shows.

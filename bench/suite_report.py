@@ -19,6 +19,8 @@ TARGETS = {
     "max_size": "oomless trains a model larger than plain PyTorch can within the same memory",
     "cuda_peak": "what is live at the allocator's peak of the U-Net planned at 75 % of plain's peak: max "
                  "allocated within the plan's memory; its rows say which line holds the bytes where it is not",
+    "cuda_peak_large": "the same for bench_floors' U-Net (128^3, base 16) at checkpointing's share of plain: max "
+                       "allocated within the plan's memory; per phase, the allocator's peak beyond the ledger",
     "cuda_peak_transformer": "the transformer, every block recomputed at the smallest budget that fits: max "
                              "allocated within the plan's memory; per phase, the allocator's peak beyond the ledger "
                              "against the plan's working memory; what is live at the profiler's sizing step's peak",
@@ -155,6 +157,7 @@ def highlights(record: dict, out: Path) -> dict:
     extractors = {"cuda_tests": _cuda_tests, "fit_bench": _fit_bench, "predict": _predict,
                   "dp_world_1": _dp("dp-world-1.json"), "dp_world_2": _dp("dp-world-2.json"),
                   "swap_trace": _swap_trace, "simulate_world_1": _simulate, "linear_loss": _linear_loss, "cuda_peak": _cuda_peak,
+                  "cuda_peak_large": lambda out: _cuda_peak(out, "cuda-peak-large.json"),
                   "cuda_peak_transformer": lambda out: _cuda_peak(out, "cuda-peak-transformer.json"), "floors": _floors,
                   # Each precision or compiled variant against its own reference (plain_bf16, plain_compiled).
                   "fit_precision": lambda out: _fit_bench(out, "fit-precision.json", "paired_ratio_vs_reference")}

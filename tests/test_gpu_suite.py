@@ -19,7 +19,7 @@ import cuda_peak  # noqa: E402  (bench/cuda_peak.py)
 from gpu_suite import CUDA_TEST_PATHS, run_piece  # noqa: E402  (bench/gpu_suite.py)
 from swap_trace import summarize_trace  # noqa: E402  (bench/swap_trace.py)
 
-PIECES = {"cuda_tests", "swap_trace", "fit_bench", "predict", "cuda_peak", "cuda_peak_transformer", "max_size", "dp_world_1", "dp_world_2",
+PIECES = {"cuda_tests", "swap_trace", "fit_bench", "predict", "cuda_peak", "cuda_peak_large", "cuda_peak_transformer", "max_size", "dp_world_1", "dp_world_2",
           "simulate_world_1", "linear_loss", "floors", "fit_precision"}
 PROVENANCE = {"device_name", "torch_version", "cuda_version", "git_commit", "date_utc", "command"}
 
