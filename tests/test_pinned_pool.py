@@ -98,17 +98,15 @@ class _CopyOut:
         self.done = True
 
 
-def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
-    """The profiler's steps have no budget: `PinnedHostTier.put` waits for the oldest copies
-    out once the bytes in flight would pass ``max_pending_bytes``, so the swapped activations can
-    leave the device; copies already done, or released, count no more. (The CUDA tier without a
-    GPU: its bookkeeping, with events that finish when waited for.)"""
+def _bookkeeping_tier(max_pending_bytes: int):
+    """The CUDA tier without a GPU: its bookkeeping of copies in flight, and a `put` whose copies
+    finish when waited for."""
     from collections import deque
 
     from oomless.runtime.tiers import PinnedHostTier, _CudaTicket
 
     tier = object.__new__(PinnedHostTier)
-    tier.max_pending_bytes, tier._pending, tier._pending_bytes, tier._waited_seconds = 100, deque(), 0, 0.0
+    tier.max_pending_bytes, tier._pending, tier._pending_bytes, tier._waited_seconds = max_pending_bytes, deque(), 0, 0.0
     tier._stall_marks = []
 
     def put(size):
@@ -118,6 +116,15 @@ def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
         tier._queued(ticket, size)
         return ticket
 
+    return tier, put
+
+
+def test_the_cuda_tier_bounds_copies_in_flight_by_waiting_for_the_oldest():
+    """The profiler's steps have no budget: `PinnedHostTier.put` waits for the oldest copies
+    out once the bytes in flight would pass ``max_pending_bytes``, so the swapped activations can
+    leave the device; copies already done, or released, count no more. (The CUDA tier without a
+    GPU: its bookkeeping, with events that finish when waited for.)"""
+    tier, put = _bookkeeping_tier(100)
     first, second = put(40), put(40)
     assert not first.out_done.done and tier._pending_bytes == 80
     third = put(40)                       # 120 > 100: waits for the first only
@@ -137,21 +144,9 @@ def test_the_profilers_sizing_step_keeps_one_copy_out_in_flight():
     one swapped storage in flight, not 256 MiB of them beyond what an all-swap plan's budget allows
     (the 3D U-Net's sizing step peaked at 774 MiB with 256 MiB in flight, its smallest all-swap
     budget 479 MiB, H200, 2026-11-29). The timing step keeps a bound that lets copies overlap."""
-    from collections import deque
+    from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES
 
-    from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier, _CudaTicket
-
-    tier = object.__new__(PinnedHostTier)
-    tier._pending, tier._pending_bytes, tier._waited_seconds, tier._stall_marks = deque(), 0, 0.0, []
-
-    def put(size):
-        tier._wait_for_room(size)
-        ticket = _CudaTicket()
-        ticket.source, ticket.out_done = torch.empty(size, dtype=torch.uint8).untyped_storage(), _CopyOut()
-        tier._queued(ticket, size)
-        return ticket
-
-    tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES
+    tier, put = _bookkeeping_tier(PROFILING_MAX_PENDING_BYTES)
     tickets = [put(1024) for _ in range(4)]
     assert all(ticket.out_done.done for ticket in tickets[:-1]) and not tickets[-1].out_done.done
     assert len(tier._pending) == 1 and tier._pending_bytes == 1024
