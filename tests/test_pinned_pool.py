@@ -144,9 +144,9 @@ def test_the_profilers_sizing_step_keeps_one_copy_out_in_flight():
     one swapped storage in flight, not 256 MiB of them beyond what an all-swap plan's budget allows
     (the 3D U-Net's sizing step peaked at 774 MiB with 256 MiB in flight, its smallest all-swap
     budget 479 MiB, H200, 2026-11-29). The timing step keeps a bound that lets copies overlap."""
-    from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES
+    from oomless.runtime.tiers import SIZING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES
 
-    tier, put = _bookkeeping_tier(PROFILING_MAX_PENDING_BYTES)
+    tier, put = _bookkeeping_tier(SIZING_MAX_PENDING_BYTES)
     tickets = [put(1024) for _ in range(4)]
     assert all(ticket.out_done.done for ticket in tickets[:-1]) and not tickets[-1].out_done.done
     assert len(tier._pending) == 1 and tier._pending_bytes == 1024

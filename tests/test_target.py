@@ -177,3 +177,15 @@ def test_the_h200_roofline_times_blocks_as_an_h200_measured_them(name, monkeypat
         for block, kind in (("encoders.0.3", "convolution"), ("encoders.0.1", "batch norm")):
             mine = next(b for b in fake.blocks if b.name == block).forward_seconds
             assert mine == pytest.approx(real[block]["forward_seconds"], rel=0.25), kind
+
+
+def test_a_transposed_convolutions_weight_gradient_fills_tiles_as_wide_as_its_weight():
+    """The weight gradient's GEMM makes the weight: its widths are the weight's first dimension and
+    the rest, input channels first for a transposed convolution (a U-Net's upsampling, 32 -> 16
+    channels: a quarter of each 128-wide tile, not an eighth)."""
+    from oomless.profile.roofline import _tile_use
+
+    grad_output, inputs = torch.empty(2, 16, 8, 8, 8, device="meta"), torch.empty(2, 32, 4, 4, 4, device="meta")
+    weight = torch.empty(32, 16, 2, 2, 2, device="meta")     # ConvTranspose3d(32, 16, 2, stride=2)
+    only_weight = (grad_output, inputs, weight, None, [2] * 3, [0] * 3, [1] * 3, True, [0] * 3, 1, [False, True, False])
+    assert _tile_use("convolution_backward", only_weight, None) == pytest.approx(0.25)   # 32 by 16 x 8 wide

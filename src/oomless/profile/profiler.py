@@ -26,7 +26,7 @@ from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
                                      holders_by_place, static_overhead_bytes, storage_bytes, tensor_bytes,
                                      tensors_held_by, tensors_in, training_state_kept)
-from oomless.runtime.tiers import PROFILING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier
+from oomless.runtime.tiers import SIZING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -107,7 +107,7 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
             # while the copies catch up (the disk tier bounds its writes the same way), or profiling
             # needs plain's peak. The sizing step, whose times are not used, waits for each copy
             # before the next save; the timing step lets copies run behind compute as a plan's do.
-            tier.max_pending_bytes = PROFILING_MAX_PENDING_BYTES if decisions is None else TIMING_MAX_PENDING_BYTES
+            tier.max_pending_bytes = SIZING_MAX_PENDING_BYTES if decisions is None else TIMING_MAX_PENDING_BYTES
     try:
         forward_started = recorder.now() - recorder.tier_stall()
         output = call_model(model, example_inputs)
@@ -297,8 +297,18 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
-                                 measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
+            if decisions is None:
+                return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
+                                     measure_selective=selective and selective_recompute.AVAILABLE)
+            # The timing step's times are the plan's: a full collection inside it (160 ms, where the
+            # heap was large) would be billed to the block or the loss it fell in (collected before).
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes)
+            finally:
+                if collecting:
+                    gc.enable()
 
         held_from_start = left_before   # what the sizes' step holds from its start (`Profile.held_from_start_bytes`)
 
@@ -342,6 +352,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
+        gc.collect()
         before_rehearsal = probe.current()
         timer, sized.loss_seconds = measure(timing)
         for p in parameters:

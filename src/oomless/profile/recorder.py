@@ -82,8 +82,9 @@ class Recorder:
         self.segments: dict[str, SegmentCalls] = {}
         self.open_segments: dict[str, tuple[int, set, float]] = {}
         self.segment_seconds: dict[str, float] = {}   # their calls' forward time, stalls left out
-        # Spent in block_started and block_finished (readings), not the step's; on CUDA without the
-        # waits in `now`, which are the step's own kernels finishing.
+        # Spent in the forward's hooks (block_started, block_finished, forward_started and _finished:
+        # readings), not the step's; on CUDA without the waits in `now`, which are the step's own
+        # kernels finishing.
         self.hook_seconds = 0.0
         self.backward_hook_seconds: dict[int, float] = {}   # per block: its backward mark's readings
         self.block_starts: list[int] = []     # the blocks' forward calls, in order
@@ -261,7 +262,7 @@ class Recorder:
         self.saved_freed = []
 
     def forward_finished(self, output):
-        entered = time.perf_counter()
+        entered = self.now()     # the work after the last block done: the readings' time follows
         self._forward_finished(output)
         self.hook_seconds += time.perf_counter() - entered
 

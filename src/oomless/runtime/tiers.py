@@ -325,7 +325,7 @@ DISK_MAX_PENDING_BYTES = 256 * 2**20
 # a run must not need more memory to be profiled than to train. Its times are not used
 # (`profiler._merge_timing_step`). The timing step's times are: its copies run behind compute as a
 # plan's do, and the host's waits count as stall.
-PROFILING_MAX_PENDING_BYTES = 0
+SIZING_MAX_PENDING_BYTES = 0
 TIMING_MAX_PENDING_BYTES = 256 * 2**20
 
 
