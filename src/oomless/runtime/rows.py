@@ -111,8 +111,9 @@ class HostRows:
         self.written = [False] * shape[AXIS]
 
     # No synchronisation: the host memory is only ever read and written by copies on the stream that
-    # computes, so each is ordered after the one before it; the caching host allocator keeps a closed
-    # store's memory until the copies queued on it are done (it records an event with each).
+    # computes (the slab engine's backward is a custom Function's, which autograd runs on its
+    # forward's stream), so each is ordered after the one before it; the caching host allocator keeps
+    # a closed store's memory until the copies queued on it are done (it records an event with each).
 
     def _staged(self, low: int, high: int) -> torch.Tensor:
         """Rows [low, high) on the device, rows first (a new tensor), unwritten rows zeros."""
