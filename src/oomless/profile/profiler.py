@@ -301,7 +301,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
                 return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
                                      measure_selective=selective and selective_recompute.AVAILABLE)
             # The timing step's times are the plan's: a full collection inside it (160 ms, where the
-            # heap was large) would be billed to the block or the loss it fell in (collected before).
+            # heap was large) would be billed to the block or the loss it fell in. (Not one before it
+            # either: ~0.3 s with transformers imported, `held_now`.)
             collecting = gc.isenabled()
             gc.disable()
             try:
@@ -352,7 +353,6 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
-        gc.collect()
         before_rehearsal = probe.current()
         timer, sized.loss_seconds = measure(timing)
         for p in parameters:
