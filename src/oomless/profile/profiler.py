@@ -297,19 +297,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            if decisions is None:
-                return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
-                                     measure_selective=selective and selective_recompute.AVAILABLE)
-            # The timing step's times are the plan's: a full collection inside it (160 ms, where the
-            # heap was large) would be billed to the block or the loss it fell in. (Not one before it
-            # either: ~0.3 s with transformers imported, `held_now`.)
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes)
-            finally:
-                if collecting:
-                    gc.enable()
+            return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
+                                 measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
 
         held_from_start = left_before   # what the sizes' step holds from its start (`Profile.held_from_start_bytes`)
 
