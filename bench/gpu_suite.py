@@ -58,9 +58,10 @@ if str(BENCH_DIRECTORY) not in sys.path:
 from suite_report import highlights, write_summary  # noqa: E402  (bench/suite_report.py)
 
 TIME_BUDGET_SECONDS = 540
-PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40, "cuda_peak_large": 60,
-                       "cuda_peak_transformer": 40, "max_size": 70,
-                       "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "floors": 330, "fit_precision": 120}
+PIECE_LIMIT_SECONDS = {"cuda_tests": 240, "swap_trace": 40, "fit_bench": 90, "predict": 60, "cuda_peak": 40,
+                       "cuda_peak_large": 60, "cuda_peak_transformer": 40, "max_size": 70,
+                       "dp_world_1": 30, "dp_world_2": 30, "simulate_world_1": 60, "linear_loss": 90, "floors": 330,
+                       "fit_precision": 120}
 DRY_RUN_PIECE_LIMIT_SECONDS = 150
 CUDA_TEST_PATHS = ["tests"]    # with -m gpu: every test marked gpu
 MINIMUM_PIECE_SECONDS = 10          # less than this left of the budget: the piece is skipped, not started

@@ -403,7 +403,8 @@ class Recorder:
             block = self.blocks[index]
             block.held_backward_bytes = max(block.held_backward_bytes, alive_bytes(self.live_gradients))
             # Readings, the device idle through them after `now`'s wait on CUDA: not the block's backward.
-            self.backward_hook_seconds[index] = self.backward_hook_seconds.get(index, 0.0) + time.perf_counter() - marked
+            read = time.perf_counter() - marked
+            self.backward_hook_seconds[index] = self.backward_hook_seconds.get(index, 0.0) + read
         return hook
 
     def backward_finished(self) -> None:

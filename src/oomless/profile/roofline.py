@@ -81,13 +81,14 @@ def _narrow_reduction_seconds(func, args, kwargs, device: Device) -> float:
     `devices.CHANNEL_BLOCK_SHARE` of one multiprocessor's share of the bandwidth, all of it from
     ``multiprocessors / CHANNEL_BLOCK_SHARE`` channels on. 0 for every other op (batch norm in eval
     mode reduces nothing), or where the device's multiprocessors are unknown."""
-    if not device.multiprocessors or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+    # Every op of the meta step comes here: the name first, the schema's arguments only for batch norms.
+    name = func._overloadpacket.__name__
+    if "batch_norm" not in name or not device.multiprocessors or not args or not isinstance(args[0], torch.Tensor) \
+            or args[0].dim() < 2:
         return 0.0
     if not (_argument(func, args, kwargs, "training") or _argument(func, args, kwargs, "train")):
         return 0.0
-    if "batch_norm" not in func._overloadpacket.__name__:
-        return 0.0
-    reduced = args[:2] if "backward" in func._overloadpacket.__name__ else args[:1]
+    reduced = args[:2] if "backward" in name else args[:1]
     share = min(args[0].shape[1] * CHANNEL_BLOCK_SHARE / device.multiprocessors, 1.0)
     rate = device.memory_bytes_per_second * MEMORY_EFFICIENCY * share
     return sum(_tensor_bytes(tensor) for tensor in reduced if isinstance(tensor, torch.Tensor)) / rate

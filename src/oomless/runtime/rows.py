@@ -12,6 +12,7 @@ memory), on a GPU in pinned host memory.
 """
 
 import contextlib
+import itertools
 import math
 import os
 import tempfile
@@ -118,14 +119,12 @@ class HostRows:
     def _staged(self, low: int, high: int) -> torch.Tensor:
         """Rows [low, high) on the device, rows first (a new tensor), unwritten rows zeros."""
         staged = self.host.narrow(0, low, high - low).to(self.device, non_blocking=True, copy=True)
-        row = low
-        while row < high:
-            start = row
-            while row < high and not self.written[row]:
-                row += 1
-            if row > start:
-                staged.narrow(0, start - low, row - start).zero_()
-            row += 1
+        row = 0
+        for written, run in itertools.groupby(self.written[low:high]):
+            count = len(list(run))
+            if not written:
+                staged.narrow(0, row, count).zero_()
+            row += count
         return staged
 
     def write(self, low: int, slab: torch.Tensor) -> None:
