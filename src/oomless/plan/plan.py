@@ -102,6 +102,9 @@ class Plan:
     output_freed_bytes: int = 0
     # The example inputs' own bytes (`Profile.input_tensor_bytes`): a step on more warns (runtime/install.py).
     input_tensor_bytes: int = 0
+    # Saved-activation bytes the runtime lets stay on the device once the forward has returned, while
+    # the loss runs (the budget less the loss's own working memory); None: the activation budget.
+    loss_limit_bytes: int | None = None
 
     @property
     def decisions(self) -> dict[str, str]:

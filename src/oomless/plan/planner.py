@@ -214,21 +214,31 @@ def smallest_memory_for(profile: Profile, decisions: dict[str, str], max_pending
     return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
 
 
-def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int]:
-    """(decisions, predicted bytes beyond static memory without the margin) of the plan the profiler's
-    timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest plan; without
-    a budget, every block recomputed. Swaps of any size, as the profiling steps run them."""
+def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int, Plan | None]:
+    """(decisions, predicted bytes beyond static memory without the margin, the plan itself) of what
+    the profiler's timing step rehearses: the plan for ``memory_bytes``; where none fits, the smallest
+    plan at its smallest budget; the step keeps either's limits, as training would. Without a budget,
+    every block recomputed (no plan: nothing swapped, no limits). Swaps of any size, as the profiling
+    steps run them."""
     names = [block.name for block in profile.blocks]
     max_pending_out_bytes = _pending_out_bound(profile, None)
     if memory_bytes is None:
         decisions = ["recompute"] * len(names)
-        return dict(zip(names, decisions)), simulate(profile, decisions, None, max_pending_out_bytes).total_peak_bytes
+        return (dict(zip(names, decisions)),
+                simulate(profile, decisions, None, max_pending_out_bytes).total_peak_bytes, None)
     try:
         made = make_plan(profile, memory_bytes, min_swap_bytes=0)
     except PlanError:
+        # The smallest plan, at its own smallest budget: the floor a PlanError names counts static
+        # placements (the update in backward, state and parameters off the device) that this
+        # profile's plans do not, so the budget given is below what its plans need.
         decisions, timeline = _frugal_plan(profile, max_pending_out_bytes)
-        return dict(zip(names, decisions)), timeline.total_peak_bytes
-    return made.decisions, made.predicted_peak_bytes - made.static_bytes - _margin_bytes(profile)
+        smallest = sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+        try:
+            made = make_plan(profile, smallest, dict(zip(names, decisions)), min_swap_bytes=0)
+        except PlanError:
+            return dict(zip(names, decisions)), timeline.total_peak_bytes, None
+    return made.decisions, made.predicted_peak_bytes - made.static_bytes - _margin_bytes(profile), made
 
 
 def with_margin(num_bytes: int) -> int:
@@ -342,7 +352,7 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         raise PlanError(f"the planner found no plan within {format_bytes(memory_bytes)}; its best needs "
                         f"{format_bytes(static_bytes + margin + timeline.total_peak_bytes)}",
                         minimum_bytes=with_margin(static_bytes + margin + timeline.total_peak_bytes))
-    forward_phases, _, backward_phases = phases(profile, chosen)
+    forward_phases, loss_phase, backward_phases = phases(profile, chosen)
     blocks = [BlockPlan(block.name, "recompute" if chosen[i] == SELECTIVE else chosen[i],
                         _reason(profile, i, chosen[i], timeline, budget, solver_name),
                         block.saved_bytes, block.forward_seconds, block.backward_seconds,
@@ -366,5 +376,6 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
         predicted_step_seconds=timeline.step_seconds,
         plain_peak_bytes=static_bytes + margin + plain.total_peak_bytes,
         plain_step_seconds=plain.step_seconds, blocks=blocks, prefetch_bytes=window,
+        loss_limit_bytes=budget - loss_phase.other,
         min_swap_bytes=min_swap_bytes,
         static_breakdown=static, notes=notes)

@@ -9,6 +9,7 @@ gradients and RNG are left exactly as they were.
 
 import gc
 import weakref
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
                                      holders_by_place, static_overhead_bytes, storage_bytes, tensor_bytes,
                                      tensors_held_by, tensors_in, training_state_kept)
-from oomless.runtime.tiers import SIZING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES, PinnedHostTier
+from oomless.runtime.tiers import SIZING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES
 from oomless.sizes import format_bytes
 
 _OPTIMIZER_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -67,8 +68,10 @@ def loss_of(output, loss_fn):
 
 
 def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None,
-                  base_bytes: int = 0, measure_selective: bool = False) -> tuple[Recorder, float]:
-    """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per block."""
+                  base_bytes: int = 0, measure_selective: bool = False, rehearsed=None) -> tuple[Recorder, float]:
+    """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per
+    block. ``rehearsed``: the plan those decisions are (`planner.rehearsal_plan`), whose activation
+    budget, per-phase limits and prefetch window the step keeps as training does."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
@@ -80,6 +83,22 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
                      plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_bytes=0, min_swap_bytes=0,
                      blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
                              for name in names])
+    if rehearsed is not None:
+        # Without the plan's limits the timing step's copies out could lag behind compute unchecked
+        # (256 MiB in flight): on CPU a transformer's rehearsal at 35 MiB held 4.1 MiB over its
+        # prediction in 1 process of 16, where the others held 0-1.5, and that excess, carried by
+        # every plan from the profile as its margin, refused the budget itself (39 named); on CUDA
+        # such a step could pass a tight budget that training keeps. Kept, the copies that fall
+        # behind make the step wait (counted as stall), as in training.
+        planned = {block.name: block for block in rehearsed.blocks}
+        measuring.activation_budget = rehearsed.activation_budget
+        measuring.prefetch_bytes = rehearsed.prefetch_bytes
+        measuring.loss_limit_bytes = rehearsed.loss_limit_bytes
+        measuring.blocks = [replace(block, saved_bytes=planned[block.name].saved_bytes,
+                                    forward_limit_bytes=planned[block.name].forward_limit_bytes,
+                                    backward_limit_bytes=planned[block.name].backward_limit_bytes,
+                                    recomputed_bytes=planned[block.name].recomputed_bytes)
+                            for block in measuring.blocks]
     # Memory is read at every ledger change in the sizing step (no ``decisions``); the timing step,
     # whose block times must not pay for readings, reads only at phase changes: its highest reading
     # checks the plan's prediction.
@@ -99,15 +118,20 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     if decisions is None and measure_selective:
         recorder.selective_meter = SelectiveMeter(lambda: state.engine.block_index, device)
     if tier is not None:
-        recorder.tier_stall_source = tier.collect_stall_seconds
+        ledger = state.ledger
+
+        def stall_seconds() -> float:
+            # The tier's own waits, and the engine's for room under the plan's limits (`make_room`).
+            waited, ledger.stall_seconds = ledger.stall_seconds, 0.0
+            return tier.collect_stall_seconds() + waited
+        recorder.tier_stall_source = stall_seconds
         if decisions is None:
             recorder.tier_is_out = tier.is_out   # the sizing step reads when the forward frees each saved storage
-        if isinstance(tier, PinnedHostTier):
-            # No budget in the profiling steps: the forward must not hold every swapped activation
-            # while the copies catch up (the disk tier bounds its writes the same way), or profiling
-            # needs plain's peak. The sizing step, whose times are not used, waits for each copy
-            # before the next save; the timing step lets copies run behind compute as a plan's do.
-            tier.max_pending_bytes = SIZING_MAX_PENDING_BYTES if decisions is None else TIMING_MAX_PENDING_BYTES
+        # No budget in the profiling steps: the forward must not hold every swapped activation while
+        # the copies catch up, or profiling needs plain's peak. The sizing step, whose times are not
+        # used, waits for each copy before the next save, so that no phase's reading holds copies
+        # that happened to lag; the timing step lets copies run behind compute as a plan's do.
+        tier.max_pending_bytes = SIZING_MAX_PENDING_BYTES if decisions is None else TIMING_MAX_PENDING_BYTES
     try:
         forward_started = recorder.now() - recorder.tier_stall()
         output = call_model(model, example_inputs)
@@ -179,9 +203,14 @@ def _agreed(choice: bool) -> bool:
 
 
 def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
-    """Times come from the timing step. Memory comes from the sizing step only: the timing step runs
-    another plan (kept and recomputed blocks hold differently), and a code path it takes for the
-    first time (checkpointing) allocates its start-up there."""
+    """Times (and the swap tier's rates, where it moved enough to tell) come from the timing step.
+    Memory comes from the sizing step only: the timing step runs another plan (kept and recomputed
+    blocks hold differently), and a code path it takes for the first time (checkpointing) allocates
+    its start-up there."""
+    if timer.link is not None:
+        # The tier's rates as training sees them: the sizing step waits for each copy out, so its
+        # disk writes ran with compute waiting (about twice as fast as beside compute on 2 cores).
+        sized.link = timer.link
     times = {block.name: block for block in timer.blocks.values()}
     for block in sized.blocks:
         block.forward_seconds = times[block.name].forward_seconds
@@ -291,14 +320,15 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         start_bytes = held_now(device)
         baseline_bytes = start_bytes - left_before
 
-        def measure(decisions: dict[str, str] | None = None):
+        def measure(decisions: dict[str, str] | None = None, rehearsed=None):
             for p in parameters:
                 p.grad = None
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
             return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
-                                 measure_selective=selective and decisions is None and selective_recompute.AVAILABLE)
+                                 measure_selective=selective and decisions is None and selective_recompute.AVAILABLE,
+                                 rehearsed=rehearsed)
 
         held_from_start = left_before   # what the sizes' step holds from its start (`Profile.held_from_start_bytes`)
 
@@ -341,9 +371,9 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         sized.held_from_start_bytes = held_from_start
         # Times come from a second step under the plan those sizes give (`rehearsal_plan`): the
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
-        timing, predicted_bytes = rehearsal_plan(sized, memory_bytes)
+        timing, predicted_bytes, rehearsed = rehearsal_plan(sized, memory_bytes)
         before_rehearsal = probe.current()
-        timer, sized.loss_seconds = measure(timing)
+        timer, sized.loss_seconds = measure(timing, rehearsed)
         for p in parameters:
             p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)

@@ -235,6 +235,11 @@ class InstalledPlan:
         # backward (`make demo`: a 16 MiB skip on the ledger through the loss and the first blocks'
         # backward, and the profiling step read the loss's working memory 16 MiB short under it).
         self.engine.poll()
+        # The loss runs next with its own working memory: copies out that fell behind the plan's
+        # (a disk slower than profiled) finish first, or the ledger they hold passes the loss's
+        # share of the budget, which no block's limit guards (a transformer's rehearsal at its floor
+        # on CPU, every write 50 ms late: 8.4 MiB over its prediction, all of it in the loss).
+        self.engine.make_room(0, self.plan.loss_limit_bytes)
         if self.plan.output_freed_bytes * WATCHED_OUTPUT_SHARE >= self.plan.memory_bytes and not self._warned_output:
             self._watch_output(output)
         if self.recorder is not None:

@@ -318,13 +318,18 @@ def private_directory(owner, kind: str, directory: str | None = None) -> tuple[s
 
 
 DISK_MAX_PENDING_BYTES = 256 * 2**20
-# The profiler's steps on CUDA (no budget there): copies out in flight at most (`PinnedHostTier`).
+# The profiler's steps (no budget there): copies out in flight at most, on either tier.
 # The sizing step's, 0: each save waits for the copies out before it, one in flight at a time. At
 # 256 MiB it held that much more than the all-swap plan's own smallest budget: the 3D U-Net's sizing
 # step peaked at 774 MiB, its smallest all-swap budget 479 and a plan at 660 (H200, 2026-11-29), and
-# a run must not need more memory to be profiled than to train. Its times are not used
-# (`profiler._merge_timing_step`). The timing step's times are: its copies run behind compute as a
-# plan's do, and the host's waits count as stall.
+# a run must not need more memory to be profiled than to train. On CPU, with the disk's 256 MiB, each
+# phase's measured peak held whatever writes happened to lag behind at its reading: one of a
+# transformer's four identical layers read 1.5-3 MiB above the others in 4 processes of 22, and the
+# smallest budget those named (37-38 MiB) refused the 35 the others named when given back in a fresh
+# process; waiting, 16 of 16 named 35. Its times are not used (`profiler._merge_timing_step`), nor its
+# link: the timing step's are. Its copies run behind compute as a plan's do (the disk's writes
+# share the cores with compute, as in training: ~1.3 GB/s there against ~2.6 waited for alone), and
+# the host's waits count as stall.
 SIZING_MAX_PENDING_BYTES = 0
 TIMING_MAX_PENDING_BYTES = 256 * 2**20
 
