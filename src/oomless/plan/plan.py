@@ -103,7 +103,8 @@ class Plan:
     # The example inputs' own bytes (`Profile.input_tensor_bytes`): a step on more warns (runtime/install.py).
     input_tensor_bytes: int = 0
     # Saved-activation bytes the runtime lets stay on the device once the forward has returned, while
-    # the loss runs (the budget less the loss's own working memory); None: the activation budget.
+    # the loss runs (the budget less the loss's own working memory); None (plans written before it,
+    # or made without a loss phase): the activation budget, as for a block without limits of its own.
     loss_limit_bytes: int | None = None
 
     @property

@@ -92,6 +92,7 @@ class InstalledPlan:
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None
+        self._calls_inside = 0      # calls of the model inside its own forward, still running
         self._parameters_move = True
         self._warned_gradients = False
         self._warned_output = False
@@ -141,10 +142,13 @@ class InstalledPlan:
             self.tier.close()
 
     def _model_pre_hook(self, model, args, kwargs):
+        if self._hooks_context is not None:
+            # A call of the model inside its own forward: part of the outer step, under its hooks,
+            # which its end must not take off (`_model_post_hook`).
+            self._calls_inside += 1
+            return
         if not torch.is_grad_enabled():
             return
-        if self._hooks_context is not None:
-            return  # re-entrant call of the model inside its own forward
         kwargs = self._without_cache(model, kwargs)
         parameters = list(model.parameters())
         if self.plan.gradients_from_backward and not self._warned_gradients:
@@ -227,6 +231,11 @@ class InstalledPlan:
     def _model_post_hook(self, model, args, output):
         if self._hooks_context is None:
             return
+        if self._calls_inside:
+            # The inner call ended: the outer forward goes on, its saves still the plan's (ending the
+            # hooks here let every save after it escape the plan: kept, on no ledger).
+            self._calls_inside -= 1
+            return
         context, self._hooks_context = self._hooks_context, None
         context.__exit__(None, None, None)
         self.engine.block_index = None
@@ -239,7 +248,8 @@ class InstalledPlan:
         # (a disk slower than profiled) finish first, or the ledger they hold passes the loss's
         # share of the budget, which no block's limit guards (a transformer's rehearsal at its floor
         # on CPU, every write 50 ms late: 8.4 MiB over its prediction, all of it in the loss).
-        self.engine.make_room(0, self.plan.loss_limit_bytes)
+        self.engine.make_room(0, self.plan.loss_limit_bytes if self.plan.loss_limit_bytes is not None
+                              else self.engine.budget_bytes)
         if self.plan.output_freed_bytes * WATCHED_OUTPUT_SHARE >= self.plan.memory_bytes and not self._warned_output:
             self._watch_output(output)
         if self.recorder is not None:
