@@ -194,13 +194,18 @@ def _with_slower_link(profile: Profile) -> Profile:
                                          in_bytes_per_second=link.in_bytes_per_second * LINK_NOISE))
 
 
+def _memory_for(profile: Profile, timeline: Timeline) -> int:
+    """The budget a step simulated as ``timeline`` needs: static bytes, the margin and its peak."""
+    return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+
+
 def smallest_memory(profile: Profile, max_pending_out_bytes: int | None = None,
                     min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
     """The smallest budget any plan with ``min_swap_bytes`` fits, for this profile (without the
     margin PlanError adds)."""
     profile = with_swap_threshold(profile, min_swap_bytes)
     _, timeline = _frugal_plan(profile, _pending_out_bound(profile, max_pending_out_bytes))
-    return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+    return _memory_for(profile, timeline)
 
 
 def smallest_memory_for(profile: Profile, decisions: dict[str, str], max_pending_out_bytes: int | None = None,
@@ -211,7 +216,7 @@ def smallest_memory_for(profile: Profile, decisions: dict[str, str], max_pending
     profile = with_swap_threshold(profile, min_swap_bytes)
     timeline = simulate(profile, [decisions[block.name] for block in profile.blocks], 0,
                         _pending_out_bound(profile, max_pending_out_bytes))
-    return sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
+    return _memory_for(profile, timeline)
 
 
 def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str, str], int, Plan | None]:
@@ -233,9 +238,8 @@ def rehearsal_plan(profile: Profile, memory_bytes: int | None) -> tuple[dict[str
         # placements (the update in backward, state and parameters off the device) that this
         # profile's plans do not, so the budget given is below what its plans need.
         decisions, timeline = _frugal_plan(profile, max_pending_out_bytes)
-        smallest = sum(static_breakdown(profile).values()) + _margin_bytes(profile) + timeline.total_peak_bytes
         try:
-            made = make_plan(profile, smallest, dict(zip(names, decisions)), min_swap_bytes=0)
+            made = make_plan(profile, _memory_for(profile, timeline), dict(zip(names, decisions)), min_swap_bytes=0)
         except PlanError:
             return dict(zip(names, decisions)), timeline.total_peak_bytes, None
     return made.decisions, made.predicted_peak_bytes - made.static_bytes - _margin_bytes(profile), made

@@ -82,7 +82,7 @@ class InstalledPlan:
         budget = plan.activation_budget if plan.activation_budget > 0 else None
         self.engine = SavedTensorEngine(self.ledger, self.tier, plan.prefetch_bytes, plan.min_swap_bytes, budget,
                                         device, [block.forward_limit_bytes for block in plan.blocks],
-                                        [block.backward_limit_bytes for block in plan.blocks])
+                                        [block.backward_limit_bytes for block in plan.blocks], plan.loss_limit_bytes)
         self.engine.recorder = recorder
         if recorder is None and any(block.saved_bytes and block.decision != RECOMPUTE for block in plan.blocks):
             self.engine.blocks_unseen = self._warn_blocks_unseen
@@ -240,16 +240,15 @@ class InstalledPlan:
         context.__exit__(None, None, None)
         self.engine.block_index = None
         # The forward's locals are gone (a U-Net's skips): swapped storages they held leave the ledger
-        # now, not at the next swapped unpack, which a plan keeping its last blocks reaches late in
-        # backward (`make demo`: a 16 MiB skip on the ledger through the loss and the first blocks'
-        # backward, and the profiling step read the loss's working memory 16 MiB short under it).
-        self.engine.poll()
-        # The loss runs next with its own working memory: copies out that fell behind the plan's
-        # (a disk slower than profiled) finish first, or the ledger they hold passes the loss's
-        # share of the budget, which no block's limit guards (a transformer's rehearsal at its floor
-        # on CPU, every write 50 ms late: 8.4 MiB over its prediction, all of it in the loss).
-        self.engine.make_room(0, self.plan.loss_limit_bytes if self.plan.loss_limit_bytes is not None
-                              else self.engine.budget_bytes)
+        # now (`make_room` polls first), not at the next swapped unpack, which a plan keeping its
+        # last blocks reaches late in backward (`make demo`: a 16 MiB skip on the ledger through the
+        # loss and the first blocks' backward, and the profiling step read the loss's working memory
+        # 16 MiB short under it). And the loss runs next with its own working memory: copies out that
+        # fell behind the plan's (a disk slower than profiled) finish first, or the ledger they hold
+        # passes the loss's share of the budget, which no block's limit guards (a transformer's
+        # rehearsal at its floor on CPU, every write 50 ms late: 8.4 MiB over its prediction, all of
+        # it in the loss).
+        self.engine.make_room(0, self.engine.loss_limit)
         if self.plan.output_freed_bytes * WATCHED_OUTPUT_SHARE >= self.plan.memory_bytes and not self._warned_output:
             self._watch_output(output)
         if self.recorder is not None:

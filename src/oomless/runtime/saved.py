@@ -234,14 +234,16 @@ class SavedTensorEngine:
 
     def __init__(self, ledger, tier, prefetch_bytes: int | None, min_swap_bytes: int, budget_bytes: int | None = None,
                  device: torch.device | None = None, forward_limits: list | None = None,
-                 backward_limits: list | None = None):
+                 backward_limits: list | None = None, loss_limit: int | None = None):
         self.ledger = ledger
         self.device = device
         # Saved-activation bytes allowed on the device: per block and phase where the plan says
         # (the budget less that phase's own working memory), else ``budget_bytes``; None: no limit.
+        # The loss's too, once the forward has returned (`Plan.loss_limit_bytes`).
         self.budget_bytes = budget_bytes
         self.forward_limits = [budget_bytes if limit is None else limit for limit in forward_limits or []]
         self.backward_limits = [budget_bytes if limit is None else limit for limit in backward_limits or []]
+        self.loss_limit = budget_bytes if loss_limit is None else loss_limit
         self.tier = tier
         # Bytes brought back ahead of their use at most (None: as many as the budget has room for).
         self.prefetch_bytes = float("inf") if prefetch_bytes is None else prefetch_bytes
