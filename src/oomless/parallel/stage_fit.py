@@ -12,10 +12,13 @@ micro-batch with the activation share of the rank's memory divided by its in-fli
     plan memory = static + reserve + (share - static - reserve) / in flight
 
 where "held outside the stages" is what the rank holds that no stage's plan counts (`held_outside_stages`:
-the rest of the model, what profiling the cut left on rank 0, the device mesh). The plan returned is
-the stage's, for its share: its budget the share, its runtime budget (what the ledger enforces) the
-one micro-batch's activation budget times the in-flight count, at most what the share leaves beside
-the static bytes, and its peaks those of every micro-batch in flight (`_for_the_share`).
+the rest of the model, what profiling the cut left on rank 0, the device mesh), lowered until the
+stage's peak, one micro-batch at its peak and each other at its activations' peak, fits the share
+(the reserve is the worst phase's working memory, and the activations may peak in another phase).
+The plan returned is the stage's, for its share: its budget the share, its runtime budget (what the
+ledger enforces) the one micro-batch's activation budget times the in-flight count, at most what
+the share leaves beside the static bytes, each phase's limit raised by what the share adds to the
+one micro-batch's budget, and its peaks those of every micro-batch in flight (`_for_the_share`).
 
 Each stage is profiled on the real inputs it receives for the example micro-batch (earlier stages
 run once without gradients, their buffers and the RNG put back after, so no statistic moves). The last stage is profiled
@@ -24,7 +27,8 @@ what matters). Replicas of a stage take replica 0's plan: a recomputed block re-
 all-reduce over the replicas in backward, so their plans must agree. They take its refusal too; a
 stage refused on any rank is refused on every rank, by one `PlanError` that names each refused stage
 and the memory per rank that fits them all (a stage's smallest plan budget m needs
-``held + stages x (static + reserve + (m - static - reserve) x in flight)`` per rank).
+``held + stages x`` the larger of ``static + reserve + (m - static - reserve) x in flight`` and the
+stage's peak under m's plan, per rank).
 
 Under the pipeline's precision (bf16 / fp16) each stage is profiled and planned at that precision,
 on inputs computed under autocast (they arrive in their autocast dtype), so the plan counts the bytes
@@ -220,21 +224,41 @@ def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, poli
     share = where.share_bytes
     # A share short of the fixed bytes is refused as it is (planning for the fixed bytes would pass it).
     memory = fixed + (share - fixed) // in_flight if share > fixed else share
-    try:
-        plan = oomless.plan(module, inputs, memory, profile=profile, decisions=decisions,
+
+    def planned(budget: int) -> oomless.Plan:
+        return oomless.plan(module, inputs, budget, profile=profile, decisions=decisions,
                             min_swap_bytes=min_swap_bytes, **configured)
+
+    try:
+        plan = planned(memory)
+        if decisions is not None and plan.predicted_peak_bytes > memory:
+            # `oomless.plan` keeps decisions it is given whatever they need (its notes say by how much):
+            # here every rank would train on a share its stage's forced policy passes. Refused before any
+            # step, in the terms the user sets, as a plan the planner chose would be.
+            raise _forced_refusal(profile, decisions, policy, plan, min_swap_bytes)
+        # The one micro-batch's budget leaves its static bytes and worst phase's working memory out
+        # once, but its activations may peak in another phase, above what the others' share leaves
+        # them: lower it until the stage's peak (`_for_the_share`) fits.
+        attempts = 0
+        while _stage_peak_bytes(plan, in_flight) > share:
+            if decisions is not None:
+                raise _forced_refusal(profile, decisions, policy, plan, min_swap_bytes)
+            if attempts == STAGE_FIT_ATTEMPTS:
+                planned(1)      # raises, naming the one micro-batch's smallest budget
+                raise oomless.PlanError(f"no plan for one micro-batch leaves room for {in_flight} in flight")
+            # Each micro-batch in flight holds about as much less as its budget loses.
+            tried, memory = memory, memory - max(-(-(_stage_peak_bytes(plan, in_flight) - share) // in_flight), 2**20)
+            try:
+                plan = planned(memory)
+            except oomless.PlanError as below_the_smallest:
+                # Stepped past the one micro-batch's smallest budget: that budget is the last to try.
+                if below_the_smallest.minimum_bytes is None or below_the_smallest.minimum_bytes >= tried:
+                    raise
+                memory = below_the_smallest.minimum_bytes
+                plan = planned(memory)
+            attempts += 1
     except oomless.PlanError as refusal:
-        raise _per_rank_refusal(refusal, where, fixed, in_flight, memory) from None
-    if decisions is not None and plan.predicted_peak_bytes > memory:
-        # `oomless.plan` keeps decisions it is given whatever they need (its notes say by how much):
-        # here every rank would train on a share its stage's forced policy passes. Refused before any
-        # step, in the terms the user sets, as a plan the planner chose would be.
-        # With the margin the planner's own refusals carry: planning again profiles again, and a
-        # second profile of the same stage reads a little differently (4.31 MiB against 4.28).
-        needed = with_margin(smallest_memory_for(profile, decisions, min_swap_bytes=min_swap_bytes))
-        raise _per_rank_refusal(oomless.PlanError(
-            f"every block {policy}: predicted at {format_bytes(plan.predicted_peak_bytes)}, its smallest budget "
-            f"{format_bytes(needed)}", minimum_bytes=needed), where, fixed, in_flight, memory)
+        raise _per_rank_refusal(refusal, where, fixed, in_flight, memory, planned) from None
     return _for_the_share(plan, profile, share, in_flight)
 
 
@@ -257,21 +281,59 @@ def _for_the_share(plan: oomless.Plan, profile, share: int, in_flight: int) -> o
                      "activation budget and peaks here are the stage's, each in-flight micro-batch's "
                      "activations counted")
     more = in_flight - 1
+    # Each phase's limit leaves the static bytes, the margin and the phase's working memory out of
+    # the budget; the stage's ledger also holds the other in-flight micro-batches' activations, so
+    # its limits leave the same out of the stage's share. Kept at the one micro-batch's, every save
+    # of a second micro-batch found the first one's bytes over the limit and waited for every copy
+    # still running (on CUDA a host synchronisation), and backward had no room to prefetch.
+    extra = max(share - plan.memory_bytes, 0)
+
+    def for_the_stage(limit: int | None) -> int | None:
+        return None if limit is None else limit + extra
+    blocks = [dataclasses.replace(block, forward_limit_bytes=for_the_stage(block.forward_limit_bytes),
+                                  backward_limit_bytes=for_the_stage(block.backward_limit_bytes))
+              for block in plan.blocks]
     return dataclasses.replace(
-        plan, memory_bytes=share, notes=notes,
+        plan, memory_bytes=share, notes=notes, blocks=blocks, loss_limit_bytes=for_the_stage(plan.loss_limit_bytes),
         activation_budget=min(plan.activation_budget * in_flight, max(share - plan.static_bytes, plan.activation_budget)),
         predicted_peak_bytes=plan.predicted_peak_bytes + more * plan.predicted_activation_peak_bytes,
         predicted_activation_peak_bytes=plan.predicted_activation_peak_bytes * in_flight,
         plain_peak_bytes=plan.plain_peak_bytes + more * profile.activation_bytes)
 
 
-def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, memory: int):
-    """A stage plan's refusal in the terms the user sets: memory per rank. The stage's plan budget
-    is ``fixed + (per_rank / stages - fixed) / in_flight``, so the stage's smallest plan budget m
-    needs ``stages x (fixed + (m - fixed) x in_flight)`` per rank, rounded up to a whole MiB."""
+def _stage_peak_bytes(plan: oomless.Plan, in_flight: int) -> int:
+    """The stage's predicted peak with ``in_flight`` micro-batches under ``plan`` (one micro-batch's),
+    as `_for_the_share` counts it: one at its peak, each other at its activations' peak."""
+    return plan.predicted_peak_bytes + (in_flight - 1) * plan.predicted_activation_peak_bytes
+
+
+# Budgets for one micro-batch tried before a stage whose activations do not fit its share is refused.
+STAGE_FIT_ATTEMPTS = 8
+
+
+def _forced_refusal(profile, decisions: dict, policy: str, plan: oomless.Plan, min_swap_bytes: int):
+    """A forced policy's refusal for one micro-batch: its smallest budget, with the margin the
+    planner's own refusals carry (planning again profiles again, and a second profile of the same
+    stage reads a little differently: 4.31 MiB against 4.28)."""
+    needed = with_margin(smallest_memory_for(profile, decisions, min_swap_bytes=min_swap_bytes))
+    return oomless.PlanError(f"every block {policy}: predicted at {format_bytes(plan.predicted_peak_bytes)}, its "
+                             f"smallest budget {format_bytes(needed)}", minimum_bytes=needed)
+
+
+def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, memory: int, planned):
+    """A stage plan's refusal in the terms the user sets: memory per rank, rounded up to a whole MiB.
+    The stage's plan budget is ``fixed + (share - fixed) / in_flight``, lowered until the stage's peak
+    fits its share; so the one micro-batch's smallest budget m needs a share of at least ``fixed +
+    (m - fixed) x in_flight`` and at least the stage's peak under m's plan (``planned(m)``), and the
+    rank ``held + stages x`` that."""
     needed = None
     if refusal.minimum_bytes is not None:
-        exact = where.held_bytes + where.stages * (fixed + max(refusal.minimum_bytes - fixed, 0) * in_flight)
+        m = refusal.minimum_bytes
+        try:
+            at_smallest = _stage_peak_bytes(planned(m), in_flight)
+        except oomless.OomlessError:
+            at_smallest = 0
+        exact = where.held_bytes + where.stages * max(fixed + max(m - fixed, 0) * in_flight, at_smallest)
         needed = -(-exact // 2**20) * 2**20
     in_terms = "" if needed is None else f"; it needs memory >= {format_bytes(needed)} ({needed} bytes) per rank"
     held = f", {format_bytes(where.held_bytes)} held by the rank outside its stages' plans" if where.held_bytes else ""
