@@ -62,6 +62,29 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run_bitwise(tmp_path):
     _assert_state_equal(optimizer_a, optimizer_b)
 
 
+def test_a_finished_run_resumed_plans_nothing_and_saves_its_weights(tmp_path, monkeypatch):
+    """Resumed at its last step (or with --steps 0) a run has no step to train: it does not plan (a
+    profile of steps, minutes for a large model; before, it planned and printed "loss nan"), the weights
+    it saves are the checkpoint's, and the CLI says there was nothing to train."""
+    finished = train(_config(steps=2, checkpoint_dir=tmp_path / "run", memory="1GiB"))
+    import oomless.train.loop as loop
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned a run with no step to train")
+    monkeypatch.setattr(loop, "_apply_oomless", no_planning)
+    again = train(_config(steps=2, checkpoint_dir=tmp_path / "run", memory="1GiB", resume=True,
+                          save=tmp_path / "again.safetensors"))
+    assert again.steps_done == 2 and again.seconds_per_step is None and again.history == []
+    _assert_state_equal(finished.model.state_dict(), load_file(str(tmp_path / "again.safetensors")))
+    monkeypatch.undo()
+    said = subprocess.run([sys.executable, "-m", "oomless", "train", "--size", "16", "--depth", "2",
+                           "--base-channels", "4", "--global-batch", "2", "--steps", "2", "--device", "cpu",
+                           "--checkpoint-dir", str(tmp_path / "run"), "--resume"],
+                          capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert "done: no step to train, the run is at step 2 of --steps 2" in said.stdout and "nan" not in said.stdout
+
+
 def test_checkpoints_are_rotated_and_leave_no_temporaries(tmp_path):
     train(_config(steps=5, checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=2))
     assert [step for step, _ in list_checkpoints(tmp_path)] == [4, 5]     # every 2 steps, and the last

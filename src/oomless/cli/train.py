@@ -170,9 +170,13 @@ def run(args: argparse.Namespace) -> int:
 
     if os.environ.get("RANK", "0") != "0":      # under torchrun, rank 0 reports for all
         return 0
-    print(f"done: {result.steps_done} steps, loss {result.final_loss:.4f}, dice {result.final_dice:.3f}, "
-          f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}, "
-          f"data wait {result.data_wait_seconds:.2f} s")
+    if result.seconds_per_step is None:     # no step trained: no loss, speed or step peak to report
+        print(f"done: no step to train, the run is at step {result.steps_done} of --steps {config.steps}"
+              + ("; give more --steps to train on from its checkpoint" if config.resume and config.steps else ""))
+    else:
+        print(f"done: {result.steps_done} steps, loss {result.final_loss:.4f}, dice {result.final_dice:.3f}, "
+              f"{result.volumes_per_second:.2f} volumes/s, peak memory {format_bytes(result.peak_memory_bytes)}, "
+              f"data wait {result.data_wait_seconds:.2f} s")
     if result.validation:
         print(f"validation: mean dice {result.validation[-1]['mean_dice']:.3f} at step {result.validation[-1]['step']}")
     return 0

@@ -255,7 +255,9 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             example = dataset.batch(*strategy.shard(step, config.global_batch))
             example = tuple(tensor.to(device) for tensor in example)
             plan = None
-            if oomless_applied and not layout.pipelined:
+            # A run with no step left (resumed at its last step, or --steps 0) plans nothing: planning
+            # profiles steps, minutes for a large model, for no step to run under the plan.
+            if oomless_applied and not layout.pipelined and step < config.steps:
                 plan = _apply_oomless(model, optimizer, example, config, console, strategy)
             else:       # no plan: autocast (and loss scaling) and compiled blocks alone
                 if config.precision != "fp32":
