@@ -9,7 +9,7 @@ import torch
 
 import oomless
 from oomless.errors import InputError
-from oomless.parallel.stage_fit import StageShare, _plan_stage
+from oomless.parallel.stage_fit import StageShare, _plan_stage, _profile_stage
 from tests.parallel_workers import results_of_rank, run_jobs, run_outcomes
 from tests.pipeline_workers import run_refusals
 
@@ -70,6 +70,13 @@ def test_the_training_loops_refusals_reach_every_rank(tmp_path):
     assert first["trains"]["steps_done"] == 1      # the group still works after the refusals
 
 
+def profiled_and_planned(module, inputs, loss_fn, where: StageShare, in_flight: int, policy, optimizer_class,
+                         min_swap_bytes: int, precision: str, compile):
+    """A stage's plan as `fit_stages` makes it: profiled, then planned for its share."""
+    profile = _profile_stage(module, inputs, loss_fn, optimizer_class, precision, compile)
+    return _plan_stage(module, inputs, profile, where, in_flight, policy, min_swap_bytes, precision, compile)
+
+
 def test_a_forced_policy_that_cannot_fit_its_stage_is_refused_in_memory_per_rank():
     """`fit_stages(..., policy=...)` forces one decision on every block; `oomless.plan` keeps given
     decisions whatever they need, so a share they cannot fit was planned and trained over it. Now it
@@ -79,8 +86,8 @@ def test_a_forced_policy_that_cannot_fit_its_stage_is_refused_in_memory_per_rank
     inputs = (torch.randn(512, 128),)
 
     def plan_for(per_rank):
-        return _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 2, per_rank), 2, "recompute",
-                           torch.optim.Adam, 0, "fp32", None)
+        return profiled_and_planned(module, inputs, oomless.sum_of_outputs, StageShare(0, 2, per_rank), 2,
+                                    "recompute", torch.optim.Adam, 0, "fp32", None)
     with pytest.raises(oomless.PlanError, match="every block recompute") as refused:
         plan_for(2**20)
     needed = refused.value.minimum_bytes
@@ -95,8 +102,8 @@ def test_a_stage_without_parameters_plans_with_no_optimizer_state():
     refused the empty parameter list and two of four ranks died in planning."""
     stage = torch.nn.Sequential(torch.nn.MaxPool3d(2))
     inputs = (torch.randn(2, 8, 16, 16, 16, requires_grad=True),)
-    plan = _plan_stage(stage, inputs, oomless.sum_of_outputs, StageShare(1, 2, 64 * 2**20), 4, None,
-                       torch.optim.Adam, 64 * 1024, "fp32", None)
+    plan = profiled_and_planned(stage, inputs, oomless.sum_of_outputs, StageShare(1, 2, 64 * 2**20), 4, None,
+                                torch.optim.Adam, 64 * 1024, "fp32", None)
     assert plan.static_breakdown["optimizer state"] == 0 and plan.static_breakdown["parameters"] == 0
     assert list(plan.decisions) == ["0"]
 
@@ -113,14 +120,14 @@ def test_a_stage_plan_is_the_stages_own_for_its_share_and_says_why_it_updates_af
     module = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(4)))
     inputs = (torch.randn(256, 128),)
     share = 64 * MIB
-    plan = _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, share), 2, None,
-                       torch.optim.Adam, 64 * 1024, "fp32", None)
+    plan = profiled_and_planned(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, share), 2, None,
+                                torch.optim.Adam, 64 * 1024, "fp32", None)
     assert plan.memory_bytes == share
     assert plan.static_bytes + plan.activation_budget <= share
     assert plan.predicted_peak_bytes <= share
     notes = " ".join(plan.notes)
     assert "no optimizer was given" not in notes and "steps its optimizer after the schedule" in notes
     with pytest.raises(oomless.PlanError, match="held by the rank outside its stages' plans") as refused:
-        _plan_stage(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, 40 * MIB, 39 * MIB), 2, None,
-                    torch.optim.Adam, 64 * 1024, "fp32", None)
+        profiled_and_planned(module, inputs, oomless.sum_of_outputs, StageShare(0, 1, 40 * MIB, 39 * MIB), 2,
+                             None, torch.optim.Adam, 64 * 1024, "fp32", None)
     assert refused.value.minimum_bytes > 40 * MIB

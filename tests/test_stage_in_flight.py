@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import oomless
-from oomless.parallel.stage_fit import StageShare, _for_the_share, _plan_stage, _stage_peak_bytes
+from oomless.parallel.stage_fit import StageShare, _for_the_share, _plan_stage, _profile_stage, _stage_peak_bytes
 from oomless.runtime.install import installed_state
 from oomless.runtime.tiers import DiskTier
 
@@ -142,9 +142,10 @@ def test_a_stage_plan_fits_its_share_with_every_micro_batch_in_flight():
     model = nn.Sequential(Scratch(), *[LinearTanh() for _ in range(BLOCKS)])
     inputs = (torch.randn(BATCH, WIDTH),)
 
+    profile = _profile_stage(model, inputs, _loss, torch.optim.SGD, "fp32", None)
+
     def stage_plan(share: int) -> oomless.Plan:
-        return _plan_stage(model, inputs, _loss, StageShare(0, 1, share), IN_FLIGHT, None, torch.optim.SGD, 0,
-                           "fp32", None)
+        return _plan_stage(model, inputs, profile, StageShare(0, 1, share), IN_FLIGHT, None, 0, "fp32", None)
     keep_all = stage_plan(1 << 40)
     assert set(keep_all.decisions.values()) == {"keep"}
     planned = 0

@@ -135,6 +135,7 @@ class PipelineParallel:
         self.schedule_name, self.microbatches = schedule, microbatches
         self.precision, self.autocast_dtype, self.scaler = precision, dtype, scaler
         self.pipeline_ranks, self.stages_per_rank = ranks, stages // ranks
+        self.stage_shapes = {stage: shapes[stage] for stage in self.stage_indices}     # (inputs, outputs), meta
         self.tied = _parameters_in_several_ranks(sequence, cuts, placement)
         self.owners = tensor_owners(sequence, cuts, placement)
         self.output = None
@@ -171,12 +172,33 @@ class PipelineParallel:
         on the last stage's rank, None elsewhere."""
         losses = [] if self.is_last else None
         arguments = inputs if self.is_first else ()
-        # The last stage's outputs, merged over micro-batches (None elsewhere): for metrics.
+        # The last stage's outputs, merged over micro-batches (None elsewhere): for metrics. The last
+        # step's is let go first: kept, it was held through this step beside what the plans count.
+        self.output = None
         self.output = self.schedule.step(*arguments, target=target if self.is_last else None, losses=losses)
         self._mean_over_microbatches()
         self._sum_tied_gradients()
         self._average_over_replicas()
         return losses
+
+    def kept_by_the_schedule_bytes(self) -> int:
+        """Bytes torch's schedule allocates on this rank at its first step and keeps from then on,
+        beyond one micro-batch's inputs per stage (what a stage's plan counts as its inputs): a receive
+        buffer per micro-batch for every tensor a stage receives (``_setup_forward_recv_info``) and
+        for the gradient of every tensor it sends that wants one (``_create_grad_recv_info``); on the
+        last stage every micro-batch's output, kept from its forward until the next step starts
+        (``output_chunks``). Read from the stages after a step of a 2-stage 16^3 U-Net at 4
+        micro-batches: receive buffers of 0.31 MiB on each rank, and 0.12 MiB of outputs on the last."""
+        kept = 0
+        for stage in self.stage_indices:
+            inputs, outputs = self.stage_shapes[stage]
+            if stage > 0:
+                kept += (self.microbatches - 1) * _meta_bytes(inputs)
+            if stage < self.num_stages - 1:
+                kept += self.microbatches * _meta_bytes([output for output in outputs if output.requires_grad])
+            else:
+                kept += self.microbatches * _meta_bytes(outputs)
+        return kept
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale this rank's gradients so the whole model's gradient has L2 norm at most ``max_norm``,
@@ -275,6 +297,10 @@ def _as_meta(tensor: torch.Tensor) -> torch.Tensor:
     return meta.requires_grad_(tensor.requires_grad)
 
 
+def _meta_bytes(tensors) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def _parameters_in_several_ranks(sequence: BlockSequence, cuts: list[int],
                                  placement: list[int]) -> list[tuple[str, nn.Parameter, list[int]]]:
     """(name in the whole sequence, parameter, its ranks) of every parameter that two ranks share.
@@ -312,3 +338,47 @@ def pipeline_mesh(pipeline_ranks: int, device_type: str = "cpu"):
         raise InputError(f"{pipeline_ranks} pipeline stages do not divide the {world} processes; "
                          f"choose a divisor of {world}")
     return init_device_mesh(device_type, (pipeline_ranks, world // pipeline_ranks), mesh_dim_names=("pp", "dp"))
+
+
+class _Scale(nn.Module):
+    """A warm-up stage: its input times one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        return values * self.weight
+
+
+def warm_up_schedule(pipeline: PipelineParallel, optimizer_class=torch.optim.Adam) -> None:
+    """One step of ``pipeline``'s schedule on its process groups, over stages of one parameter each,
+    then an all-reduce over the pipeline's ranks and over the replicas (as clipping and gradient
+    averaging make) and ``optimizer_class``'s step on those parameters: what a first training step
+    starts up and keeps (gloo's pairs with this rank's neighbours and their buffers, the schedule's
+    and the optimizer step's code) is then held already, where `stage_fit` reads what the rank holds.
+    Uncounted, it took 1.8-2.5 MiB above the planned peak of each rank of a 2-stage 16^3 U-Net on
+    CPU; warmed up, 1.0-1.6 MiB of it is read before the plans. Every rank of the pipeline (and its
+    replicas) calls it together; the model, its gradients and the RNG are not touched."""
+    placement = stage_ranks(pipeline.schedule_name, pipeline.pipeline_ranks, pipeline.stages_per_rank)
+    local = [stage for stage in range(pipeline.num_stages) if placement[stage] == pipeline.rank]
+    last = pipeline.num_stages - 1
+    modules = [_Scale().to(pipeline.device) for _ in local]
+
+    def one_value(wants_gradient: bool) -> tuple[torch.Tensor]:
+        return (torch.empty(1, 1, device="meta").requires_grad_(wants_gradient),)
+
+    stages = [PipelineStage(module, stage, pipeline.num_stages, pipeline.device, input_args=one_value(stage > 0),
+                            output_args=one_value(True), group=pipeline.group) for module, stage in zip(modules, local)]
+    runs = stages[0] if pipeline.schedule_name in SINGLE_STAGE_SCHEDULES else stages
+    schedule = SCHEDULE_CLASSES[pipeline.schedule_name](runs, pipeline.microbatches, scale_grads=False,
+                                                         loss_fn=lambda output, target: output.sum())
+    values = torch.zeros(pipeline.microbatches, 1, device=pipeline.device)
+    schedule.step(*((values,) if 0 in local else ()), target=values if last in local else None,
+                  losses=[] if last in local else None)
+    parameters = [module.weight for module in modules]
+    gradients = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
+    dist.all_reduce(gradients, group=pipeline.group)
+    if pipeline.dp_group is not None and dist.get_world_size(pipeline.dp_group) > 1:
+        dist.all_reduce(gradients, group=pipeline.dp_group)
+    optimizer_class(parameters).step()

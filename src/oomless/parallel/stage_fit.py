@@ -12,13 +12,16 @@ micro-batch with the activation share of the rank's memory divided by its in-fli
     plan memory = static + reserve + (share - static - reserve) / in flight
 
 where "held outside the stages" is what the rank holds that no stage's plan counts (`held_outside_stages`:
-the rest of the model, what profiling the cut left on rank 0, the device mesh), lowered until the
-stage's peak, one micro-batch at its peak and each other at its activations' peak, fits the share
-(the reserve is the worst phase's working memory, and the activations may peak in another phase).
-The plan returned is the stage's, for its share: its budget the share, its runtime budget (what the
-ledger enforces) the one micro-batch's activation budget times the in-flight count, at most what
-the share leaves beside the static bytes, each phase's limit raised by what the share adds to the
-one micro-batch's budget, and its peaks those of every micro-batch in flight (`_for_the_share`).
+the rest of the model, what profiling the cut left on rank 0, the device mesh, what the stages'
+profiles left, the start-up of a first step, warmed up on a tiny schedule first, and the schedule's
+receive buffers), read once every stage of the rank is profiled and before any is planned; the plan
+memory is then lowered until the stage's peak, one micro-batch at its peak and each other at its
+activations' peak, fits the share (the reserve is the worst phase's working memory, and the
+activations may peak in another phase). The plan returned is the stage's, for its share: its budget
+the share, its runtime budget (what the ledger enforces) the one micro-batch's activation budget
+times the in-flight count, at most what the share leaves beside the static bytes, each phase's limit
+raised by what the share adds to the one micro-batch's budget, and its peaks those of every
+micro-batch in flight (`_for_the_share`).
 
 Each stage is profiled on the real inputs it receives for the example micro-batch (earlier stages
 run once without gradients, their buffers and the RNG put back after, so no statistic moves). The last stage is profiled
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import oomless
+from oomless.parallel.pipeline import warm_up_schedule
 from oomless.parallel.process_group import first_rank_outcome, from_shared, refusal_or, shareable
 from oomless.parallel.stage_precision import stage_autocast
 from oomless.plan.partition import in_flight_microbatches
@@ -74,30 +78,50 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
     ``compile`` (torch.compile options, ``{}`` for the defaults) compiles each stage's blocks."""
     if compile is not None:
         check_compile_available(compile)
-    inputs_by_stage = _stage_inputs(pipeline)
-    # Read after the earlier stages ran for the inputs: on a later stage's rank their kernels' code
-    # read in (~4 MiB for a 16^3 U-Net on CPU) is held too, and no stage's profile sees it.
-    transient = [*pipeline.example, *(tensor for inputs in inputs_by_stage.values() for tensor in inputs),
-                 *([target] if target is not None else [])]
-    held_bytes = pipeline.held_bytes = 0 if counted_from is None else \
-        held_outside_stages(pipeline, counted_from, transient)
     per_rank = parse_bytes(memory)
+    inputs_by_stage = _stage_inputs(pipeline)
+    if counted_from is not None:
+        # What the first training step starts up and keeps is held from then on: started here, so
+        # that the reading below counts it (`warm_up_schedule`).
+        warm_up_schedule(pipeline, optimizer_class)
+    # Every stage of the rank is profiled before what the rank holds is read: what a profile leaves
+    # resident beyond what its plan counts (its steps' code paths read in, kernels' caches: 1.5 MiB
+    # on the first and 5.8 MiB on the last stage's rank of a 2-stage 16^3 U-Net on CPU) is held
+    # by every training step, and read before the profiles it went uncounted.
+    profiles = {}
+    for module, stage in zip(pipeline.modules, pipeline.stage_indices):
+        profiles[stage] = refusal_or(lambda: _replicas_agreeing(pipeline, lambda: _profile_stage(
+            module, inputs_by_stage[stage], _stage_loss(pipeline, stage, target), optimizer_class,
+            pipeline.precision, compile)))
+    # The tensors alive now that a stage's plan counts (each stage's example inputs, the last stage's
+    # target) are not held beside it; the schedule's buffers, made at the first step, are.
+    counted = [*(tensor for inputs in inputs_by_stage.values() for tensor in inputs),
+               *([target] if target is not None and pipeline.is_last else [])]
+    held_bytes = pipeline.held_bytes = 0
+    if counted_from is not None:
+        # Replicas run replica 0's plans, which count what its profiles left in every phase
+        # (`Profile.held_from_start_bytes`); a replica's own profiles may have left more (a fresh
+        # process's first step: a hybrid 16^3 U-Net's second replica of stage 0 measured 3.2 MiB
+        # over its predicted peak), held beside them.
+        in_plans = _from_replica_zero(pipeline, sum(
+            profile.held_from_start_bytes for profile in profiles.values()
+            if not isinstance(profile, oomless.OomlessError)))
+        pipeline.held_bytes = held_outside_stages(pipeline, counted_from, counted, in_plans) + \
+            pipeline.kept_by_the_schedule_bytes()
+        # And replica 0's plans must fit the replica that holds the most beside them.
+        held_bytes = _most_on_any_replica(pipeline, pipeline.held_bytes)
     plans, refusals = [], []
     for module, stage in zip(pipeline.modules, pipeline.stage_indices):
-        inputs = inputs_by_stage[stage]
+        inputs, profile = inputs_by_stage[stage], profiles[stage]
         in_flight = in_flight_microbatches(pipeline.schedule_name, stage, pipeline.pipeline_ranks,
                                            pipeline.microbatches, pipeline.stages_per_rank)
+        where = StageShare(stage, len(pipeline.modules), per_rank, held_bytes)
         # A refusal (or any oomless error) of one stage is kept, not raised: the other stages still
         # plan, so that their replicas' collectives pair up, and every rank raises it after.
         try:
-            loss_fn = oomless.sum_of_outputs
-            if stage == pipeline.num_stages - 1:
-                if target is None:
-                    raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
-                loss_fn = _loss_on(pipeline.loss_fn, target.to(pipeline.device))
             plan = _replica_zero_plan(pipeline, lambda: _plan_stage(
-                module, inputs, loss_fn, StageShare(stage, len(pipeline.modules), per_rank, held_bytes), in_flight,
-                policy, optimizer_class, min_swap_bytes, pipeline.precision, compile))
+                module, inputs, _as_raised(profile), where, in_flight, policy, min_swap_bytes, pipeline.precision,
+                compile))
             # Without the plan's precision hooks: the stage's are the pipeline's (module docstring).
             oomless.apply(module, dataclasses.replace(plan, precision="fp32"))
         except oomless.OomlessError as refusal:
@@ -106,6 +130,23 @@ def fit_stages(pipeline, memory, target: torch.Tensor | None = None, policy: str
         plans.append(plan)
     _refuse_on_every_rank(pipeline, refusals)
     return plans
+
+
+def _stage_loss(pipeline, stage: int, target: torch.Tensor | None):
+    """The loss a stage is profiled with: the pipeline's on ``target`` for the last, else the sum of
+    its outputs (the gradient's shape is what matters)."""
+    if stage < pipeline.num_stages - 1:
+        return oomless.sum_of_outputs
+    if target is None:
+        raise oomless.InputError("the last stage's plan needs the example micro-batch's target")
+    return _loss_on(pipeline.loss_fn, target.to(pipeline.device))
+
+
+def _as_raised(outcome):
+    """``outcome`` (`refusal_or`'s), its error raised."""
+    if isinstance(outcome, oomless.OomlessError):
+        raise outcome
+    return outcome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,21 +166,25 @@ class StageShare:
         return max((self.per_rank - self.held_bytes) // self.stages, 1)
 
 
-def held_outside_stages(pipeline, counted_from_bytes: int, transient=()) -> int:
+def held_outside_stages(pipeline, counted_from_bytes: int, counted=(), in_plans_bytes: int = 0) -> int:
     """What this rank holds above ``counted_from_bytes`` (a `MemoryProbe.current` reading: the
-    trainer's memory mark) that its stages' plans do not count, read (`held_now`) before they are
-    made. Every rank builds the whole model and keeps it (its stages' parameters and buffers are the
-    plans' static bytes, taken off here); the device mesh's groups and the stages' shape inference
-    (FakeTensorMode) took memory after the mark; and on rank 0, profiling the whole model for the cut
-    left resident the code of every kernel it ran, read in, and their caches (~25 MiB of file pages
-    and 3 MiB anonymous for a 16^3 U-Net on CPU), which a stage's own profile then starts above and
-    does not see. Every step holds it: a 2-stage pipeline of that U-Net planned within 64 MiB per
-    rank measured 39.4 MiB on rank 0 for a stage plan predicted at 5.8, and 10 MiB was accepted.
-    ``transient``: tensors alive now that the steps do not hold beside what the plans count (the
-    example micro-batch, each stage's example inputs, the target), taken off too."""
+    trainer's memory mark) that its stages' plans do not count, read (`held_now`) after every stage
+    of the rank is profiled and before any is planned. Every rank builds the whole
+    model and keeps it (its stages' parameters and buffers are the plans' static bytes, taken off
+    here); the device mesh's groups, the stages' shape inference (FakeTensorMode) and the warm-up of
+    the schedule (`warm_up_schedule`) took memory after the mark; on rank 0, profiling the whole
+    model for the cut left resident the code of every kernel it ran, read in, and their caches (~25
+    MiB of file pages and 3 MiB anonymous for a 16^3 U-Net on CPU), which a stage's own profile then
+    starts above and does not see; and each stage's profile leaves resident what its plan counts in
+    part only (``in_plans_bytes``: the `Profile.held_from_start_bytes` its plans count in every phase,
+    taken off).
+    Every step holds it: a 2-stage pipeline of that U-Net planned within 64 MiB per rank measured
+    39.4 MiB on rank 0 for a stage plan predicted at 5.8, and 10 MiB was accepted. ``counted``:
+    tensors alive now that the plans count (each stage's example inputs, the last stage's target),
+    taken off too; the rest of the example batch stays: a step holds its own."""
     own = storage_bytes([tensor for module in pipeline.modules for tensor in (*module.parameters(), *module.buffers())]
-                        + list(transient))
-    return max(held_now(pipeline.device) - counted_from_bytes - own, 0)
+                        + list(counted))
+    return max(held_now(pipeline.device) - counted_from_bytes - own - in_plans_bytes, 0)
 
 
 def _refuse_on_every_rank(pipeline, refusals: list[dict]) -> None:
@@ -201,19 +246,28 @@ def _loss_on(loss_fn, target: torch.Tensor):
     return lambda output: loss_fn(output, target)
 
 
-def _plan_stage(module, inputs, loss_fn, where: StageShare, in_flight: int, policy: str | None, optimizer_class,
-                min_swap_bytes: int, precision: str, compile: dict | None) -> oomless.Plan:
-    """The stage's plan; a refusal names the memory per rank (what the user gives) that fits."""
+def _profile_stage(module, inputs, loss_fn, optimizer_class, precision: str, compile: dict | None):
+    """The stage's profile, as torch's schedules run it (`held_by_the_schedule`)."""
     # A stage may hold no parameters (the partitioner can cut a U-Net's pooling alone onto one):
     # then it has no optimizer state to count, and torch's optimizers refuse an empty list.
     trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
     optimizer = optimizer_class(trainable) if trainable else None
-    configured = dict(precision=precision, compile=False if compile is None else compile)
     # No selective recompute in a stage: a zero-bubble schedule replays a block twice (input, then
     # weight gradients), and torch's cache of kept outputs serves one replay.
-    profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer, **configured))
+    profile = without_selective(oomless.profile(module, inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                                **_configured(precision, compile)))
     # A stage's gradients accumulate over the micro-batches: they exist through every step but the first.
-    profile = held_by_the_schedule(dataclasses.replace(profile, gradients_from_backward=False))
+    return held_by_the_schedule(dataclasses.replace(profile, gradients_from_backward=False))
+
+
+def _configured(precision: str, compile: dict | None) -> dict:
+    return dict(precision=precision, compile=False if compile is None else compile)
+
+
+def _plan_stage(module, inputs, profile, where: StageShare, in_flight: int, policy: str | None, min_swap_bytes: int,
+                precision: str, compile: dict | None) -> oomless.Plan:
+    """The stage's plan from its ``profile``; a refusal names the memory per rank (what the user gives) that fits."""
+    configured = _configured(precision, compile)
     decisions = {block.name: policy for block in profile.blocks} if policy else None
     # The planner gets no optimizer: the profile counts its state, and stages step it after the
     # schedule, every micro-batch's gradient accumulated first (`PIPELINE_PLACEMENT`), when no
@@ -344,19 +398,48 @@ def _per_rank_refusal(refusal, where: StageShare, fixed: int, in_flight: int, me
         minimum_bytes=needed, limiting_block=refusal.limiting_block, floor_block=refusal.floor_block)
 
 
-def _replica_zero_plan(pipeline, make_plan):
-    """Every replica plans (profiling runs BatchNorm's all-reduce over the replicas, so all must),
-    then all take replica 0's plan, or its refusal: a refusal on another replica alone is not theirs
-    (its profile read a little more memory; replica 0's plan is the one every replica runs)."""
+def _replicas_agreeing(pipeline, make_profile):
+    """``make_profile()`` with the profiler's choices agreed across the stage's replicas: profiling
+    runs BatchNorm's all-reduce over them, so every replica must run as many profiling steps."""
     group = pipeline.dp_group
     if group is None or dist.get_world_size(group) == 1:
-        return make_plan()
+        return make_profile()
     previous = profiler.agree_across_replicas
     profiler.agree_across_replicas = lambda choice: _any_replica(choice, group, pipeline.device)
     try:
-        return oomless.Plan.from_json(first_rank_outcome(refusal_or(lambda: make_plan().to_json()), group))
+        return make_profile()
     finally:
         profiler.agree_across_replicas = previous
+
+
+def _replica_zero_plan(pipeline, make_plan):
+    """Every replica plans, then all take replica 0's plan, or its refusal: a refusal on another
+    replica alone is not theirs (its profile read a little more memory; replica 0's plan is the one
+    every replica runs)."""
+    group = pipeline.dp_group
+    if group is None or dist.get_world_size(group) == 1:
+        return make_plan()
+    return oomless.Plan.from_json(first_rank_outcome(refusal_or(lambda: make_plan().to_json()), group))
+
+
+def _from_replica_zero(pipeline, value: int) -> int:
+    """Replica 0's ``value`` (an int) on every replica of this rank's stages."""
+    group = pipeline.dp_group
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    carried = torch.tensor([value], dtype=torch.int64, device=pipeline.device)
+    dist.broadcast(carried, src=dist.get_global_rank(group, 0), group=group)
+    return int(carried.item())
+
+
+def _most_on_any_replica(pipeline, value: int) -> int:
+    """The largest ``value`` (an int) of the replicas of this rank's stages, on every one of them."""
+    group = pipeline.dp_group
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    carried = torch.tensor([value], dtype=torch.int64, device=pipeline.device)
+    dist.all_reduce(carried, op=dist.ReduceOp.MAX, group=group)
+    return int(carried.item())
 
 
 def _any_replica(choice: bool, group, device: torch.device) -> bool:

@@ -232,6 +232,11 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
     del meta_model
     if config.compile:
         warm_up_compile(compile_options(config.compile), device)     # and inductor's (~20 MiB)
+    if config.parallel.ever_pipelined:
+        # Imported here: oomless.parallel.pipeline_training imports oomless.train (its losses).
+        from oomless.parallel.pipeline_training import warm_up_rank_reports
+
+        warm_up_rank_reports()  # and the per-rank reports' (~0.7 MiB a rank)
     memory = MemoryProbe(device)
     memory.mark()
 
