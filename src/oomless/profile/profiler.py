@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from oomless.errors import ApplyError, InputError
-from oomless.plan.planner import rehearsal_plan
+from oomless.plan.planner import MIN_SWAP_BYTES, rehearsal_plan
 from oomless.profile.blocks import batchnorm_channels, children_as_blocks, find_blocks, segment_modules
 from oomless.profile.links import measure_link
 from oomless.profile.profile import LinkProfile, Profile, SegmentProfile
@@ -68,10 +68,12 @@ def loss_of(output, loss_fn):
 
 
 def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None,
-                  base_bytes: int = 0, measure_selective: bool = False, rehearsed=None) -> tuple[Recorder, float]:
+                  base_bytes: int = 0, measure_selective: bool = False, rehearsed=None,
+                  link_minimum_bytes: int = 8 * 2**20) -> tuple[Recorder, float]:
     """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per
     block. ``rehearsed``: the plan those decisions are (`planner.rehearsal_plan`), whose activation
-    budget, per-phase limits and prefetch window the step keeps as training does."""
+    budget, per-phase limits and prefetch window the step keeps as training does. The swap tier's
+    rates are recorded (`Recorder.link`) where it moved ``link_minimum_bytes`` each way."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
@@ -160,7 +162,7 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
             between_blocks += min(mark for mark, _ in recorder.backward_marks) - backward_started
         loss_seconds += max(between_blocks, 0.0)
         recorder.assign_backward_seconds(backward_end)
-        rates = tier.measured_rates() if hasattr(tier, "measured_rates") else None
+        rates = tier.measured_rates(link_minimum_bytes) if hasattr(tier, "measured_rates") else None
         if rates is not None:
             recorder.link = LinkProfile("disk", *rates)
         for block in recorder.blocks.values():
@@ -203,10 +205,10 @@ def _agreed(choice: bool) -> bool:
 
 
 def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
-    """Times (and the swap tier's rates, where it moved enough to tell) come from the timing step.
-    Memory comes from the sizing step only: the timing step runs another plan (kept and recomputed
-    blocks hold differently), and a code path it takes for the first time (checkpointing) allocates
-    its start-up there."""
+    """Times (and the swap tier's rates, where it moved enough to tell: `_link_minimum_bytes`) come
+    from the timing step. Memory comes from the sizing step only: the timing step runs another plan
+    (kept and recomputed blocks hold differently), and a code path it takes for the first time
+    (checkpointing) allocates its start-up there."""
     if timer.link is not None:
         # The tier's rates as training sees them: the sizing step waits for each copy out, so its
         # disk writes ran with compute waiting (about twice as fast as beside compute on 2 cores).
@@ -217,6 +219,23 @@ def _merge_timing_step(sized: Profile, timer: Recorder) -> None:
         block.backward_seconds = times[block.name].backward_seconds
     for segment in sized.segments:
         segment.forward_seconds = timer.segment_seconds.get(segment.name, 0.0)
+
+
+# The timing step's rates stand for the swap tier's where it moved no fewer bytes each way than a
+# quarter of what the step could swap, within these bounds; where it moved less, the sizing step's
+# (every swappable storage, moved once each way) stay. Before, 8 MiB (`DiskTier.measured_rates`'s
+# default) was enough: a rehearsal that swapped two 4 MiB storages of a chain of twelve set the rates
+# from two files each way.
+LINK_SHARE = 4
+LINK_MIN_BYTES = 8 * 2**20
+LINK_MAX_BYTES = 64 * 2**20
+
+
+def _link_minimum_bytes(profile: Profile) -> int:
+    """`LINK_SHARE` of the bytes a plan with the default threshold (`planner.MIN_SWAP_BYTES`) may
+    swap, within `LINK_MIN_BYTES` and `LINK_MAX_BYTES`."""
+    swappable = sum(size for block in profile.blocks for size in block.saved_sizes if size >= MIN_SWAP_BYTES)
+    return min(max(swappable // LINK_SHARE, LINK_MIN_BYTES), LINK_MAX_BYTES)
 
 
 def _refined(found, recorder) -> list | None:
@@ -320,7 +339,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         start_bytes = held_now(device)
         baseline_bytes = start_bytes - left_before
 
-        def measure(decisions: dict[str, str] | None = None, rehearsed=None):
+        def measure(decisions: dict[str, str] | None = None, rehearsed=None, **link):
             for p in parameters:
                 p.grad = None
             torch.set_rng_state(cpu_rng)
@@ -328,7 +347,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
                 torch.cuda.set_rng_state_all(cuda_rng)
             return _measure_step(model, example_inputs, loss_fn, found, device, decisions, baseline_bytes,
                                  measure_selective=selective and decisions is None and selective_recompute.AVAILABLE,
-                                 rehearsed=rehearsed)
+                                 rehearsed=rehearsed, **link)
 
         held_from_start = left_before   # what the sizes' step holds from its start (`Profile.held_from_start_bytes`)
 
@@ -373,7 +392,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         # all-swap sizing step's times are inflated by its transfers (on CPU they share the cores).
         timing, predicted_bytes, rehearsed = rehearsal_plan(sized, memory_bytes)
         before_rehearsal = probe.current()
-        timer, sized.loss_seconds = measure(timing, rehearsed)
+        link_minimum = _link_minimum_bytes(sized)
+        timer, sized.loss_seconds = measure(timing, rehearsed, link_minimum_bytes=link_minimum)
         for p in parameters:
             p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)

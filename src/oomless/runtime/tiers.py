@@ -327,9 +327,10 @@ DISK_MAX_PENDING_BYTES = 256 * 2**20
 # transformer's four identical layers read 1.5-3 MiB above the others in 4 processes of 22, and the
 # smallest budget those named (37-38 MiB) refused the 35 the others named when given back in a fresh
 # process; waiting, 16 of 16 named 35. Its times are not used (`profiler._merge_timing_step`), nor its
-# link: the timing step's are. Its copies run behind compute as a plan's do (the disk's writes
-# share the cores with compute, as in training: ~1.3 GB/s there against ~2.6 waited for alone), and
-# the host's waits count as stall.
+# link where the timing step moved enough to tell (`profiler._link_minimum_bytes`; without a budget
+# that step swaps nothing, and the sizing step's link stays). The timing step's copies run behind
+# compute as a plan's do (the disk's writes share the cores with compute, as in training: ~1.3 GB/s
+# there against ~2.6 waited for alone), and the host's waits count as stall.
 SIZING_MAX_PENDING_BYTES = 0
 TIMING_MAX_PENDING_BYTES = 256 * 2**20
 
