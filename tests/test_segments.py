@@ -90,31 +90,36 @@ def test_a_coarsened_profile_merges_each_segments_blocks():
     assert simulate(coarse, ["keep"] * 4).activation_peak_bytes == simulate(profile, ["keep"] * 13).activation_peak_bytes
 
 
-def _budget_only_segments_meet(profile: Profile) -> int:
-    """Activation budget where recomputing whole stages fits and no plan of single blocks does
-    without swapping (swapping, on the slow link, is never worth it)."""
+def _whole_stages_plan(profile: Profile):
+    """The plan recomputing every stage whole, keeping the rest, with no budget of its own."""
     coarse = coarsened(profile, depth_cuts(profile)[0])
-    stages = make_plan(coarse, 2**40, decisions={block.name: ("recompute" if block.name.startswith("stages") else "keep")
-                                                 for block in coarse.blocks}, min_swap_bytes=0)
-    return stages.predicted_peak_bytes
+    return make_plan(coarse, 2**40, decisions={block.name: ("recompute" if block.name.startswith("stages") else "keep")
+                                               for block in coarse.blocks}, min_swap_bytes=0)
 
 
 def _profile_only_segments_meet(model, inputs, loss_fn) -> tuple[Profile, int]:
-    """A profile (slow link) and `_budget_only_segments_meet`'s budget for it, where keeping every
+    """A profile (slow link) and the budget recomputing whole stages needs (`_whole_stages_plan`;
+    swapping, on the slow link, is never worth it), where keeping every
     block and recomputing every block one by one are both over it, and a plan of the blocks one by
     one (swaps included) fits. A phase's measured working memory grows under load (seen with another
     test process beside this one): where it outweighs what recomputing whole stages saves, every plan
     needs the same, or no plan of single blocks fits (CI: one block's forward read 13.19 MiB, the
-    block plan needed 17.00 MiB for 15.58), and the profile is measured again."""
+    block plan needed 17.00 MiB for 15.58), and the profile is measured again. So it is where the best
+    plan of single blocks at that budget is predicted no faster than recomputing whole stages: the
+    blocks' measured times move by ±15 % from step to step here, and where they made a mix of kept
+    and recomputed single blocks the faster, the planner rightly chose no whole stage (a full suite
+    run, 2026-12-06)."""
     for _ in range(5):
         profile = _slow_link(oomless.profile(model, inputs, loss_fn=loss_fn))
-        memory = _budget_only_segments_meet(profile)
+        stages = _whole_stages_plan(profile)
+        memory = stages.predicted_peak_bytes
         single = [make_plan(profile, 2**40, decisions={block.name: decision for block in profile.blocks},
                             min_swap_bytes=0).predicted_peak_bytes for decision in ("keep", "recompute")]
-        if min(single) > memory and smallest_memory(profile, min_swap_bytes=0) <= memory:
+        if min(single) > memory and smallest_memory(profile, min_swap_bytes=0) <= memory and \
+                make_plan(profile, memory, min_swap_bytes=0).predicted_step_seconds > stages.predicted_step_seconds:
             return profile, memory
     pytest.fail(f"in 5 profiles recomputing whole stages never needed less than every block kept or recomputed "
-                f"({single} bytes against {memory})")
+                f"and ran faster than the blocks one by one at its budget ({single} bytes against {memory})")
 
 
 def test_the_planner_recomputes_whole_stages_where_that_is_fastest_and_trains_as_plain():
