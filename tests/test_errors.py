@@ -208,6 +208,20 @@ def test_output_not_a_scalar_loss_and_no_loss_fn():
     oomless.fit(model, inputs, "1GiB", loss_fn=oomless.sum_of_outputs)  # the suggested fix works
 
 
+@pytest.mark.parametrize("target", [None, "h100"])
+def test_a_loss_without_gradient_names_why(target):
+    model, inputs = _model_and_inputs()
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with pytest.raises(oomless.InputError, match="does not require grad.*requires_grad=True"):
+        oomless.fit(frozen, inputs, "1GiB", loss_fn=_loss, target=target)
+    _assert_untouched(frozen, model)
+    with pytest.raises(oomless.InputError, match="does not require grad.*detached"):
+        oomless.fit(model, inputs, "1GiB", loss_fn=lambda out: _loss(out.detach()), target=target)
+    with torch.no_grad(), pytest.raises(oomless.InputError, match=r"gradients off.*torch.no_grad\(\)"):
+        oomless.fit(model, inputs, "1GiB", loss_fn=_loss, target=target)
+    _assert_untouched(model, frozen)
+
+
 def test_plan_for_another_model():
     model, inputs = _model_and_inputs()
     plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss)

@@ -64,6 +64,15 @@ def loss_of(output, loss_fn):
         source = "loss_fn returned" if loss_fn is not None else "the model returned"
         raise InputError(f"{source} {shape}, not a scalar loss; pass loss_fn=callable(output) -> scalar "
                          "(for instance loss_fn=oomless.sum_of_outputs)")
+    if not loss.requires_grad:
+        # Otherwise autograd's "element 0 of tensors does not require grad" from inside the profiler.
+        if not torch.is_grad_enabled():
+            raise InputError("planning ran with gradients off (under torch.no_grad() or torch.inference_mode()): "
+                             "oomless plans a training step, loss_fn(model(x)).backward(); call oomless.plan/fit "
+                             "outside that block")
+        raise InputError("the loss does not require grad, so there is no training step to plan: no parameter of "
+                         "the model has requires_grad=True (and no input does), or the loss was computed from a "
+                         "detached output; unfreeze what you train, or compute the loss from the model's output")
     return loss
 
 
