@@ -266,6 +266,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
             _REFUSED[model] = (step_key, error.minimum_bytes, named_by)
         raise
     made.precision, made.compile = precision, options
+    made.training = model.training
     made.split = made.split or dict(chosen_split)
     return made
 

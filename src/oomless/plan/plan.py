@@ -106,6 +106,11 @@ class Plan:
     # the loss runs (the budget less the loss's own working memory); None (plans written before it,
     # or made without a loss phase): the activation budget, as for a block without limits of its own.
     loss_limit_bytes: int | None = None
+    # The model's mode when the step was measured (``model.training``): dropout saves its masks and
+    # BatchNorm its batch statistics only in training mode, so a plan made in eval mode undercounts a
+    # training-mode step (a 4-layer transformer encoder: 24 MiB planned, 72 saved); a step in the other
+    # mode warns (runtime/install.py). None: plans written before it, or made outside `oomless.plan`.
+    training: bool | None = None
 
     @property
     def decisions(self) -> dict[str, str]:

@@ -97,6 +97,7 @@ class InstalledPlan:
         self._warned_gradients = False
         self._warned_output = False
         self._warned_inputs = False
+        self._warned_mode = False
         self._gathered_keys: dict[int, set[tuple]] = {}     # block index: its gathered parameters' storages
         # Whether the hooks only count here (every block kept, nothing moved or measured), and how
         # many forwards of each inputs' signature they have counted.
@@ -161,6 +162,16 @@ class InstalledPlan:
                     f"exceed the plan's {format_bytes(self.plan.memory_bytes)}. Call optimizer.zero_grad() before "
                     "the forward, or for gradient accumulation plan with accumulation_steps=k", UserWarning,
                     stacklevel=_callers_level())
+        planned_training = getattr(self.plan, "training", None)
+        if planned_training is not None and model.training != planned_training and not self._warned_mode:
+            self._warned_mode = True
+            planned, now = ("training", "eval") if planned_training else ("eval", "training")
+            warnings.warn(
+                f"this training step runs the model in {now} mode, but the plan was made with it in {planned} mode: "
+                "dropout and BatchNorm save other tensors in each mode, so the step may exceed the plan's "
+                f"{format_bytes(self.plan.memory_bytes)}. Put the model in the mode you train in before planning "
+                f"(model.{'train' if now == 'training' else 'eval'}(), then oomless.plan or oomless.fit)", UserWarning,
+                stacklevel=_callers_level())
         inputs = tensors_in((args, kwargs))
         if not self._warned_inputs:
             self._check_inputs(inputs)
