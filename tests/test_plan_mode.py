@@ -64,3 +64,12 @@ def test_the_mode_survives_json_and_a_plan_written_without_it_is_not_checked():
     oomless.apply(model, oomless.Plan.from_json(json.dumps(older)))
     model.train()
     assert _mode_warnings(model, inputs) == []
+
+
+def test_a_forward_with_gradients_in_eval_mode_is_warned_and_told_about_no_grad():
+    model, inputs = _model(), torch.randn(256, 64)
+    oomless.fit(model, inputs, "1GiB", loss_fn=oomless.sum_of_outputs)
+    model.eval()
+    warned = _mode_warnings(model, inputs)
+    assert len(warned) == 1 and "eval mode, but the plan was made with it in training mode" in warned[0], warned
+    assert "evaluation pass runs under torch.no_grad()" in warned[0]

@@ -167,10 +167,11 @@ class InstalledPlan:
             self._warned_mode = True
             planned, now = ("training", "eval") if planned_training else ("eval", "training")
             warnings.warn(
-                f"this training step runs the model in {now} mode, but the plan was made with it in {planned} mode: "
+                f"this step runs the model with gradients in {now} mode, but the plan was made with it in {planned} mode: "
                 "dropout and BatchNorm save other tensors in each mode, so the step may exceed the plan's "
                 f"{format_bytes(self.plan.memory_bytes)}. Put the model in the mode you train in before planning "
-                f"(model.{'train' if now == 'training' else 'eval'}(), then oomless.plan or oomless.fit)", UserWarning,
+                f"(model.{'train' if now == 'training' else 'eval'}(), then oomless.plan or oomless.fit)"
+                + ("; an evaluation pass runs under torch.no_grad() (not checked)" if now == "eval" else ""), UserWarning,
                 stacklevel=_callers_level())
         inputs = tensors_in((args, kwargs))
         if not self._warned_inputs:
