@@ -291,6 +291,7 @@ class Precision:
             return
         self.scaler.parameters = _trainable(model)
         self.unscale_handles = [parameter.register_hook(self.scaler.unscale) for parameter in self.scaler.parameters]
+        self._unscaled = set(self.scaler.parameters)
         self.handles.append(optimizer.register_step_pre_hook(self.scaler.before_step))
         self.handles.append(optimizer.register_step_post_hook(self.scaler.after_step))
         self.follow_sharding(model)
@@ -325,6 +326,21 @@ class Precision:
         self.post_handle = model.register_forward_hook(self._post_hook, always_call=True)
         self.handles.append(self.post_handle)
 
+    def follow_unfrozen(self, model: nn.Module) -> None:
+        """fp16: a parameter that takes gradients since install (a backbone unfrozen after
+        ``oomless.fit``, ``requires_grad_(True)``) is unscaled and checked for inf/nan as the others
+        are; before, its ``.grad`` held S times its gradient (65536x) with nothing said. Under FSDP2
+        the reduce-scatter unscales every parameter (`follow_sharding`)."""
+        if self.scaler.sharded_modules:
+            return
+        trainable = _trainable(model)
+        unfrozen = [parameter for parameter in trainable if parameter not in self._unscaled]
+        if not unfrozen:
+            return
+        self.unscale_handles += [parameter.register_hook(self.scaler.unscale) for parameter in unfrozen]
+        self._unscaled.update(unfrozen)
+        self.scaler.parameters = trainable
+
     def uninstall(self) -> None:
         for handle in self.handles + self.unscale_handles:
             handle.remove()
@@ -351,6 +367,7 @@ class Precision:
             context.__enter__()
         self._entered.append(context)
         if self.scaler is not None and torch.is_grad_enabled():
+            self.follow_unfrozen(model)
             # A gradient leaving the model through an input is the caller's: give it back unscaled.
             return scaled_gradients((args, kwargs), lambda: 1.0 / self.scaler.scale)
         return None
