@@ -149,6 +149,22 @@ def test_update_in_backward_composes_with_swap_and_recompute(policy, transformer
     assert (stats.recomputed_blocks if policy == "recompute" else stats.offloaded_bytes) > 0
 
 
+def test_a_new_optimizer_after_fit_is_told_to_apply_the_plan_again(transformer_profile):
+    """The plan steps the optimizer it was applied with in backward; a loop that made a new one (a
+    second phase of training) stepped only that one, and was told to call optimizer.step()."""
+    model, inputs, loss_fn = _transformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                profile=transformer_profile)
+    new_optimizer = torch.optim.Adam(model.parameters())
+    loss_fn(model(inputs)).backward()
+    new_optimizer.step()
+    with pytest.raises(InputError, match=r"\(SGD\).*oomless.remove\(model\), then oomless.apply\(model, plan, "
+                                         r"optimizer=new_optimizer\)"):
+        loss_fn(model(inputs)).backward()
+    oomless.remove(model)
+
+
 def test_gradient_accumulation_steps_at_the_last_micro_batch(transformer_profile):
     model, inputs, loss_fn = _transformer()
     reference = copy.deepcopy(model)

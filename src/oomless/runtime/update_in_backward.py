@@ -166,9 +166,12 @@ class UpdateInBackward:
         if seen > self.accumulation_steps:
             raise InputError(
                 f"parameter {self.names[param]} got a gradient after its update in backward with no "
-                f"optimizer.step() in between; its update ran after {self.accumulation_steps} backward "
-                "pass(es). Call optimizer.step() once per step (it is a no-op for the parameters updated "
-                "in backward), and for gradient accumulation over k micro-batches pass accumulation_steps=k")
+                f"step() of the optimizer the plan was applied with ({type(self.optimizer).__name__}) in between; "
+                f"its update ran after {self.accumulation_steps} backward pass(es). Call that optimizer's step() "
+                "once per step (it is a no-op for the parameters updated in backward), and for gradient "
+                "accumulation over k micro-batches pass accumulation_steps=k. The plan steps that optimizer "
+                "in backward: to train with a new one, oomless.remove(model), then oomless.apply(model, plan, "
+                "optimizer=new_optimizer)")
         self.gradients_seen[param] = seen
         if seen == self.accumulation_steps:
             unit = self.unit_of[param]
