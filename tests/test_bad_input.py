@@ -204,6 +204,13 @@ API_CASES = {
                        "['nothere'] are not modules"),
     "decisions list": (lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, decisions=["keep"]),
                        oomless.InputError, "decisions must be a dict"),
+    # A name that is no block was dropped without a word: its block got another decision than meant.
+    "decisions naming no block": (lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, decisions={"featurs": "swap"}),
+                                  oomless.InputError, "decisions name ['featurs'], which are not blocks"),
+    # Installed on the CPU, a plan for an H100 ran silently, its budget and times the H100's.
+    "apply a target's plan on the CPU": (
+        lambda m, x: oomless.apply(m, oomless.plan(m, x, "1GiB", loss_fn=_loss, target="h100")), oomless.ApplyError,
+        "made for a h100"),
     "min_swap_bytes negative": (lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, min_swap_bytes=-1),
                                 oomless.InputError, "non-negative int"),
     "solver": (lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, solver="fast"), oomless.InputError,
@@ -239,6 +246,18 @@ def test_api_mistake_raises_one_clear_error_and_leaves_the_model_untouched(case)
     assert not hasattr(model, "_oomless")
     assert all(not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
     assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_refusal_is_one_error_not_a_chain():
+    """Refused on the way to the refusal that names the budget (the unsplit step's, then with chains
+    split), the traceback printed both, the first "During handling of the above exception"."""
+    import traceback
+
+    model, inputs = _model_and_inputs()
+    with pytest.raises(oomless.PlanError) as raised:
+        oomless.plan(model, inputs, 1, loss_fn=_loss)
+    printed = "".join(traceback.format_exception(raised.value))
+    assert printed.count("oomless.errors.PlanError") == 1 and "During handling" not in printed, printed[-3000:]
 
 
 def test_input_the_model_cannot_take_leaves_it_untouched():

@@ -264,7 +264,9 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         named_by = error.profile or profile
         if step_key is not None and error.minimum_bytes is not None and named_by is not None:
             _REFUSED[model] = (step_key, error.minimum_bytes, named_by)
-        raise
+        # One refusal, the one that names the budget: the unsplit step's, refused on the way to it,
+        # printed before it ("During handling of the above exception...") read as a second error.
+        raise error from None
     made.precision, made.compile = precision, options
     made.training = model.training
     made.split = made.split or dict(chosen_split)
@@ -331,6 +333,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         raise ApplyError("this plan updates the parameters in backward or keeps optimizer state or parameters "
                          "off the device: pass the optimizer it steps, oomless.apply(model, plan, optimizer=optimizer)")
     device = model_device(model)
+    _check_plan_device(plan, device)
     if installed_state(model) is not None:
         # Before splitting or compiling: undoing a failed apply would undo the installed plan's too.
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) "
@@ -371,6 +374,22 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
     if device.type == "cpu":
         give_back_free_heap()               # planning's freed objects: the budget is resident memory
     return model
+
+
+def _check_plan_device(plan: Plan, device: torch.device) -> None:
+    """A plan's budget and times are those of the device it was made for: the process's resident
+    memory on a CPU, the allocator's on a GPU, a datasheet's for a ``target``. Installed on another
+    kind of device it would run, its promise meaningless there."""
+    made_for = plan.device.split(":")[0]
+    if made_for == device.type:
+        return
+    if made_for in ("cpu", "cuda", "mps", "xpu"):
+        raise ApplyError(f"this plan was made on {plan.device} and the model is on {device}: its budget and "
+                         f"times are that device's; make the plan with the model on {device} "
+                         "(oomless.plan(model, example_inputs, memory))")
+    if device.type == "cpu":
+        raise ApplyError(f"this plan was made for a {plan.device} (target=) and the model is on the CPU: apply "
+                         "it on that GPU, or plan for the CPU with oomless.plan(model, example_inputs, memory)")
 
 
 def remove(model: nn.Module) -> nn.Module:

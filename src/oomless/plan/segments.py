@@ -247,6 +247,14 @@ def check_decisions(decisions: dict[str, str], profile: Profile) -> None:
     """Every block of ``profile`` has a decision, its own or a segment's around it (a plan recomputing
     a module around blocks names it: `plan.segments`), and no block has two."""
     unknown = sorted(set(decisions.values()) - {"keep", "swap", "recompute", "selective"})
+    # A name that is no block or module around blocks would be dropped without a word (a typo, or
+    # another model's plan): its block would get some other decision than the one meant.
+    known = {block.name for block in profile.blocks} | {segment.name for segment in profile.segments}
+    strangers = sorted(name for name in decisions if name not in known)
+    if strangers:
+        raise InputError(f"decisions name {strangers[:5]}, which are not blocks of this model's step (nor modules "
+                         f"around blocks); its blocks are {[block.name for block in profile.blocks][:8]}"
+                         f"{' ...' if len(profile.blocks) > 8 else ''}: give a decision for each of those")
     named = [segment for segment in profile.segments if segment.name in decisions]
     covered: dict[int, str] = {}
     for segment in named:
