@@ -7,6 +7,7 @@ are compared bit for bit (`torch.equal`).
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -216,6 +217,97 @@ def test_fp16_a_parameter_unfrozen_after_fit_gets_its_true_gradient():
         scaler.update()
     assert oomless.stats(model).skipped_steps == 0
     _assert_same(reference, model)      # parameters and gradients, the unfrozen layer's included
+
+
+def _fitted_fp16_mlp(accumulation_steps=1):
+    """An MLP fitted for fp16 with its SGD optimizer, and an untouched copy of it."""
+    model, other, inputs, loss_fn = _fp16_case("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, precision="fp16",
+                accumulation_steps=accumulation_steps)
+    return model, other, inputs, loss_fn, optimizer
+
+
+@pytest.mark.parametrize("initial_scale, micro_batches, set_to_none, refused_at_step",
+                         [(2.0**16, 1, True, 1), (2.0**16, 2, False, 1), (1.0, 1, True, 0)])
+def test_fp16_with_the_users_own_grad_scaler_is_refused_at_its_first_step(initial_scale, micro_batches,
+                                                                           set_to_none, refused_at_step):
+    """A plain-AMP loop kept as it was (``scaler.scale(loss).backward(); scaler.step(optimizer)``)
+    scales the loss twice: at 2**16 x 2**16 the gradients overflow and the GradScaler skips
+    ``optimizer.step()``, which no hook of oomless sees (it went on for 13 steps, weights unchanged,
+    skipped_steps 0). Refused at the next forward; a GradScaler whose steps go through (scale 1, no
+    overflow) is refused in its first ``step()``. Nothing is updated, and the plain loop then trains."""
+    model, _, inputs, loss_fn, optimizer = _fitted_fp16_mlp(micro_batches)
+    before = copy.deepcopy(model.state_dict())
+    scaler = torch.amp.GradScaler("cpu", init_scale=initial_scale)
+    with pytest.raises(InputError, match="drop torch.amp.GradScaler from the loop") as refused:
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            for micro_batch in inputs.chunk(micro_batches):
+                scaler.scale(loss_fn(model(micro_batch)) / micro_batches).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert step == refused_at_step, str(refused.value)
+    if refused_at_step == 1:
+        assert scaler.get_scale() == initial_scale / 2, "the GradScaler skipped the first step"
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    assert not torch.is_autocast_enabled("cpu"), "the refused forward left autocast on"
+
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model(inputs)).backward()
+    optimizer.step()
+    assert not torch.equal(before["0.weight"], model.state_dict()["0.weight"])
+    assert oomless.stats(model).skipped_steps == 0
+
+
+def test_fp16_loops_without_their_own_grad_scaler_are_not_refused():
+    """A pass that drops its gradients without a step (saliency), and gradient accumulation
+    (gradients zeroed in place) beside another model trained with its own GradScaler: neither is
+    taken for a GradScaler on this model. After the first step nothing is watched any more."""
+    model, _, inputs, loss_fn, optimizer = _fitted_fp16_mlp()
+    loss_fn(model(inputs)).backward()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model(inputs)).backward()
+    optimizer.step()
+
+    model, other, inputs, loss_fn, optimizer = _fitted_fp16_mlp(accumulation_steps=2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=False)
+            other_optimizer.zero_grad(set_to_none=True)
+            for micro_batch in inputs.chunk(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    output = other(micro_batch)
+                scaler.scale(loss_fn(output.float())).backward()
+                loss_fn(model(micro_batch)).backward()
+            optimizer.step()
+            scaler.step(other_optimizer)
+            scaler.update()
+    assert precision_state(model).guard.watch_handle is None
+
+
+def test_bf16_with_the_users_own_grad_scaler_equals_plain_autocast_with_it():
+    """bf16 scales nothing itself: a loop that keeps its GradScaler trains as plain bf16 autocast
+    with that GradScaler does, bit for bit, and is not refused."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS["mlp"]()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, precision="bf16")
+    train_plain_autocast(reference, inputs, loss_fn, "bf16", steps=3, scaler=torch.amp.GradScaler("cpu"))
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            scaler.scale(loss_fn(model(inputs))).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    _assert_same(reference, model)
 
 
 def test_bf16_plans_hold_about_half_the_fp32_saved_bytes():

@@ -28,6 +28,8 @@ same arithmetic is done at the model's boundary instead:
   gradients are hidden from that one ``step()`` call and put back after it), S halves and the
   skipped step is counted (``oomless.stats(model).skipped_steps``); after 2000 clean steps S
   doubles. These are GradScaler's defaults and update rule.
+A loop that keeps its own ``torch.amp.GradScaler`` would scale the loss twice and have its steps
+skipped unseen: `oomless.runtime.grad_scaler_guard` refuses it at its first step.
 The contract: a parameter's gradient reaches it through the model's forward. A parameter read
 outside the forward (a tied output projection applied in the loss) would be unscaled without
 having been scaled.
@@ -54,6 +56,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from oomless.errors import ApplyError, InputError
+from oomless.runtime.grad_scaler_guard import DROPPED_MESSAGE, GradScalerGuard
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_ATTRIBUTE = "_oomless_precision"
@@ -279,6 +282,7 @@ class Precision:
         self.scaler = scaler
         self.handles: list = []
         self.unscale_handles: list = []     # one per parameter, until the model is sharded
+        self.guard = GradScalerGuard() if scaler is not None else None
         self._entered: list = []   # per model call: the autocast context we entered, or None
 
     def install(self, model: nn.Module, optimizer=None) -> None:
@@ -292,6 +296,9 @@ class Precision:
         self.scaler.parameters = _trainable(model)
         self.unscale_handles = [parameter.register_hook(self.scaler.unscale) for parameter in self.scaler.parameters]
         self._unscaled = set(self.scaler.parameters)
+        self.guard.install(self.scaler.parameters, optimizer)
+        # The guard first: a GradScaler's step is refused before the scaler checks (and votes on) gradients.
+        self.handles.append(optimizer.register_step_pre_hook(self.guard.before_step))
         self.handles.append(optimizer.register_step_pre_hook(self.scaler.before_step))
         self.handles.append(optimizer.register_step_post_hook(self.scaler.after_step))
         self.follow_sharding(model)
@@ -312,6 +319,7 @@ class Precision:
         for handle in self.unscale_handles:       # on the parameters FSDP replaced: they never see a gradient
             handle.remove()
         self.unscale_handles = []
+        self.guard.end_watch()
         self.scaler.parameters = _trainable(model)
         # The ranks FSDP averages over: the mesh of its sharded parameters (DTensors).
         mesh = next((p.device_mesh for p in self.scaler.parameters if hasattr(p, "device_mesh")), None)
@@ -347,9 +355,13 @@ class Precision:
         self.handles.clear()
         self.unscale_handles.clear()
         if self.scaler is not None:
+            self.guard.end_watch()
             self.scaler.restore_reduce_scatter()
 
     def _pre_hook(self, model, args, kwargs):
+        if self.guard is not None and torch.is_grad_enabled() and self.guard.skipped_by_grad_scaler():
+            self._entered.append(None)      # popped by the forward hook, which runs even when this raises
+            raise InputError(DROPPED_MESSAGE)
         if torch.is_grad_enabled():
             self.follow_sharding(model)     # a caller's fully_shard after installing: before its backward
         context = None
