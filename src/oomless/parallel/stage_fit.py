@@ -298,10 +298,20 @@ def _plan_stage(module, inputs, profile, where: StageShare, in_flight: int, poli
             if decisions is not None:
                 raise _forced_refusal(profile, decisions, policy, plan, min_swap_bytes)
             if attempts == STAGE_FIT_ATTEMPTS:
-                planned(1)      # raises, naming the one micro-batch's smallest budget
-                raise oomless.PlanError(f"no plan for one micro-batch leaves room for {in_flight} in flight")
-            # Each micro-batch in flight holds about as much less as its budget loses.
-            tried, memory = memory, memory - max(-(-(_stage_peak_bytes(plan, in_flight) - share) // in_flight), 2**20)
+                # The smallest budget's plan holds the least; where even it does not fit, the refusal
+                # names a share above this one (`_per_rank_refusal`), never one that was given.
+                memory = _smallest_budget(planned)
+                plan = planned(memory)
+                if _stage_peak_bytes(plan, in_flight) > share:
+                    raise oomless.PlanError(f"no plan for one micro-batch leaves room for {in_flight} in flight",
+                                            minimum_bytes=memory)
+                break
+            # Each micro-batch in flight holds about as much less as its budget loses. From below the
+            # plan's own peak: a budget above it gets the same plan back (a stage whose plan peaks
+            # 9 MiB under its budget, 1.2 MiB over its share, was refused at 1 MiB a step).
+            tried = memory
+            memory = min(memory, plan.predicted_peak_bytes) - max(
+                -(-(_stage_peak_bytes(plan, in_flight) - share) // in_flight), 2**20)
             try:
                 plan = planned(memory)
             except oomless.PlanError as below_the_smallest:
@@ -361,8 +371,19 @@ def _stage_peak_bytes(plan: oomless.Plan, in_flight: int) -> int:
     return plan.predicted_peak_bytes + (in_flight - 1) * plan.predicted_activation_peak_bytes
 
 
-# Budgets for one micro-batch tried before a stage whose activations do not fit its share is refused.
+# Budgets for one micro-batch tried, each below the last plan's peak, before the smallest budget is.
 STAGE_FIT_ATTEMPTS = 8
+
+
+def _smallest_budget(planned) -> int:
+    """The one micro-batch's smallest plan budget: what `oomless.plan`'s refusal of 1 byte names."""
+    try:
+        planned(1)
+    except oomless.PlanError as refusal:
+        if refusal.minimum_bytes is not None:
+            return refusal.minimum_bytes
+        raise
+    raise oomless.PlanError("a stage plan fits 1 byte")   # no saved activations, no static bytes: not a stage
 
 
 def _forced_refusal(profile, decisions: dict, policy: str, plan: oomless.Plan, min_swap_bytes: int):
