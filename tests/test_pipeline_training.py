@@ -217,3 +217,19 @@ def _named_then_given_back(tmp_path, *options: str) -> tuple[float, list[tuple[f
              re.findall(r"\d+: ([0-9.]+) MiB vs ([0-9.]+) MiB", report.group(1))]
     assert len(ranks) == 2, report.group(0)
     return float(named.group(1)), ranks
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed beside this Python")
+def test_a_pipeline_with_no_step_left_plans_no_stage(tmp_path):
+    """With no step to train (--steps 0, or resumed at its last step) the stages are not planned: each
+    stage's plan profiles it (minutes for a large model), for no step to run under the plans. Before,
+    `--steps 0 --memory 256MiB` printed every rank's stage plans and a 'predicted vs measured' line."""
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "oomless", "train",
+               "--parallel", "pipeline", "--microbatches", "2", "--size", "16", "--depth", "1",
+               "--base-channels", "2", "--global-batch", "4", "--steps", "0", "--device", "cpu", "--memory", "256MiB"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "done: no step to train, the run is at step 0 of --steps 0" in finished.stdout
+    said = " ".join(finished.stderr.split())
+    assert "planned per rank" not in said and "predicted vs measured" not in said, said[-3000:]

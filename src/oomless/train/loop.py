@@ -278,9 +278,10 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
-            # A pipeline's stages plan within what each rank does not hold already above the mark.
+            # A pipeline's stages plan within what each rank does not hold already above the mark;
+            # with no step left, not at all (as the model above: each stage's plan profiles it).
             stage_options = dict(memory=config.memory_bytes, compile=compile_options(config.compile),
-                                 counted_from=memory.start_bytes) if layout.pipelined else {}
+                                 counted_from=memory.start_bytes) if layout.pipelined and step < config.steps else {}
             train_model = strategy.prepare(model, optimizer, config.max_grad_norm, example=example, **stage_options)
             # The plan counts one batch (its inputs and the loss's targets): the steps' own. Kept
             # here, the first batch would be a second one through every step (6 MiB at the demo's
