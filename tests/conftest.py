@@ -2,6 +2,8 @@
 # once (`oomless.profile.rss.turn_on_huge_pages_unless_set`), as a user's script that imports it first gets.
 import oomless  # noqa: I001
 
+import contextlib
+
 import pytest
 import torch
 
@@ -124,6 +126,28 @@ def train_steps(model, optimizer, inputs, loss_fn, steps=2):
         loss_fn(model(inputs)).backward()
         optimizer.step()
     return model
+
+
+@contextlib.contextmanager
+def cpu_dropout_as_cuda_runs_it():
+    """F.dropout (nn.Dropout's) on the CPU as CUDA runs it: a profile for a GPU on meta tensors
+    counts `native_dropout`'s boolean mask (`profile.fake_dropout`), where the CPU's `at::dropout`
+    takes the composite path and keeps its noise in the input's dtype; the CPU has the same kernel.
+    Patched, not a TorchFunctionMode: the real profiler's recompute in backward would not see a mode."""
+    from oomless.profile.fake_dropout import fused_dropout_applies
+
+    composite_dropout = F.dropout
+
+    def cuda_s_dropout(input, p=0.5, training=True, inplace=False):
+        if fused_dropout_applies(input, p, training, inplace):
+            return torch.native_dropout(input, p, True)[0]
+        return composite_dropout(input, p, training, inplace)
+
+    F.dropout = cuda_s_dropout
+    try:
+        yield
+    finally:
+        F.dropout = composite_dropout
 
 
 class FakeFloors:

@@ -15,6 +15,7 @@ from oomless.models import MLP, SmallCNN, TinyTransformer, UNet3D
 from oomless.plan.devices import KERNEL_OVERHEAD_SECONDS, devices, find_device, load_devices
 from oomless.profile.fake import profile_for_target
 from oomless.profile.profiler import profile_model
+from tests.conftest import cpu_dropout_as_cuda_runs_it
 
 GiB = 2**30
 CHILD = Path(__file__).with_name("target_child.py")
@@ -34,8 +35,10 @@ def _models():
 def test_meta_profile_counts_the_bytes_the_real_profiler_measures(name):
     model, example = _models()[name]
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    real = profile_model(model, example, loss_fn=oomless.sum_of_outputs)
     fake = profile_for_target(model, example, "h100", loss_fn=oomless.sum_of_outputs)
+    # The meta profile is a CUDA device's: its dropout keeps a boolean mask, as the CPU's does here.
+    with cpu_dropout_as_cuda_runs_it():
+        real = profile_model(model, example, loss_fn=oomless.sum_of_outputs)
     assert [b.name for b in fake.blocks] == [b.name for b in real.blocks]
     for mine, theirs in zip(fake.blocks, real.blocks):
         assert (mine.saved_bytes, mine.input_bytes, mine.output_bytes, mine.largest_saved_bytes) == \

@@ -18,7 +18,8 @@ Per block, the same numbers the real profiler measures:
   them): the meta storages alive after each op (`profile.fake_memory`), without kernels' workspaces
   or the allocator's rounding, for which the planner keeps its larger margin.
 - attention (`torch.nn.functional.scaled_dot_product_attention`) as the GPU's fused kernel, not the
-  math fallback meta tensors would take (`profile.fake_attention`).
+  math fallback meta tensors would take (`profile.fake_attention`), and dropout as its fused
+  kernel, which keeps a boolean mask, not the noise in the input's dtype (`profile.fake_dropout`).
 """
 
 import itertools
@@ -35,6 +36,7 @@ from oomless.plan.devices import find_device
 from oomless.profile.blocks import batchnorm_channels, find_blocks
 from oomless.profile.fake_attention import FusedAttention
 from oomless.profile.fake_autocast import FakeAutocast
+from oomless.profile.fake_dropout import FusedDropout
 from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
@@ -274,8 +276,10 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                     attributes_kept(model):
                 args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
                 kwargs = inputs if isinstance(inputs, dict) else {}
-                # Attention as the GPU's fused kernel (outside autocast's mode: it sees autocast's dtypes).
-                with FusedAttention(), FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext():
+                # Attention and dropout as the GPU's fused kernels (outside autocast's mode: they see
+                # autocast's dtypes).
+                autocast = FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext()
+                with FusedAttention(), FusedDropout(), autocast:
                     output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
                                                         strict=False)
                 recorder.phase = ("loss", _LOSS)
