@@ -173,8 +173,8 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
     # oomless at each one's peak and at its own floor, a fresh process each (~10 s apiece; 307 s in
     # all on the H200, 2026-11-29, where split plans stepped in 3-4 s: past the old 100 s limit). The dry run
     # checks the piece with the tiny transformer and without the steps interleaved in one process:
-    # tests/test_bench.py runs the quick U-Net with them (its four trials about 2 minutes on a 2-core
-    # CPU, the transformer's 35 s).
+    # tests/test_bench.py runs the quick transformer with them (the quick U-Net's four trials took 2
+    # minutes on a 2-core CPU at one thread, the transformer's 45 s).
     pieces.append({"name": "floors", "writes": ["floors.json"],
                    "command": [python, "bench/bench_floors.py", "--device", device_name,
                                "--models", "unet3d" if cuda else "transformer", "--out", str(out / "floors.json")]
