@@ -73,6 +73,10 @@ def _environment(dry_run: bool) -> dict:
     environment["PYTHONPATH"] = ":".join(paths)
     if dry_run:
         environment["CUDA_VISIBLE_DEVICES"] = ""    # CPU even on a GPU machine
+        # One thread for each piece's torch (where it sets none itself): at the dry run's tiny sizes a
+        # shared CPU's threads mostly wait on each other (a 16^3 U-Net's planned trial took 65 s at two
+        # threads on a busy 2-core machine, under 20 s at one).
+        environment["OMP_NUM_THREADS"] = "1"
     return environment
 
 
@@ -143,7 +147,8 @@ def plan_pieces(out: Path, device: dict, dry_run: bool, max_size_memory: str | N
         memory = max_size_memory or ("2GiB" if cuda else "48MiB")
         max_size["command"] = [python, "bench/bench_max_size.py", "--device", device_name, "--memory", memory,
                                "--out", str(out / "max-size")] + (
-            ["--sides", "plain:160,oomless:288"] if cuda else ["--sides", "plain:16,oomless:16", "--steps", "1"])
+            ["--sides", "plain:160,oomless:288"] if cuda else ["--sides", "plain:16,oomless:16", "--steps", "1",
+                                                                 "--threads", "1"])
     else:
         max_size["not_present"] = "bench/bench_max_size.py is not in this checkout"
     pieces.append(max_size)
