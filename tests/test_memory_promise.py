@@ -24,10 +24,21 @@ def _run_child(*arguments) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+_plain_runs: dict[str, dict] = {}
+
+
+def _plain(model: str) -> dict:
+    """The plain step's child run of ``model``, once in this module: every test that compares with
+    plain PyTorch's peak reads the same measurement."""
+    if model not in _plain_runs:
+        _plain_runs[model] = _run_child(model, "plain")
+    return _plain_runs[model]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 @pytest.mark.parametrize("model, share", [("transformer", 0.5), ("unet3d", 0.85)])
 def test_step_peaks_within_memory_well_below_plain(model, share):
-    plain = _run_child(model, "plain")
+    plain = _plain(model)
     memory = int(plain["peak_bytes"] * share)
     planned = _run_child(model, str(memory))
     margin = memory - planned["peak_bytes"]
@@ -40,7 +51,7 @@ def test_step_peaks_within_memory_well_below_plain(model, share):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for resident memory")
 def test_swapping_to_disk_really_lowers_resident_memory():
-    plain = _run_child("unet3d", "plain")
+    plain = _plain("unet3d")
     swapped = _run_child("unet3d", str(int(plain["peak_bytes"] * 0.7)), "swap")
     print(f"unet3d all-swap: plain {plain['peak_bytes'] / 2**20:.0f} MiB, swapped {swapped['peak_bytes'] / 2**20:.0f} MiB")
     # Half the saved activations of this U-Net live in its encoder; with every block's saved
