@@ -298,3 +298,29 @@ def test_a_plans_decisions_given_back_plan_the_same_segments():
     both = {**{block.name: "keep" for block in profile.blocks}, "stages.0": "recompute"}
     with pytest.raises(oomless.InputError, match="stages.0.0 and stages.0"):
         oomless.plan(model, inputs, memory, loss_fn=loss_fn, profile=profile, decisions=both)
+
+
+def test_merged_blocks_a_plan_keeps_go_back_to_their_blocks_until_the_rest_are_all_recomputed():
+    """A planner that keeps the last of the merged stages while more than one is merged (at the same
+    peak, keeping it costs nothing): stages 2, then 1, go back to their blocks, and the plan
+    recomputing stage 0 whole is taken over the measured blocks' (a hundred times slower). One round
+    of going back was once all there was: the whole-stage plan was lost (CI, stop 55)."""
+    from types import SimpleNamespace
+
+    model, inputs, loss_fn = _case()
+    profile = oomless.profile(model, inputs, loss_fn=loss_fn)
+    merged_per_call = []
+
+    def make(planned: Profile):
+        names = [block.name for block in planned.blocks]
+        merged = [name for name in names if name.count(".") == 1]
+        merged_per_call.append(merged)
+        decisions = {name: "recompute" if name in merged[:-1] or len(merged) == 1 else "keep" for name in names}
+        if not merged:
+            decisions["stages.1.1"] = "swap"
+        return SimpleNamespace(decisions=decisions, predicted_step_seconds=1.0 if merged else 100.0,
+                               blocks=[SimpleNamespace(name=name, decision=decisions[name]) for name in names])
+
+    best = best_of_granularities(profile, make)
+    assert best.decisions["stages.0"] == "recompute" and best.predicted_step_seconds == 1.0
+    assert merged_per_call == [[], ["stages.0", "stages.1", "stages.2"], ["stages.0", "stages.1"], ["stages.0"]]
