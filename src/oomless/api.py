@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from oomless.arguments import check_fp16_loss_parameters, check_model, check_plan_arguments
 from oomless.errors import ApplyError, InputError, PlanError
+from oomless.plan.model_digests import check_same_model, model_digests
 from oomless.plan.plan import Plan
 from oomless.plan.planner import make_plan, named_margin_bytes
 from oomless.plan.segments import best_of_granularities, check_decisions, coarsened
@@ -269,6 +270,7 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         raise error from None
     made.precision, made.compile = precision, options
     made.training = model.training
+    made.model_digests = model_digests(model, made.decisions)
     made.split = made.split or dict(chosen_split)
     return made
 
@@ -334,6 +336,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                          "off the device: pass the optimizer it steps, oomless.apply(model, plan, optimizer=optimizer)")
     device = model_device(model)
     _check_plan_device(plan, device)
+    check_same_model(plan.model_digests, model)
     if installed_state(model) is not None:
         # Before splitting or compiling: undoing a failed apply would undo the installed plan's too.
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) "

@@ -111,6 +111,10 @@ class Plan:
     # training-mode step (a 4-layer transformer encoder: 24 MiB planned, 72 saved); a step in the other
     # mode warns (runtime/install.py). None: plans written before it, or made outside `oomless.plan`.
     training: bool | None = None
+    # Digests of the model's parameters' and buffers' names, shapes and dtypes, per block and outside
+    # them (plan/model_digests.py): `apply` refuses the plan on a model they do not match. None: plans
+    # written before them, or made outside `oomless.plan`.
+    model_digests: dict[str, str] | None = None
 
     @property
     def decisions(self) -> dict[str, str]:
