@@ -188,7 +188,9 @@ class Partition:
         slowest = f"stage {self.bottleneck}" if self.stages_per_rank == 1 else f"rank {self.bottleneck_rank}"
         lines = [f"bottleneck: {slowest} (*), {self.bottleneck_seconds * 1e3:.2f} ms per micro-batch; "
                  f"predicted step {self.predicted_step_seconds * 1e3:.1f} ms, bubble {self.bubble_fraction:.0%}",
-                 f"bytes per rank: {ranks}"]
+                 f"bytes per rank: {ranks} (its stages' own, as the cut weighs them; given a memory per "
+                 "rank, the trainer prints each rank's 'planned per rank' after its stages are planned, with what "
+                 "the rank holds beside them)"]
         return buffer.getvalue() + "\n".join(lines + [f"note: {note}" for note in self.notes])
 
 
