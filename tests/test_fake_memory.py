@@ -203,3 +203,35 @@ def test_a_step_on_meta_tensors_leaves_what_the_forward_caches_as_it_was():
         oomless.plan(model, volume, 1, loss_fn=loss_fn)      # split=None: the estimate on meta tensors first
     assert model.grid is grid and model.grid.device.type == "cpu"
     oomless.plan(model, volume, error.value.minimum_bytes, loss_fn=loss_fn)
+
+
+class _SmallThenWide(nn.Module):
+    """A small block, then one whose weights (2 x 64 x 4,096) dwarf everything the first one's
+    backward holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Linear(64, 64)
+        self.wide = nn.Sequential(nn.Linear(64, 4096), nn.Linear(4096, 64))
+
+    def forward(self, x):
+        return self.wide(self.small(x))
+
+
+def test_autocasts_weight_copies_outlive_the_forward_only_where_saved():
+    """Under bf16, the forward casts each weight once (autocast's cache) and each Linear saves its
+    bf16 copy for backward. torch.autocast drops that cache when the forward leaves it (the runtime
+    leaves it at the model's output, `runtime/precision.py`), so from then on a copy lives only
+    while its block's backward has not run. The wide block's copies (1 MiB) were held to the end of
+    the step, in the loss and every block's backward, while the mode that made them was alive
+    (Llama 2048 dims: 98 MiB a layer, counted in every block's backward peak)."""
+    with torch.device("meta"):
+        model = _SmallThenWide()
+    profile = profile_for_target(model, torch.empty(4, 64, device="meta"), "h100", blocks=["small", "wide"],
+                                 loss_fn=oomless.sum_of_outputs, precision="bf16")
+    small = {block.name: block for block in profile.blocks}["small"]
+    wide_copy_bytes = 2 * 64 * 4096 * 2
+    # small's backward, the step's last: its own saved input and weight copy (8 KiB and a little),
+    # its gradients and the gradient coming in; the wide block's copies are gone.
+    assert small.backward_peak_bytes < 64 * 1024
+    assert profile.loss_peak_bytes < wide_copy_bytes / 4
