@@ -232,4 +232,4 @@ def test_a_pipeline_with_no_step_left_plans_no_stage(tmp_path):
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "done: no step to train, the run is at step 0 of --steps 0" in finished.stdout
     said = " ".join(finished.stderr.split())
-    assert "planned per rank" not in said and "predicted vs measured" not in said, said[-3000:]
+    assert "planned per rank (stage plans" not in said and "predicted vs measured" not in said, said[-3000:]

@@ -60,17 +60,19 @@ def check_same_model(planned: dict[str, str] | None, model: nn.Module) -> None:
     if not planned:
         return
     blocks = [name for name in planned if name != OUTSIDE_BLOCKS]
+    modules = dict(model.named_modules())
+    if any(name not in modules for name in blocks):
+        return      # installing says which blocks this model does not have, the plainer refusal
     now = model_digests(model, blocks)
     again = "make a plan for this model: oomless.plan(model, example_inputs, memory)"
     for name in blocks:
-        if name in now and now[name] != planned[name]:
-            module = dict(model.named_modules())[name]
+        if now[name] != planned[name]:
+            module = modules[name]
             raise ApplyError(f"this plan was made for another model: block {name!r} ({type(module).__name__}) "
                              f"has other parameters or buffers than when it was planned (now {_shapes(module)}), so "
                              f"the plan's budgets and times are not this model's; {again}")
     if now[OUTSIDE_BLOCKS] != planned.get(OUTSIDE_BLOCKS, now[OUTSIDE_BLOCKS]):
-        modules = dict(model.named_modules())
-        in_blocks = {id(tensor) for name in blocks if name in modules for _, tensor in _tensors(modules[name])}
+        in_blocks = {id(tensor) for name in blocks for _, tensor in _tensors(modules[name])}
         raise ApplyError("this plan was made for another model: the parameters and buffers outside its blocks "
                          f"differ from those it was planned with (now {_shapes(model, in_blocks)}), so its "
                          f"static bytes are not this model's; {again}")
