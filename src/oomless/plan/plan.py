@@ -27,6 +27,9 @@ class BlockPlan:
     # What a recompute of it makes anew: its saved bytes but its own inputs, held already
     # (`plan.simulate.recomputed_bytes`); None: all its saved bytes.
     recomputed_bytes: int | None = None
+    # Its forward changes one of its inputs in place (`BlockProfile.changes_input`): recomputed, it
+    # holds a copy of its inputs as they were before its forward, in their place.
+    changes_input: bool = False
 
 
 @dataclass

@@ -362,7 +362,8 @@ def make_plan(profile: Profile, memory_bytes: int, decisions: dict[str, str] | N
                         block.saved_bytes, block.forward_seconds, block.backward_seconds,
                         forward_limit_bytes=budget - forward_phases[i].other,
                         backward_limit_bytes=budget - backward_phases[i].other,
-                        selective=chosen[i] == SELECTIVE, recomputed_bytes=recomputed_bytes(block))
+                        selective=chosen[i] == SELECTIVE, recomputed_bytes=recomputed_bytes(block),
+                        changes_input=block.changes_input)
               for i, block in enumerate(profile.blocks)]
     ahead = "as far as the budget allows" if window is None else format_bytes(window)
     notes = list(profile.notes) + [f"solver: {solver_name} ({len(names)} blocks, swapped tensors brought back "

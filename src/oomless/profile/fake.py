@@ -42,8 +42,8 @@ from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.roofline import Roofline
 from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
-                                     earlier_saves_by_place, holders_by_place, parameters_read_by, tensor_bytes,
-                                     tensors_in)
+                                     changed, earlier_saves_by_place, holders_by_place, parameters_read_by,
+                                     tensor_bytes, tensors_in, versions)
 
 _LOSS = -1
 
@@ -60,6 +60,7 @@ class _FakeRecorder:
         self.order: list[int] = []
         self.resident = resident
         self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had
+        self.input_versions: dict = {}              # a running block's inputs' versions (`versions`)
         self.memory = MetaMemory(set(resident))
         self.peaks = PhasePeaks()
         self.phase: tuple | None = None     # as `PhasePeaks` names them
@@ -181,6 +182,7 @@ class _FakeRecorder:
             block.input_held_earlier += self.sharing.block_started(index, tensors_in((args, kwargs)), self.resident)
             block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
+            self.input_versions[index] = versions(tensors_in((args, kwargs)))
             self.phase = ("forward", index)
         return hook
 
@@ -189,6 +191,7 @@ class _FakeRecorder:
             self.forward_block = None
             self.sharing.block_finished(index)
             block = self.blocks[index]
+            block.changes_input |= changed(self.input_versions.pop(index, []))
             outputs = tensors_in(output)
             block.output_bytes += _distinct_bytes(outputs)
             self._track(self.live_outputs, outputs)

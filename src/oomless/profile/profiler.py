@@ -496,8 +496,8 @@ def _segments(found, recorder: Recorder, order: list[int]) -> list[SegmentProfil
         inside = [index for index, block in enumerate(names) if block.startswith(name + ".")]
         inner = sorted(place[index] for index in inside)
         consecutive = bool(inner) and inner == list(range(inner[0], inner[-1] + 1))
-        if seen.calls != 1 or not consecutive or sorted(seen.ran) != inside:
-            continue
+        if seen.calls != 1 or not consecutive or sorted(seen.ran) != inside or seen.changes_input:
+            continue        # (one that changes its inputs in place: recomputed whole, it would start from the changed values)
         if any(recorder.blocks[order[position]].calls != 1 for position in inner):
             continue
         segment = SegmentProfile(name, inner[0], inner[-1], seen.input_bytes, seen.input_held_earlier,

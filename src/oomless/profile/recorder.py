@@ -23,8 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, has_storage, storage_bytes,
-                                     storage_key, tensors_in, weak_storages)
+from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, changed, has_storage,
+                                     storage_bytes, storage_key, tensors_in, versions, weak_storages)
 
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
@@ -41,6 +41,7 @@ class SegmentCalls:
     input_held_earlier: list = field(default_factory=list)   # as `BlockProfile.input_held_earlier`
     ran: list[int] = field(default_factory=list)             # the blocks its calls ran (recorder numbers)
     input_saved_bytes: int = 0                               # bytes its blocks saved of its inputs
+    changes_input: bool = False                              # as `BlockProfile.changes_input`
 
 
 class Recorder:
@@ -60,6 +61,9 @@ class Recorder:
         self.blocks = {index: BlockProfile(name) for index, name in enumerate(names)}
         self.order: list[int] = []
         self.started: dict[int, float] = {}
+        # Each running block's and module's inputs with their versions when it started, to tell
+        # whether its forward changes them in place (`BlockProfile.changes_input`).
+        self.input_versions: dict = {}
         self.unassigned_saved_bytes = 0
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
@@ -336,12 +340,14 @@ class Recorder:
         calls.input_held_earlier += self.sharing.held_before(tensors, self.resident)
         self.open_segments[name] = (len(self.block_starts), {storage_key(t) for t in tensors if has_storage(t)},
                                     self.now() - self.tier_stall() - self.hook_seconds)
+        self.input_versions[name] = versions(tensors)
 
     def segment_finished(self, name: str) -> None:
         """Its call has returned (or raised): the blocks that ran inside it are known, and its time."""
         opened = self.open_segments.pop(name, None)
         if opened is not None and not self.in_backward:
             self.segments[name].ran += self.block_starts[opened[0]:]
+            self.segments[name].changes_input |= changed(self.input_versions.pop(name, []))
             seconds = self.now() - self.tier_stall() - self.hook_seconds - opened[2]
             self.segment_seconds[name] = self.segment_seconds.get(name, 0.0) + seconds
 
@@ -361,6 +367,7 @@ class Recorder:
         block.input_bytes += storage_bytes(tensors_in(args))
         block.input_held_earlier += self.sharing.block_started(index, tensors_in(args), self.resident)
         block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
+        self.input_versions[index] = versions(tensors_in(args))
         self._enter(("forward", index))
         before, self._before_blocks = self._before_blocks, None
         if before is not None and before.forward_other_bytes is not None:
@@ -379,6 +386,7 @@ class Recorder:
         block = self.blocks[index]
         ended = self.now()
         block.forward_seconds += ended - self.started.pop(index)
+        block.changes_input |= changed(self.input_versions.pop(index, []))
         outputs = tensors_in(output)
         block.output_bytes += storage_bytes(outputs)
         self._track(self.live_outputs, outputs)

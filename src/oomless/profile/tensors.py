@@ -115,6 +115,17 @@ def tensor_bytes(tensors) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in {id(t): t for t in tensors}.values())
 
 
+def versions(tensors) -> list[tuple[torch.Tensor, int]]:
+    """Each of ``tensors`` with its version counter (raised by every in-place change of it or of a
+    view of its storage); inference tensors, which have none, left out."""
+    return [(tensor, tensor._version) for tensor in tensors if not tensor.is_inference()]
+
+
+def changed(taken: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether any tensor of ``taken`` (`versions`) was changed in place since."""
+    return any(tensor._version != version for tensor, version in taken)
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen = {}

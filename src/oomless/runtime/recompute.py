@@ -15,21 +15,38 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from oomless.errors import ApplyError
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
 _HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
+# In-place modules that give their own result back when run on it again (f(f(x)) == f(x)): one
+# alone in a block changes the block's input in place, and its recompute, reading that result,
+# saves and leaves what the forward did.
+_IDEMPOTENT_IN_PLACE = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardtanh)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a storage of their own, requiring grad as it does."""
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
 
 
 class RecomputeBlock:
     """Hook state of one recompute block."""
 
-    def __init__(self, module: torch.nn.Module, block_index: int, engine, selective: bool = False):
+    def __init__(self, module: torch.nn.Module, block_index: int, engine, selective: bool = False, name: str = "",
+                 changes_input: bool = False):
         self.module = module
         self.block_index = block_index
+        self.name = name
+        # Its forward changes its inputs in place (`BlockPlan.changes_input`): its recompute starts
+        # from copies taken before the forward. Not a ReLU alone, whose recompute from its result
+        # gives that result again.
+        self.changes_input = changes_input and not isinstance(module, _IDEMPOTENT_IN_PLACE)
         self.engine = engine
         self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
+        self.context = None             # the running call's (`_RecomputeContext`), from pre_hook to post_hook
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
 
@@ -56,7 +73,13 @@ class RecomputeBlock:
                 tensors.append(leaf)
         where = [places[id(leaf)] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
 
+        changes_input = self.changes_input
+
         def call(*inputs):
+            if changes_input:
+                # The recompute's inputs are leaves, which autograd lets no op change in place; a
+                # clone of each is not (the clone's backward saves nothing).
+                inputs = [tensor.clone() for tensor in inputs]
             rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
             call_args, call_kwargs = tree_unflatten(rebuilt, spec)
             return module(*call_args, **call_kwargs)
@@ -70,14 +93,28 @@ class RecomputeBlock:
         else:
             contexts = (nullcontext(), context)
         options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
+        if self.changes_input:
+            # The forward runs on the tensors themselves, as the model expects; the recompute, from
+            # the copies, sees the values the forward started from and saves what it saved.
+            tensors = [_copy(tensor) for tensor in tensors]
         self.generator = _GENERATOR(call, *options, *tensors)
         next(self.generator)
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
+        context.inputs = [(tensor, tensor._version) for tensor in tensors]
+        self.context = context
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
+        context, self.context = self.context, None
         if generator is None or self.recomputing:
             return
+        if context is not None:
+            if not isinstance(module, _IDEMPOTENT_IN_PLACE):
+                context.check_inputs(f"{self.name} changed its own input in place (nn.LeakyReLU(inplace=True) as its "
+                                     "first op, x.mul_(...)), which its profile did not show",
+                                     "plan again (oomless.plan(model, ...) on this model), make that op out of place "
+                                     "(inplace=False)")
+            context.take_versions()
         try:
             next(generator)
         except StopIteration:
@@ -94,6 +131,7 @@ class _RecomputeContext:
         self.position = position         # where this call ran in the forward (`SavedTensorEngine.position_of`)
         self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
+        self.inputs: list = []           # (its call's input tensors, each one's version when last read)
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
 
     def keep(self, tensors) -> None:
@@ -101,8 +139,24 @@ class _RecomputeContext:
         its recompute."""
         self.kept_handles += self.block.engine.keep_handles(tensors, self.block.block_index)
 
+    def check_inputs(self, changed_by: str, remedy: str) -> None:
+        """Raise where an input of the call was changed in place since its versions were taken: the
+        recompute would start from the changed values and save other tensors than the forward did
+        (wrong gradients, silently). torch's checkpoint refuses it through autograd's version check
+        of the inputs it saves, which a tensor saved through saved-tensor hooks (the plan's, around
+        the whole forward) does not get."""
+        if any(tensor._version != version for tensor, version in self.inputs):
+            raise ApplyError(f"block {changed_by}, so recomputing it would start from the changed values and give "
+                             f"wrong gradients; {remedy}, or give the block keep or swap (oomless.plan(..., "
+                             "decisions={...}))")
+
+    def take_versions(self) -> None:
+        self.inputs = [(tensor, tensor._version) for tensor, _ in self.inputs]
+
     def __enter__(self):
         block = self.block
+        self.check_inputs(f"{block.name}'s input was changed in place after the block ran (by the model, or by a "
+                          "recompute of an earlier call)", "change a copy instead")
         block.recomputing = True
         # From here the recomputed block's saved bytes (the kept outputs among them) are on the ledger
         # as one count (`recompute_started`) until its backward is done.
@@ -123,16 +177,23 @@ class _RecomputeContext:
 
         # Restoring at the end of backward, not here: the recomputed graph of this block may
         # still read the buffers, and writing them now would trip autograd's version check.
+        # Written through ``.data``, which leaves the buffer's version as it is: a backward with
+        # create_graph=True (a gradient penalty) keeps the recomputed graph, whose nodes saved the
+        # buffers (BatchNorm's running statistics, unread in training mode's backward), for the
+        # second backward, and a version raised here made that backward raise.
         def restore():
             with torch.no_grad():
                 for buffer, saved in snapshots:
-                    buffer.copy_(saved)
+                    buffer.data.copy_(saved)
             self.block.restore_queued = False
         torch.autograd.Variable._execution_engine.queue_callback(restore)
         return True
 
     def __exit__(self, *exception):
         self.block.recomputing = False
+        # A ReLU alone in the block changed its input again; a second backward (retain_graph=True)
+        # recomputes from the same values.
+        self.take_versions()
         # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
         self.input_handles = []
         return False
