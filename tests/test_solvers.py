@@ -153,6 +153,24 @@ def test_a_prefetch_window_of_exactly_one_tensors_bytes_admits_it():
     assert timelines[8 * MiB].step_seconds < timelines[8 * MiB - 1].step_seconds
 
 
+def test_bytes_brought_back_without_a_window_leave_room_for_the_recomputes_before_their_use():
+    # Three swapped blocks, two recomputed, one kept, 100 MiB saved each. Backward starts at the
+    # kept block, where the budget has room to bring back all three swapped blocks' tensors at once;
+    # the recomputes between then put their own 100 MiB on the ledger beside them. Brought back as
+    # far as the budget allows (no window), they must leave that room (the runtime does, and the
+    # simulator replays it): before, the step passed every budget here by 90 to 100 MiB.
+    profile = generated_profile(6, 0, link_bytes_per_second=1e11)
+    profile = dataclasses.replace(profile, unassigned_saved_bytes=0, blocks=[
+        dataclasses.replace(block, forward_seconds=0.01, backward_seconds=0.02, saved_bytes=100 * MiB,
+                            largest_saved_bytes=100 * MiB, input_bytes=10 * MiB, output_bytes=10 * MiB)
+        for block in profile.blocks])
+    decisions = ["swap", "swap", "swap", "recompute", "recompute", "keep"]
+    for budget_mib in (150, 225, 250, 325, 350, 425):
+        timeline = simulate(profile, decisions, None, None, budget_bytes=budget_mib * MiB)
+        assert timeline.total_peak_bytes <= budget_mib * MiB, budget_mib
+        assert timeline.step_seconds <= simulate(profile, decisions, 0, None).step_seconds
+
+
 def test_every_decision_carries_its_reason():
     profile = generated_profile(30, 7, link_bytes_per_second=3e8)
     plan = make_plan(profile, _memory_at(profile, 0.3))

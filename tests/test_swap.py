@@ -269,6 +269,39 @@ def test_prefetch_takes_the_room_of_the_phases_still_ahead(monkeypatch):
     _assert_same_gradients(reference, model)
 
 
+class _CopiedTier(SlowTier):
+    """A `SlowTier` whose copies out are done as soon as they are asked for: the forward's swapped
+    storages leave the ledger once freed, and backward's prefetch alone decides what comes back."""
+
+    def is_out(self, ticket) -> bool:
+        return True
+
+
+def test_prefetch_leaves_room_for_the_recomputes_before_its_use(monkeypatch):
+    """Blocks swap, swap, swap, recompute, recompute, swap; the budget holds four outputs. Backward
+    starts with the last block's output on the ledger and room for three more: bringing back all
+    three swapped outputs at once left none for the recomputed blocks' own outputs, which then
+    joined them on the ledger (five outputs: over the budget by one). Now what is brought back ahead of use leaves room for each recompute still to come."""
+    decisions = {"3": "recompute", "4": "recompute"}
+    model, reference, inputs, loss_fn, plan = _linear_relus(6, decisions)
+    storage_bytes = BATCH * WIDTH * 4
+    plan = dataclasses.replace(plan, activation_budget=4 * storage_bytes, prefetch_bytes=None,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
+                                       for block in plan.blocks])
+    tier = _CopiedTier()
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
+    oomless.apply(model, plan)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    stats = oomless.stats(model)
+    assert stats.recomputed_blocks == 2
+    assert stats.peak_activation_bytes == 4 * storage_bytes, "the budget is reached and never passed"
+    assert stats.resident_activation_bytes == 0
+    assert sorted(tier.tickets("prefetch")) == sorted(tier.tickets("put"))
+    _assert_same_gradients(reference, model)
+
+
 def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
     """A block of an applied model called directly (outside the model's forward, so before any
     forward of the model has begun) is still recomputed, and its gradients are plain PyTorch's."""

@@ -10,7 +10,8 @@ and a copy-in stream for prefetches in backward.
   (`BlockProfile.kept_when_swapped`, `with_swap_threshold`).
 - Backward: blocks in reverse; a block's tensors are used evenly over its backward, last saved first,
   and each leaves right after its use. Swapped tensors are asked back in that order, ahead of their
-  use as far as the activation budget's free bytes and the prefetch window allow; a tensor not back
+  use as far as the activation budget's free bytes and the prefetch window allow, leaving room in
+  each phase before their use for what a recompute there puts on the ledger; a tensor not back
   in time stalls compute until its copy lands. A swapped storage that a later block saved too (its
   input: `BlockProfile.saved_earlier`) is first used in that block's backward, by the op that saved
   it, and stays until its own block's. A recompute block re-runs its forward first and holds
@@ -359,8 +360,20 @@ def simulate(profile: Profile, decisions: list[str], prefetch_bytes: int | None 
     contended = profile.link.kind == "disk"
     window = float("inf") if prefetch_bytes is None else prefetch_bytes
     forward_phases, loss_phase, backward_phases, least_other = _phases(profile, decisions)
-    room_between = _RangeMin([float("inf") if budget_bytes is None else budget_bytes - phase.other
-                              for phase in backward_phases])
+    # A prefetched tensor stays until its use, through the backward phases between: the running one
+    # (its bytes on the ledger already) and those to come, each with room for its own ledger bytes
+    # beside it: a recompute puts its block's saves on the ledger when it starts, as the runtime
+    # reserves them (`SavedTensorEngine.limit_until_use`).
+    rooms = [float("inf") if budget_bytes is None else budget_bytes - phase.other for phase in backward_phases]
+    room_running = rooms.__getitem__
+    room_ahead = _RangeMin([room - (recomputed_bytes(block) if decision in RECOMPUTING else 0)
+                            for room, block, decision in zip(rooms, blocks, decisions)])
+
+    def room_between(first: int, current: int) -> float:
+        """What the ledger may hold from now, in block ``current``'s backward, to block ``first``'s."""
+        if first >= current:
+            return room_running(current)
+        return min(room_running(current), room_ahead(first, current - 1))
     # (time, delta, kind, phase entered): kind SWAPPED for a swapped block's tensors on the ledger,
     # HELD for any other ledger bytes, AHEAD for prefetched bytes not used yet (already SWAPPED too).
     events: list[tuple[float, int, int, Phase | None, int]] = []

@@ -88,7 +88,7 @@ class InstalledPlan:
             self.engine.blocks_unseen = self._warn_blocks_unseen
         self.engine.recompute_bytes = {
             index: block.saved_bytes if block.recomputed_bytes is None else block.recomputed_bytes
-            for index, block in enumerate(plan.blocks)}
+            for index, block in enumerate(plan.blocks) if block.decision == RECOMPUTE}
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None
