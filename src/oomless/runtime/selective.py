@@ -22,6 +22,7 @@ import inspect
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import _CachedTorchDispatchMode
 
 aten = torch.ops.aten
 
@@ -47,6 +48,21 @@ def is_saved_op(func) -> bool:
 AVAILABLE = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
+class _RecomputeContext(_CachedTorchDispatchMode):
+    """Torch's recompute context of selective checkpointing, with the ops the block recomputes run
+    as they come, not looked up by their count in the forward: only the kept ops' outputs are taken
+    from the forward. The counts of the others may differ without anything being wrong: autocast
+    keeps its bf16 copy of a weight for the whole forward, so a block called twice (weight sharing)
+    casts its weights in its first call only, while the recompute of each call runs in an autocast
+    of its own and casts them again; torch's context raised on the cast the forward had not made
+    there ("aten._to_copy.default encountered during backward but not found in storage")."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not is_saved_op(func):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def selective_contexts(kept):
     """(forward context, recompute context) of one checkpointed call, fresh for each call (they
     share the storage of that call's kept outputs). ``kept(tensors)`` is told each kept output as
@@ -57,4 +73,6 @@ def selective_contexts(kept):
         if not ctx.is_recompute:
             kept([leaf for leaf in tree_leaves(ctx.op_output) if isinstance(leaf, torch.Tensor)])
         return CheckpointPolicy.MUST_SAVE
-    return create_selective_checkpoint_contexts(policy)
+    forward_context, recompute_context = create_selective_checkpoint_contexts(policy)
+    return forward_context, _RecomputeContext(None, recompute_context.storage,
+                                              recompute_context.allow_cache_entry_mutation)
