@@ -91,3 +91,40 @@ def test_bf16_selective_recompute_of_a_block_called_twice_equals_plain_autocast(
     assert [block.selective for block in plan.blocks] == [name in selective for name in ("a", "b", "c")]
     oomless.apply(model, plan)
     _assert_same(model, reference, _train(model, inputs), reference_gradients)
+
+
+class ChangesASavedOutput(nn.Module):
+    """Adds to ``a``'s output in place after ``c`` read it: ``a``'s Tanh saved that output for its
+    backward, so plain PyTorch's backward refuses (autograd's version check)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.a, self.c = nn.Sequential(nn.Linear(width, width), nn.Tanh()), nn.Linear(width, 1)
+        self.changes = True
+
+    def forward(self, x):
+        hidden = self.a(x)
+        out = self.c(hidden)
+        if self.changes:
+            hidden.add_(1.0)
+        return out
+
+
+def test_a_kept_tensor_changed_in_place_after_it_was_saved_is_refused_as_plain_pytorch_refuses_it():
+    """Saved-tensor hooks (the plan's, around the whole forward) take autograd's version check away:
+    a kept block's backward read the changed output and gave wrong gradients without a word."""
+    torch.manual_seed(0)
+    model, inputs = ChangesASavedOutput(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _loss(reference(inputs)).backward()
+    options = dict(loss_fn=_loss, blocks=["a", "c"], decisions={"a": "keep", "c": "keep"})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        oomless.plan(model, inputs, "1GiB", **options)      # its profiling step, as plain PyTorch's
+    model.changes = False
+    plan = oomless.plan(model, inputs, "1GiB", **options)
+    oomless.apply(model, plan)
+    model.changes = True
+    for _ in range(3):      # the counted forwards of an all-keep plan, and one past them
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _loss(model(inputs)).backward()
