@@ -185,6 +185,8 @@ API_CASES = {
     "memory 0.5": (lambda m, x: oomless.plan(m, x, "0.5", loss_fn=_loss), oomless.SizeError,
                    "'0.5' is a fraction of a byte; give whole bytes, or a unit such as '0.5GiB'"),
     "memory 1.5": (lambda m, x: oomless.fit(m, x, 1.5, loss_fn=_loss), oomless.SizeError, "1.5 is a fraction of a byte"),
+    "memory in worked-out bytes": (lambda m, x: oomless.fit(m, x, 0.8 * 4364697.6, loss_fn=_loss), oomless.SizeError,
+                                   "3491758.08 is a fraction of a byte; give whole bytes such as 3491758"),
     "memory nan": (lambda m, x: oomless.fit(m, x, float("nan"), loss_fn=_loss), oomless.SizeError, "finite"),
     "memory inf": (lambda m, x: oomless.plan(m, x, float("inf"), loss_fn=_loss), oomless.SizeError, "finite"),
     "memory None": (lambda m, x: oomless.plan(m, x, None, loss_fn=_loss), oomless.SizeError, "got NoneType"),

@@ -22,8 +22,10 @@ def parse_bytes(size: int | float | str) -> int:
         raise SizeError(f"memory size must be a finite number of bytes, got {size!r}")
     if isinstance(size, (int, float)):
         if size != int(size):
-            raise SizeError(f"memory size {size!r} is a fraction of a byte; give whole bytes, or a string with "
-                            f"a unit such as '{size:g}GiB'")
+            # A large one is bytes worked out (0.8 * total), a small one a size meant in a unit.
+            hint = (f"whole bytes such as {math.floor(size)}" if abs(size) >= 1024
+                    else f"whole bytes, or a string with a unit such as '{size:g}GiB'")
+            raise SizeError(f"memory size {size!r} is a fraction of a byte; give {hint}")
         value = int(size)
     elif isinstance(size, str):
         match = _SIZE_PATTERN.match(size)
