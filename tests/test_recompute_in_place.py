@@ -4,9 +4,11 @@ A block whose forward changes its own input in place (a LeakyReLU(inplace=True) 
 ``x.mul_(...)``) left its recompute starting from the changed values: the recomputed saved tensors
 differed from the forward's, and the gradients were wrong without a word (torch's checkpoint refuses
 the same block). The profile now records it (`BlockProfile.changes_input`) and its recompute starts
-from a copy of its inputs taken before its forward; an input changed after the block ran, which no
-copy can undo, is refused. A backward with ``create_graph=True`` (a gradient penalty) through a
-recomputed block with BatchNorm raised in its second backward."""
+from a copy of its inputs taken before its forward, and a plan that did not see the change refuses it.
+An input the model changes after the block ran is not checked: the recompute of an earlier block
+that changes its input in place (a ReLU's, giving the same values) changes it too. A backward with
+``create_graph=True`` (a gradient penalty) through a recomputed block with BatchNorm raised in its
+second backward."""
 
 import copy
 import dataclasses
@@ -90,40 +92,6 @@ def test_a_plan_that_did_not_see_the_change_is_refused_at_the_forward_naming_the
     oomless.apply(model, unseen)
     with pytest.raises(oomless.ApplyError, match=r"block b changed its own input in place.*plan again"):
         model(inputs)
-
-
-class ChangesAfter(nn.Module):
-    """Changes block ``b``'s input in place after ``b`` ran; ``b``'s first op (a product with a
-    number) saves nothing, so plain PyTorch's backward is right, and a recompute of ``b`` from the
-    changed input would not be."""
-
-    def __init__(self, width=32):
-        super().__init__()
-        self.a, self.c = nn.Linear(width, width), nn.Linear(width, 1)
-        self.b = nn.Sequential(Scale(), nn.Linear(width, width))
-
-    def forward(self, x):
-        hidden = self.a(x)
-        out = self.b(hidden)
-        hidden.add_(1.0)
-        return self.c(out) + hidden.sum(dim=1, keepdim=True)
-
-
-class Scale(nn.Module):
-    def forward(self, x):
-        return x * 3.0
-
-
-def test_an_input_changed_after_its_block_ran_is_refused_before_the_recompute_reads_it():
-    torch.manual_seed(0)
-    model, inputs = ChangesAfter(), torch.randn(64, 32)
-    reference = copy.deepcopy(model)
-    _loss(reference(inputs)).backward()         # plain PyTorch: nothing it saved was changed
-    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["a", "b", "c"],
-                        decisions={"a": "keep", "b": "recompute", "c": "keep"})
-    oomless.apply(model, plan)
-    with pytest.raises(oomless.ApplyError, match=r"b's input was changed in place after the block ran"):
-        _loss(model(inputs)).backward()
 
 
 def test_a_gradient_penalty_through_a_recomputed_batchnorm_block_equals_plain_pytorch():

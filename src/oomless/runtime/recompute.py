@@ -114,7 +114,7 @@ class RecomputeBlock:
                                      "first op, x.mul_(...)), which its profile did not show",
                                      "plan again (oomless.plan(model, ...) on this model), make that op out of place "
                                      "(inplace=False)")
-            context.take_versions()
+            context.inputs = []
         try:
             next(generator)
         except StopIteration:
@@ -131,7 +131,7 @@ class _RecomputeContext:
         self.position = position         # where this call ran in the forward (`SavedTensorEngine.position_of`)
         self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
-        self.inputs: list = []           # (its call's input tensors, each one's version when last read)
+        self.inputs: list = []           # (its call's input tensors and their versions, from its forward's start to its end)
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
 
     def keep(self, tensors) -> None:
@@ -150,13 +150,8 @@ class _RecomputeContext:
                              f"wrong gradients; {remedy}, or give the block keep or swap (oomless.plan(..., "
                              "decisions={...}))")
 
-    def take_versions(self) -> None:
-        self.inputs = [(tensor, tensor._version) for tensor, _ in self.inputs]
-
     def __enter__(self):
         block = self.block
-        self.check_inputs(f"{block.name}'s input was changed in place after the block ran (by the model, or by a "
-                          "recompute of an earlier call)", "change a copy instead")
         block.recomputing = True
         # From here the recomputed block's saved bytes (the kept outputs among them) are on the ledger
         # as one count (`recompute_started`) until its backward is done.
@@ -191,9 +186,6 @@ class _RecomputeContext:
 
     def __exit__(self, *exception):
         self.block.recomputing = False
-        # A ReLU alone in the block changed its input again; a second backward (retain_graph=True)
-        # recomputes from the same values.
-        self.take_versions()
         # The checkpoint frame holds the inputs until now; the ledger lets go of them here.
         self.input_handles = []
         return False
