@@ -54,14 +54,12 @@ class _Handle:
     the call that saved it ran (`SavedTensorEngine.position_of`), so where backward is when it is
     unpacked: a storage saved by several blocks is unpacked once per save, each at its saver's place."""
 
-    __slots__ = ("entry", "place", "tensor", "version", "storage_offset", "size", "stride", "dtype", "__weakref__")
+    __slots__ = ("entry", "place", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
 
     def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int, hold: bool = False):
         self.entry, self.place = entry, place
         if entry is None or entry.decision == KEEP or hold:
             self.tensor = tensor
-            # Its version when saved, checked when backward takes it (`SavedTensorEngine.unpack`).
-            self.version = tensor._version
         else:
             self.tensor = None
             self.storage_offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
@@ -210,19 +208,6 @@ class ForwardRegistry:
             self.engine.recorder.released(entry.block_index, entry.num_bytes)
         if self.backward_started and self.next_prefetch >= 0:
             self.prefetch()   # room was freed: bring the next entries back while compute goes on
-
-
-def _changed_since_saved(packed: _Handle) -> str:
-    """Autograd's refusal of a saved tensor changed in place before backward read it, which tensors
-    saved through saved-tensor hooks do not get (the hooks' object is what autograd checks, not the
-    tensor): the plan's hooks run around the whole forward, so without this a kept tensor changed
-    after its op saved it (``h = block(x); ...; h.add_(1)``) was read changed in backward, giving
-    wrong gradients silently where plain PyTorch raises. Worded as autograd's."""
-    tensor = packed.tensor
-    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
-            f"{packed.version} instead (a tensor a block saved, changed in place after it was saved, checked by "
-            "oomless's saved-tensor hooks as autograd checks it)")
 
 
 def _without_history(tensor: torch.Tensor) -> torch.Tensor:
@@ -513,8 +498,6 @@ class SavedTensorEngine:
         entry = packed.entry
         self.poll()     # storages freed since the last save or unpack leave the ledger before it is read
         if packed.tensor is not None:
-            if packed.tensor._version != packed.version:
-                raise RuntimeError(_changed_since_saved(packed))
             if entry is not None and entry.registry.next_prefetch >= 0:
                 entry.registry.reached(packed.place)
                 entry.registry.prefetch()   # backward is under way: bring swapped entries back
