@@ -91,3 +91,26 @@ def test_bf16_selective_recompute_of_a_block_called_twice_equals_plain_autocast(
     assert [block.selective for block in plan.blocks] == [name in selective for name in ("a", "b", "c")]
     oomless.apply(model, plan)
     _assert_same(model, reference, _train(model, inputs), reference_gradients)
+
+
+def test_a_second_backward_after_a_recomputed_relu_in_place_equals_plain_pytorch():
+    """A ReLU(inplace=True) block's recompute changes its input in place again, to the same values:
+    the next block's saved input (that storage) reads a higher version in a second backward
+    (retain_graph=True; a zero-bubble pipeline's weight pass alike). A check of kept tensors'
+    versions refused this valid step; the values, and so the gradients, are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(inplace=True), nn.Linear(32, 1))
+    reference, inputs = copy.deepcopy(model), torch.randn(16, 32)
+
+    def step(net):
+        loss = _loss(net(inputs))
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    step(reference)
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["0", "1", "2"],
+                        decisions={"0": "keep", "1": "recompute", "2": "keep"})
+    oomless.apply(model, plan)
+    step(model)
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
