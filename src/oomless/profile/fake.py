@@ -178,11 +178,12 @@ class _FakeRecorder:
                 self.order.append(index)
             block = self.blocks[index]
             block.calls += 1
-            block.input_bytes += _distinct_bytes(tensors_in((args, kwargs)))
-            block.input_held_earlier += self.sharing.block_started(index, tensors_in((args, kwargs)), self.resident)
+            inputs = tensors_in((args, kwargs))
+            block.input_bytes += _distinct_bytes(inputs)
+            block.input_held_earlier += self.sharing.block_started(index, inputs, self.resident)
             block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
-            self.input_versions[index] = versions(tensors_in((args, kwargs)))
+            self.input_versions[index] = versions(inputs)
             self.phase = ("forward", index)
         return hook
 

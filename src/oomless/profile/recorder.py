@@ -364,10 +364,11 @@ class Recorder:
         block = self.blocks[index]
         block.calls += 1
         self.block_starts.append(index)
-        block.input_bytes += storage_bytes(tensors_in(args))
-        block.input_held_earlier += self.sharing.block_started(index, tensors_in(args), self.resident)
+        inputs = tensors_in(args)
+        block.input_bytes += storage_bytes(inputs)
+        block.input_held_earlier += self.sharing.block_started(index, inputs, self.resident)
         block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
-        self.input_versions[index] = versions(tensors_in(args))
+        self.input_versions[index] = versions(inputs)
         self._enter(("forward", index))
         before, self._before_blocks = self._before_blocks, None
         if before is not None and before.forward_other_bytes is not None:

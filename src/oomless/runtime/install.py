@@ -130,7 +130,7 @@ class InstalledPlan:
             compiled = _is_compiled(module)
             if decision == RECOMPUTE:
                 block = RecomputeBlock(module, index, self.engine, selective=self._selective(index, module),
-                                       name=name, changes_input=self._changes_input(name))
+                                       name=name, changes_input=self.plan.blocks[index].changes_input)
                 self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
             self.handles.append(module.register_forward_pre_hook(_eager(self._block_enter(index, decision), compiled)))
@@ -333,9 +333,6 @@ class InstalledPlan:
             self._gathered_keys[index] = keys
             self.engine.resident_storages |= keys
 
-
-    def _changes_input(self, name: str) -> bool:
-        return any(block.changes_input for block in self.plan.blocks if block.name == name)
 
     def _selective(self, index: int, module: nn.Module) -> bool:
         """Whether recompute block ``index`` runs selective (runtime/selective.py): where the plan says

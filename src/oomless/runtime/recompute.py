@@ -16,6 +16,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oomless.errors import ApplyError
+from oomless.profile.tensors import changed, versions
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -46,7 +47,7 @@ class RecomputeBlock:
         self.engine = engine
         self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
-        self.context = None             # the running call's (`_RecomputeContext`), from pre_hook to post_hook
+        self.input_versions: list = []  # the running call's inputs and their versions (`versions`), pre_hook to post_hook
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
 
@@ -100,21 +101,22 @@ class RecomputeBlock:
         self.generator = _GENERATOR(call, *options, *tensors)
         next(self.generator)
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
-        context.inputs = [(tensor, tensor._version) for tensor in tensors]
-        self.context = context
+        self.input_versions = versions(tensors)
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
-        context, self.context = self.context, None
+        taken, self.input_versions = self.input_versions, []
         if generator is None or self.recomputing:
             return
-        if context is not None:
-            if not isinstance(module, _IDEMPOTENT_IN_PLACE):
-                context.check_inputs(f"{self.name} changed its own input in place (nn.LeakyReLU(inplace=True) as its "
-                                     "first op, x.mul_(...)), which its profile did not show",
-                                     "plan again (oomless.plan(model, ...) on this model), make that op out of place "
-                                     "(inplace=False)")
-            context.inputs = []
+        if changed(taken) and not isinstance(module, _IDEMPOTENT_IN_PLACE):
+            # Its recompute would start from the changed values and save other tensors than the
+            # forward did (wrong gradients, silently); torch's checkpoint refuses it through
+            # autograd's version check, which tensors saved through the plan's hooks do not get.
+            raise ApplyError(f"block {self.name} changed its own input in place (nn.LeakyReLU(inplace=True) as its "
+                             "first op, x.mul_(...)), which its profile did not show, so recomputing it would start "
+                             "from the changed values and give wrong gradients; plan again (oomless.plan(model, ...) "
+                             "on this model), make that op out of place (inplace=False), or give the block keep or "
+                             "swap (oomless.plan(..., decisions={...}))")
         try:
             next(generator)
         except StopIteration:
@@ -131,24 +133,12 @@ class _RecomputeContext:
         self.position = position         # where this call ran in the forward (`SavedTensorEngine.position_of`)
         self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
-        self.inputs: list = []           # (its call's input tensors and their versions, from its forward's start to its end)
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
 
     def keep(self, tensors) -> None:
         """Selective: put outputs the forward keeps on the ledger as kept, for the block's phases until
         its recompute."""
         self.kept_handles += self.block.engine.keep_handles(tensors, self.block.block_index)
-
-    def check_inputs(self, changed_by: str, remedy: str) -> None:
-        """Raise where an input of the call was changed in place since its versions were taken: the
-        recompute would start from the changed values and save other tensors than the forward did
-        (wrong gradients, silently). torch's checkpoint refuses it through autograd's version check
-        of the inputs it saves, which a tensor saved through saved-tensor hooks (the plan's, around
-        the whole forward) does not get."""
-        if any(tensor._version != version for tensor, version in self.inputs):
-            raise ApplyError(f"block {changed_by}, so recomputing it would start from the changed values and give "
-                             f"wrong gradients; {remedy}, or give the block keep or swap (oomless.plan(..., "
-                             "decisions={...}))")
 
     def __enter__(self):
         block = self.block
