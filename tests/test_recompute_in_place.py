@@ -5,8 +5,7 @@ A block whose forward changes its own input in place (a LeakyReLU(inplace=True) 
 differed from the forward's, and the gradients were wrong without a word (torch's checkpoint refuses
 the same block). The profile now records it (`BlockProfile.changes_input`) and its recompute starts
 from a copy of its inputs taken before its forward, and a plan that did not see the change refuses it.
-An input the model changes after the block ran is not checked: the recompute of an earlier block
-that changes its input in place (a ReLU's, giving the same values) changes it too. A backward with
+(An input the model changes after the block ran: tests/test_changed_after_saved.py.) A backward with
 ``create_graph=True`` (a gradient penalty) through a recomputed block with BatchNorm raised in its
 second backward."""
 

@@ -84,6 +84,7 @@ class InstalledPlan:
                                         device, [block.forward_limit_bytes for block in plan.blocks],
                                         [block.backward_limit_bytes for block in plan.blocks], plan.loss_limit_bytes)
         self.engine.recorder = recorder
+        self.engine.block_names = [block.name for block in plan.blocks]
         if recorder is None and any(block.saved_bytes and block.decision != RECOMPUTE for block in plan.blocks):
             self.engine.blocks_unseen = self._warn_blocks_unseen
         self.engine.recompute_bytes = {

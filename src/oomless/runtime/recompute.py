@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oomless.errors import ApplyError
 from oomless.profile.tensors import changed, versions
+from oomless.runtime.saved_versions import saved_version
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -50,6 +51,7 @@ class RecomputeBlock:
         self.input_versions: list = []  # the running call's inputs and their versions (`versions`), pre_hook to post_hook
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
+        self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
 
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
@@ -58,8 +60,9 @@ class RecomputeBlock:
         # Every input tensor goes in positionally, once: the recompute then sees the inputs as they
         # were at this call, not as the caller left them. A model may update a dict (or list) it
         # passed to the block in place afterwards (``state.update(layer(state))``); torch's
-        # generator keeps its positional tensors only, saved with autograd's version check (one
-        # changed in place in between raises instead of recomputing from its new values). It gives
+        # generator keeps its positional tensors only (saved through the plan's hooks, so without
+        # autograd's version check: `_RecomputeContext.check_inputs` raises where one was changed
+        # in place since, instead of recomputing from its new values). It gives
         # each back as a new tensor object, so a tensor passed several times goes in once and is
         # put in each place at the recompute: nn.MultiheadAttention takes its fused self-attention
         # path where ``query is key is value``, and the recompute must take the same one.
@@ -75,19 +78,24 @@ class RecomputeBlock:
         where = [places[id(leaf)] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
 
         changes_input = self.changes_input
-
-        def call(*inputs):
-            if changes_input:
-                # The recompute's inputs are leaves, which autograd lets no op change in place; a
-                # clone of each is not (the clone's backward saves nothing).
-                inputs = [tensor.clone() for tensor in inputs]
-            rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
-            call_args, call_kwargs = tree_unflatten(rebuilt, spec)
-            return module(*call_args, **call_kwargs)
-
         # One context per call: a block called twice in a forward is recomputed once per call, and
         # each call's inputs leave the ledger when its own recompute is done.
         context = _RecomputeContext(self, self.engine.position_of(self.block_index), self.engine.registry)
+
+        def call(*inputs):
+            taken = context.check_inputs(inputs)
+            try:
+                if changes_input:
+                    # The recompute's inputs are leaves, which autograd lets no op change in place; a
+                    # clone of each is not (the clone's backward saves nothing).
+                    inputs = [tensor.clone() for tensor in inputs]
+                rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
+                call_args, call_kwargs = tree_unflatten(rebuilt, spec)
+                return module(*call_args, **call_kwargs)
+            finally:
+                # What the recompute changed of its inputs in place (a ReLU's, to the values they
+                # had) is oomless's own change, which later checks allow.
+                context.own_changes_since(taken)
         if self.selective:
             forward_context, recompute_context = selective_contexts(context.keep)
             contexts = (forward_context, _Both(context, recompute_context))
@@ -102,10 +110,12 @@ class RecomputeBlock:
         next(self.generator)
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
         self.input_versions = versions(tensors)
+        self.context, context.inputs = context, tensors
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
         taken, self.input_versions = self.input_versions, []
+        context, self.context = self.context, None
         if generator is None or self.recomputing:
             return
         if changed(taken) and not isinstance(module, _IDEMPOTENT_IN_PLACE):
@@ -117,6 +127,7 @@ class RecomputeBlock:
                              "from the changed values and give wrong gradients; plan again (oomless.plan(model, ...) "
                              "on this model), make that op out of place (inplace=False), or give the block keep or "
                              "swap (oomless.plan(..., decisions={...}))")
+        context.inputs_ran()
         try:
             next(generator)
         except StopIteration:
@@ -134,6 +145,31 @@ class _RecomputeContext:
         self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
+        self.inputs: list = []           # its call's input tensors, from the call's start to its end
+        self.input_versions: list = []   # then a `SavedVersion` (or None) of each, as the call left it
+
+    def inputs_ran(self) -> None:
+        """The call is done: its inputs' versions now are those its recomputes must find (its own
+        change in place is in them: a ReLU's, which its recompute makes again to the same values)."""
+        if self.registry is not None:
+            self.input_versions = [saved_version(tensor, self.registry.own_changes) for tensor in self.inputs]
+        self.inputs = []
+
+    def check_inputs(self, inputs) -> list:
+        """At a recompute: raise as autograd does where an input was changed in place after the call
+        (the recompute would start from the changed values), other than by oomless's own recomputes;
+        the inputs' versions (`versions`) for `own_changes_since`."""
+        if self.registry is None:
+            return []
+        name = self.block.engine.block_name(self.block.block_index)
+        for check, tensor in zip(self.input_versions, inputs):
+            if check is not None:
+                check.check(tensor, self.registry.own_changes, name)
+        return versions(inputs)
+
+    def own_changes_since(self, taken: list) -> None:
+        if self.registry is not None:
+            self.registry.own_changes.add_since(taken)
 
     def keep(self, tensors) -> None:
         """Selective: put outputs the forward keeps on the ledger as kept, for the block's phases until

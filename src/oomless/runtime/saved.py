@@ -7,10 +7,13 @@ where they are (kept, exactly as plain PyTorch would).
 """
 
 import time
+import weakref
 from collections import deque
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from oomless.runtime.saved_versions import OwnChanges, SavedVersion
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
 
@@ -19,10 +22,11 @@ class _Entry:
     """One saved storage: kept on the device, or moved to a tier and brought back for backward."""
 
     __slots__ = ("registry", "block_index", "position", "num_bytes", "decision", "weak", "device_data",
-                 "ticket", "handles", "on_ledger", "fetch_issued", "fetched")
+                 "ticket", "handles", "on_ledger", "fetch_issued", "fetched", "key")
 
-    def __init__(self, registry, block_index: int, storage, decision: str, position: int):
+    def __init__(self, registry, block_index: int, storage, decision: str, position: int, key: tuple):
         self.registry = registry
+        self.key = key                # (device, storage's data pointer)
         self.block_index = block_index
         # Where in the step it was first saved (`SavedTensorEngine.position_of`): its last use in
         # backward, so the first place of the phases it must fit once brought back.
@@ -54,9 +58,11 @@ class _Handle:
     the call that saved it ran (`SavedTensorEngine.position_of`), so where backward is when it is
     unpacked: a storage saved by several blocks is unpacked once per save, each at its saver's place."""
 
-    __slots__ = ("entry", "place", "tensor", "storage_offset", "size", "stride", "dtype", "__weakref__")
+    __slots__ = ("entry", "place", "tensor", "storage_offset", "size", "stride", "dtype", "saved_version",
+                 "__weakref__")
 
-    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int, hold: bool = False):
+    def __init__(self, entry: _Entry | None, tensor: torch.Tensor, place: int, hold: bool = False,
+                 saved: torch.Tensor | None = None):
         self.entry, self.place = entry, place
         if entry is None or entry.decision == KEEP or hold:
             self.tensor = tensor
@@ -64,8 +70,26 @@ class _Handle:
             self.tensor = None
             self.storage_offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
             self.dtype = tensor.dtype
+        # ``saved``: the tensor autograd saved, whose version `unpack` checks (not a recompute
+        # block's inputs held on the ledger, which nothing unpacks). Watched through a weak
+        # reference where only its bytes stay (swapped).
+        self.saved_version = None
+        if saved is not None and entry is not None:
+            watch = self.tensor is None and entry.decision == SWAP
+            # (A saved tensor is never an inference tensor, which autograd does not save, nor
+            # empty, meta or sparse, which `pack` gives back as they are: it has a storage key.)
+            self.saved_version = SavedVersion(saved, entry.key, entry.registry.own_changes, watch)
+            if watch:
+                entry.registry.watched.append(weakref.ref(self))
         if entry is not None:
             entry.handles += 1
+
+    def watched(self) -> torch.Tensor | None:
+        """The tensor whose version this handle checks, where it holds one: its own, or its entry's
+        kept tensor (a swapped entry's is the copy brought back, with a counter of its own)."""
+        if self.tensor is not None:
+            return self.tensor
+        return self.entry.device_data if self.entry.decision != SWAP else None
 
     def __del__(self):
         entry = self.entry
@@ -95,6 +119,9 @@ class ForwardRegistry:
         self.next_prefetch = -1          # index in `swapped` of the next entry to bring back
         self.prefetched_unused_bytes = 0
         self.backward_started = False
+        self.own_changes = OwnChanges()  # its saved storages' version raises made by oomless's recomputes
+        # Handles of swapped saves (weak: a save autograd dropped is no longer checked).
+        self.watched: list[weakref.ref] = []
         # The lowest block backward has reached: none at first (the loss's backward runs before the
         # last block's, whose recompute is still to come then).
         self.backward_block = len(engine.backward_limits)
@@ -114,7 +141,7 @@ class ForwardRegistry:
             if saved and entry.block_index != block_index and self.engine.recorder is not None:
                 self.engine.recorder.saved_again(block_index, entry)
             return entry
-        entry = _Entry(self, block_index, storage, decision, place)
+        entry = _Entry(self, block_index, storage, decision, place, key)
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
@@ -134,6 +161,19 @@ class ForwardRegistry:
         else:
             entry.device_data = tensor
         return entry
+
+    def check_swapped_unchanged(self) -> None:
+        """Raise, as autograd would at backward, where the forward changed a swapped tensor in place
+        after its save: its copy out may have read the values from before or after the change.
+        Checked at each block's start while the model still references the tensor (and at unpack)."""
+        alive = []
+        for reference in self.watched:
+            handle = reference()
+            tensor = handle.saved_version.weak() if handle is not None else None
+            if tensor is not None:
+                handle.saved_version.check(tensor, self.own_changes, self.engine.block_name(handle.entry.block_index))
+                alive.append(reference)
+        self.watched = alive
 
     def reached(self, position: int) -> None:
         """Backward is at ``position`` (`SavedTensorEngine.position_of`): it goes down the blocks."""
@@ -279,6 +319,12 @@ class SavedTensorEngine:
         # where the hooks did not see them (a model compiled as a whole, `InstalledPlan`).
         self.packed_in_blocks = 0
         self.blocks_unseen = None
+        self.block_names: list[str] = []    # the plan's, for messages
+
+    def block_name(self, block_index: int) -> str:
+        if block_index < len(self.block_names):
+            return f"block {self.block_names[block_index]}"
+        return f"the plan's block {block_index}"
 
     def position_of(self, block_index: int) -> int:
         """Where in the step the call of block ``block_index`` running (or about to start) is: the
@@ -298,6 +344,8 @@ class SavedTensorEngine:
         """A block's call starts (its forward pre-hook; also where backward recomputes it)."""
         position = None
         if self.registry is not None and not self.registry.backward_started:
+            if self.registry.watched:
+                self.registry.check_swapped_unchanged()
             position = self.position_of(block_index)
             if block_index not in self._called:
                 self._called.add(block_index)
@@ -438,6 +486,7 @@ class SavedTensorEngine:
         registry, block_index = self.registry, self.block_index
         if registry is None or not isinstance(tensor, torch.Tensor):
             return tensor
+        saved = tensor
         if self.offloaded_parameters is not None:
             owner = self.offloaded_parameters.owner_of(tensor)
             if owner is not None:
@@ -470,7 +519,7 @@ class SavedTensorEngine:
         # this view still cannot be rebuilt from bytes, so its handle keeps the tensor itself.
         place = self.position_of(block_index)
         return _Handle(registry.entry_for(tensor, block_index, place, decision, movable), tensor, place,
-                       hold=not movable)
+                       hold=not movable, saved=saved)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
@@ -493,9 +542,11 @@ class SavedTensorEngine:
                 self.offloaded_parameters.ensure_in(packed.parameter)
                 return packed.tensor
             return packed
+        entry = packed.entry
+        if packed.saved_version is not None:
+            packed.saved_version.check(packed.watched(), entry.registry.own_changes, self.block_name(entry.block_index))
         if self._recomputed_on_ledger:
             self.backward_moved()
-        entry = packed.entry
         self.poll()     # storages freed since the last save or unpack leave the ledger before it is read
         if packed.tensor is not None:
             if entry is not None and entry.registry.next_prefetch >= 0:

@@ -1,0 +1,137 @@
+"""A tensor saved for backward and changed in place afterwards: refused, as plain PyTorch refuses it.
+
+Autograd checks a saved tensor's version at backward, but not for a tensor packed by
+`saved_tensors_hooks`, as the plan's are. A model that changes a saved tensor in place (its own bug,
+which plain PyTorch reports) trained silently: on the changed values where the plan kept the tensor
+or recomputed its block (the recompute started from the changed input), and on whichever values
+the copy out read where it swapped. oomless's own change in place, a ReLU(inplace=True) block's
+recompute giving its input the same values again, stays allowed in every backward of a graph kept
+for several (`runtime/saved_versions.py`).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import oomless
+
+_CHANGED = "modified by an inplace operation"
+
+
+def _loss(out):
+    return out.square().mean()
+
+
+class ChangesSaved(nn.Module):
+    """``b`` saves its input ``h`` for its weight's gradient; the forward then doubles ``h`` in place."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
+        self.change = True
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(h)
+        if self.change:
+            h.mul_(2.0)
+        return self.c(g)
+
+
+@pytest.mark.parametrize("decision", ["keep", "swap", "recompute"])
+def test_a_saved_tensor_changed_in_place_afterwards_is_refused_as_plain_pytorch_refuses_it(decision):
+    torch.manual_seed(0)
+    # 64 KiB saved by b: large enough to swap.
+    model, inputs = ChangesSaved(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match=_CHANGED):
+        _loss(reference(inputs)).backward()
+    model.change = False      # planned as the model was before the change was written
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["a", "b", "c"],
+                        decisions={"a": "keep", "b": decision, "c": "keep"}, update_in_backward=False)
+    assert plan.blocks[1].decision == decision
+    oomless.apply(model, plan)
+    model.change = True
+    with pytest.raises(RuntimeError, match=_CHANGED + r".*saved by block b"):
+        _loss(model(inputs)).backward()
+    model.change = False      # the same plan trains the model without the change, as plain PyTorch does
+    reference.change = False
+    reference.zero_grad()     # the refused backwards had begun (the loss's and c's gradients)
+    model.zero_grad()
+    _loss(reference(inputs)).backward()
+    _loss(model(inputs)).backward()
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
+
+
+def test_a_relu_in_place_changing_what_an_earlier_block_saved_is_refused_as_plain_pytorch_refuses_it():
+    """The ReLU block's own change is allowed for its recompute, not for the sigmoid's saved output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Sigmoid(), nn.ReLU(inplace=True), nn.Linear(32, 1))
+    inputs = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match=_CHANGED):
+        _loss(copy.deepcopy(model)(inputs)).backward()
+    blocks = ["0", "1", "2", "3"]
+    decisions = {"0": "keep", "1": "keep", "2": "recompute", "3": "keep"}
+    planned = nn.Sequential(*list(model)[:2], nn.ReLU(), model[3])    # the same step without the change in place
+    plan = oomless.plan(planned, inputs, "1GiB", loss_fn=_loss, blocks=blocks, decisions=decisions,
+                        update_in_backward=False)
+    oomless.apply(model, plan)
+    with pytest.raises(RuntimeError, match=_CHANGED + r".*saved by block 1"):
+        _loss(model(inputs)).backward()
+
+
+def test_three_backwards_through_a_recomputed_relu_in_place_equal_plain_pytorch():
+    """Each recompute of the ReLU block raises its input's version again (same values); the next
+    block's saved input and the ReLU block's own recompute input are read once per backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.ReLU(inplace=True),
+                          nn.Linear(32, 1))
+    reference, inputs = copy.deepcopy(model), torch.randn(16, 32)
+
+    def step(net):
+        loss = _loss(net(inputs))
+        loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    step(reference)
+    blocks = [str(index) for index in range(5)]
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=blocks, update_in_backward=False,
+                        decisions={"0": "keep", "1": "recompute", "2": "keep", "3": "recompute", "4": "keep"})
+    oomless.apply(model, plan)
+    step(model)
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
+
+
+class DropsWhatSaved(nn.Module):
+    """``b``'s output is computed and dropped (a metric taken with grad enabled); ``h``, which ``b``
+    saved, is then changed in place: no backward reads it, and plain PyTorch trains."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.b(h).sum().item()
+        h.mul_(2.0)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("decision", ["keep", "swap"])
+def test_a_saved_tensor_whose_graph_was_dropped_may_change_in_place(decision):
+    torch.manual_seed(0)
+    model, inputs = DropsWhatSaved(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    _loss(reference(inputs)).backward()
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["a", "b", "c"],
+                        decisions={"a": "keep", "b": decision, "c": "keep"}, update_in_backward=False)
+    oomless.apply(model, plan)
+    _loss(model(inputs)).backward()
+    for name, parameter in reference.named_parameters():
+        if parameter.grad is not None:
+            assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
