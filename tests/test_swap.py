@@ -302,6 +302,43 @@ def test_prefetch_leaves_room_for_the_recomputes_before_its_use(monkeypatch):
     _assert_same_gradients(reference, model)
 
 
+class RecomputedTwice(nn.Module):
+    """``a`` is called twice (weight sharing): s0, s1, a, s2, a, s3."""
+
+    def __init__(self):
+        super().__init__()
+        self.s0, self.s1, self.a, self.s2, self.s3 = (LinearRelu() for _ in range(5))
+
+    def forward(self, x):
+        return self.s3(self.a(self.s2(self.a(self.s1(self.s0(x))))))
+
+
+def test_prefetch_leaves_room_for_a_shared_blocks_second_recompute_where_that_call_ran(monkeypatch):
+    """``a``'s second call is recomputed at its own place in backward, after s3's backward and
+    before s2's. The room was left under the block's index only (its first call's place), so s2's
+    saves, brought back during s3's backward, took the room of that recompute: five outputs on the
+    ledger for a budget of four."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = RecomputedTwice(), torch.randn(BATCH, WIDTH), lambda out: out.sum()
+    reference = copy.deepcopy(model)
+    names = ["s0", "s1", "a", "s2", "s3"]
+    plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=names,
+                        decisions={name: "swap" for name in names} | {"a": "recompute"})
+    storage_bytes = BATCH * WIDTH * 4
+    plan = dataclasses.replace(plan, activation_budget=4 * storage_bytes, prefetch_bytes=None,
+                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
+                                       for block in plan.blocks])
+    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: _CopiedTier())
+    oomless.apply(model, plan)
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
+
+    stats = oomless.stats(model)
+    assert stats.recomputed_blocks == 2
+    assert stats.peak_activation_bytes == 4 * storage_bytes, "the budget is reached and never passed"
+    _assert_same_gradients(reference, model)
+
+
 def test_a_block_called_on_its_own_recomputes_like_plain_pytorch():
     """A block of an applied model called directly (outside the model's forward, so before any
     forward of the model has begun) is still recomputed, and its gradients are plain PyTorch's."""

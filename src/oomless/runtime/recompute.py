@@ -81,6 +81,8 @@ class RecomputeBlock:
         # One context per call: a block called twice in a forward is recomputed once per call, and
         # each call's inputs leave the ledger when its own recompute is done.
         context = _RecomputeContext(self, self.engine.position_of(self.block_index), self.engine.registry)
+        if context.registry is not None:
+            context.registry.recompute_calls.append((context.position, self.block_index))
 
         def call(*inputs):
             taken = context.check_inputs(inputs)

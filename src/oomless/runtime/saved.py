@@ -120,6 +120,8 @@ class ForwardRegistry:
         self.prefetched_unused_bytes = 0
         self.backward_started = False
         self.own_changes = OwnChanges()  # its saved storages' version raises made by oomless's recomputes
+        # The recompute blocks' calls of this forward: (place, block index) (`limit_until_use`).
+        self.recompute_calls: list[tuple[int, int]] = []
         # Handles of swapped saves (weak: a save autograd dropped is no longer checked).
         self.watched: list[weakref.ref] = []
         # The lowest block backward has reached: none at first (the loss's backward runs before the
@@ -428,10 +430,16 @@ class SavedTensorEngine:
         if entry.block_index < len(self.backward_limits):
             limits.append(self.backward_limits[entry.block_index])
         if ahead and self.recompute_bytes:
-            for block_index in range(max(entry.position, 0), min(backward_block, len(self.backward_limits))):
-                limit, recomputed = self.backward_limits[block_index], self.recompute_bytes.get(block_index, 0)
-                if limit is not None and recomputed:
-                    limits.append(limit - recomputed)
+            # Each recompute still to come where its call ran: a later call of a block (weight
+            # sharing) at that call's place, not at the block's own index (c(a(b(a(x)))) with ``a``
+            # recomputed: b's saves, brought back during c's backward, took the room of a's second
+            # recompute, which comes before b's backward; the ledger passed the budget by a's bytes).
+            for place, block_index in entry.registry.recompute_calls:
+                recomputed = self.recompute_bytes.get(block_index, 0)
+                if entry.position <= place < backward_block and recomputed:
+                    own = [self.backward_limits[index] for index in (place, block_index)
+                           if index < len(self.backward_limits)]
+                    limits += [limit - recomputed for limit in own if limit is not None]
         limits = [limit for limit in limits if limit is not None]
         return min(limits) if limits else None
 
