@@ -94,6 +94,7 @@ _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = _BATCH_NORMS + _INSTANCE_NORMS + (nn.GroupNorm,)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 
 @dataclass
@@ -143,7 +144,7 @@ def why_not_sliceable(module: nn.Module) -> str | None:
         return None
     if isinstance(module, _POINTWISE):
         return None
-    if isinstance(module, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)):
+    if isinstance(module, _DROPOUTS):
         return None if module.p == 0 else "dropout with p > 0 (its random mask would differ per slab)"
     if isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
         return "InstanceNorm with track_running_stats"
@@ -208,10 +209,31 @@ def fx_node(fx_node: torch.fx.Node, root: nn.Module, index: dict, downsampling: 
     return None
 
 
-def writes_into_a_shared_value(nodes: list[_Node]) -> bool:
-    """Whether an in-place op writes into a value another op reads (then the order of ops matters)."""
+def _aliases_its_input(node: _Node) -> bool:
+    """Whether the op's output is its input tensor itself: an in-place op, an Identity, a dropout of p = 0."""
+    return node.kind == "pointwise" and (node.inplace or type(node.module) is nn.Identity
+                                         or isinstance(node.module, _DROPOUTS))
+
+
+def writes_into_a_shared_value(nodes: list[_Node], read_outside=()) -> bool:
+    """Whether an in-place op writes into a value another op reads (then the order of ops matters),
+    or into one the graph's caller reads after it: ``read_outside``, the nodes it hands out or is
+    handed (its inputs, which PyTorch would change under the caller, and its output, which an op
+    after it would change: ``F.relu(y, inplace=True); return y``). Computed in slabs, each op writes
+    a new slab, so such a write would not be seen. Through aliases too (an Identity, a dropout of
+    p = 0 and an in-place op return their input itself)."""
     readers = [sum(source in node.inputs for node in nodes) for source in range(len(nodes))]
-    return any(node.inplace and readers[node.inputs[0]] > 1 for node in nodes)
+    if any(node.inplace and readers[node.inputs[0]] > 1 for node in nodes):
+        return True
+    value = list(range(len(nodes)))             # the node whose tensor each node's output is
+    for index, node in enumerate(nodes):
+        if _aliases_its_input(node):
+            value[index] = value[node.inputs[0]]
+    # (reader, node read): a read of a value made before an in-place op into it, after that op, sees the write.
+    reads = [(reader, source) for reader, node in enumerate(nodes) for source in node.inputs]
+    reads += [(len(nodes), source) for source in read_outside]
+    return any(node.inplace and value[source] == value[writer] and source < writer < reader
+               for writer, node in enumerate(nodes) for reader, source in reads)
 
 
 def _traced_nodes(module: nn.Module) -> tuple[list[_Node], list[int], int] | None:
@@ -235,7 +257,7 @@ def _traced_nodes(module: nn.Module) -> tuple[list[_Node], list[int], int] | Non
             return None
         index[node_of_fx] = len(nodes)
         nodes.append(node)
-    if output is None or not inputs or writes_into_a_shared_value(nodes):
+    if output is None or not inputs or writes_into_a_shared_value(nodes, inputs + [output]):
         return None
     return nodes, inputs, output
 
@@ -256,6 +278,8 @@ class SlabGraph:
             if node is None:
                 return None
             nodes.append(node)
+        if writes_into_a_shared_value(nodes, [0]):
+            return None         # its first op writes into its input (the caller's tensor)
         return cls._worth_it(nodes, [0], len(nodes) - 1)
 
     @classmethod

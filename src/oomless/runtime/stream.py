@@ -284,7 +284,7 @@ def _graph(inputs: list[torch.fx.Node], members: list[_Op], wanted: set[torch.fx
             nodes.append(replace(slab_op, inputs=mapped, recomputed=op.node in recomputed and slab_op.kind == "norm",
                                  key=(op.node.name, position)))
         at[op.node] = len(nodes) - 1
-    if writes_into_a_shared_value(nodes):
+    if writes_into_a_shared_value(nodes, [at[inputs[0]], at[output]]):     # the model's input, the graph's output
         return None
     return SlabGraph(nodes, list(range(len(inputs))), at[output])
 
