@@ -612,6 +612,35 @@ def test_what_cannot_run_in_slabs_is_no_chain():
                                                   "decoders.1", "head"]
 
 
+class _ProbabilitiesInEval(nn.Module):
+    """A segmentation head whose forward reads ``self.training``: logits to train on, probabilities in eval."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        logits = self.conv(x)
+        return logits if self.training else torch.sigmoid(logits)
+
+
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_a_chain_whose_forward_reads_its_mode_runs_as_that_mode_traces_it(thin_slabs, traced_in):
+    """Traced once, when split, the forward's Python ran in that mode: in the other the chain
+    returned the logits in eval mode (off by 34 in this case); it is traced again when the mode changes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 3, 1), _ProbabilitiesInEval())
+    model.train(traced_in == "train")
+    reference = copy.deepcopy(model)
+    apply_split(model, {"1": 3})
+    x = torch.randn(2, 1, 9, 5, 5)
+    for mode in (traced_in != "train", traced_in == "train", traced_in != "train"):
+        model.train(mode), reference.train(mode)
+        with torch.no_grad():
+            assert _close(model(x), reference(x)), f"training={mode}"
+    remove_split(model)
+
+
 def test_split_is_a_transform_in_place_and_remove_undoes_it():
     model = UNet3D(base_channels=4, depth=2)
     names = list(model.state_dict())

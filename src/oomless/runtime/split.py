@@ -44,7 +44,16 @@ class SplitChain:
     # its Python); disabled, it graph-breaks around the chain, which runs eagerly (module docstring).
     @torch.compiler.disable(reason="oomless computes this chain in slabs, eagerly")
     def forward(self, *inputs, **keywords) -> torch.Tensor:
-        slabs, graph = getattr(self, STATE_ATTRIBUTE)
+        slabs, graph, training = getattr(self, STATE_ATTRIBUTE)
+        if training != self.training:
+            # Traced in the other mode: Python in its forward that reads self.training ran as it was
+            # then (a head that applies a sigmoid in eval mode only), so it is traced again.
+            graph = _graph_of(self)
+            if graph is None:
+                raise InputError(f"{type(self).__name__} cannot be computed in slabs in "
+                                 f"{'training' if self.training else 'eval'} mode (its forward is not a chain of "
+                                 "slab ops then); remove the split (oomless.remove) to run it so")
+            object.__setattr__(self, STATE_ATTRIBUTE, (slabs, graph, self.training))
         if (keywords or len(inputs) != len(graph.inputs)
                 or not all(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > AXIS for x in inputs)):
             raise InputError(f"{type(self).__name__} is split into slabs along dimension {AXIS} and needs "
@@ -60,6 +69,16 @@ def _split_class(cls: type) -> type:
     if cls not in _split_classes:
         _split_classes[cls] = type(f"Split{cls.__name__}", (SplitChain, cls), {"__module__": cls.__module__})
     return _split_classes[cls]
+
+
+def _graph_of(module: nn.Module) -> SlabGraph | None:
+    """The graph of a split ``module``'s own forward (its class's, not the split one's), as traced now."""
+    split_class = type(module)
+    module.__class__ = next(base for base in split_class.__bases__ if base is not SplitChain)
+    try:
+        return SlabGraph.of(module)
+    finally:
+        module.__class__ = split_class
 
 
 def is_split(module: nn.Module) -> bool:
@@ -131,7 +150,8 @@ def apply_split(model: nn.Module, split: dict[str, int], blocks: list[str] | Non
         module = modules[name]
         if is_split(module):
             continue
-        object.__setattr__(module, STATE_ATTRIBUTE, (slabs, SlabGraph.of(module)))
+        # With the mode it was traced in: Python in a traced forward may read self.training.
+        object.__setattr__(module, STATE_ATTRIBUTE, (slabs, SlabGraph.of(module), module.training))
         module.__class__ = _split_class(type(module))
 
 
