@@ -559,6 +559,49 @@ def test_a_residual_unit_and_a_single_convolution_in_slabs_equal_the_unsplit_one
     _assert_same_step(head, copy.deepcopy(head), [torch.randn(1, 4, 9, 6, 6)], 3)
 
 
+class _Conditioned(nn.Module):
+    """A residual unit conditioned on an embedding of shape (N, C, 1, 1, 1), added to its volume (broadcast)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1, self.norm = nn.Conv3d(channels, channels, 3, padding=1), nn.GroupNorm(2, channels)
+        self.conv2 = nn.Conv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x, embedding):
+        return self.conv2(F.relu(self.norm(self.conv1(x))) + embedding) + x
+
+
+class _ConditionedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.embed = nn.Conv3d(1, 4, 3, padding=1), nn.Linear(3, 4)
+        self.unit, self.head = _Conditioned(4), nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        embedding = self.embed(torch.ones(x.shape[0], 3)).reshape(x.shape[0], 4, 1, 1, 1)
+        return self.head(self.unit(self.stem(x), embedding))
+
+
+def test_an_addition_that_broadcasts_one_row_along_the_axis_runs_in_slabs(thin_slabs):
+    """A chain adding an input of one row along the axis (a conditioning embedding) to its volume:
+    ``split=True`` picked it and the step raised ("adds tensors of different spatial sizes ...
+    remove the split"); that input is read whole by every slab, and its gradient summed over them."""
+    torch.manual_seed(0)
+    unit = _Conditioned(4)
+    _assert_same_step(unit, copy.deepcopy(unit), [torch.randn(2, 4, 9, 5, 5, requires_grad=True),
+                                                  torch.randn(2, 4, 1, 1, 1, requires_grad=True)], 4)
+    model, x = _ConditionedModel(), torch.randn(2, 1, 8, 6, 6)
+    reference = copy.deepcopy(model)
+    plan = oomless.plan(model, x, "4GiB", loss_fn=lambda out: out.square().mean(), split=True)
+    assert "unit" in plan.split
+    oomless.apply(model, plan)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, lambda out: out.square().mean())
+    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), x,
+                lambda out: out.square().mean())
+    for (name, parameter), other in zip(model.named_parameters(), reference.parameters()):
+        assert _close(parameter, other), name
+
+
 class _Branching(nn.Module):
     def __init__(self):
         super().__init__()

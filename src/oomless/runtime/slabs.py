@@ -14,7 +14,8 @@ output, and their gradients; the rest is one slab's worth.
 A graph is an ``nn.Sequential`` (nested ones are looked through) or a module whose forward
 ``torch.fx`` traces to these ops only: convolutions of stride 1 and "same" zero padding along D,
 transposed convolutions that upsample along D without overlap (kernel = stride, no padding),
-BatchNorm / GroupNorm / InstanceNorm, pointwise activations, concatenation along channels, addition.
+BatchNorm / GroupNorm / InstanceNorm, pointwise activations, concatenation along channels, addition
+(an addend of one row along D broadcasts: every slab reads it whole).
 
 Exact, with the ideas of StreamingCNN (Pinckaers et al., TPAMI 2020) and of operator tiling with
 normalisation statistics aggregated over the whole volume:
@@ -334,11 +335,20 @@ class SlabGraph:
                 shapes.append((depth // node.scale, height // (kernel[1] if isinstance(kernel, tuple) else kernel)))
             else:
                 sizes = {shapes[source] for source in node.inputs}
+                if node.kind == "add":
+                    # A size of 1 broadcasts (an embedding of shape (N, C, 1, 1, 1) added to a volume).
+                    sizes = {tuple(max(size[axis] for size in sizes) if size[axis] == 1 else size[axis]
+                                   for axis in (0, 1)) for size in sizes}
                 if len(sizes) != 1:
                     raise InputError(f"a graph computed in slabs {node.kind}s tensors of different spatial sizes "
                                      f"{sorted(sizes)}; remove the split (oomless.remove) for such inputs")
-                shapes.append(shapes[node.inputs[0]])
+                shapes.append(sizes.pop())
         return shapes
+
+    @staticmethod
+    def broadcast(node: _Node, source: int, index: int, depths: list[int]) -> bool:
+        """Whether node ``index`` reads its input ``source`` whole, as one row along AXIS broadcast over its rows."""
+        return node.kind == "add" and depths[source] == 1 < depths[index]
 
     def rows_needed(self, target: int, low: int, high: int, depths: list[int],
                     given=frozenset()) -> dict[int, tuple[int, int]]:
@@ -356,6 +366,8 @@ class SlabGraph:
                     rows = (low // node.scale, -(-high // node.scale))
                 elif node.kind == "down":
                     rows = (low * node.scale, min(depths[source], high * node.scale))
+                elif self.broadcast(node, source, index, depths):
+                    rows = (0, 1)
                 else:
                     rows = (low, high)
                 if source in need:
@@ -432,7 +444,9 @@ class SlabGraph:
             elif node.kind == "cat":
                 value = torch.cat([rows(source, low, high) for source in node.inputs], dim=1)
             else:
-                value = rows(node.inputs[0], low, high) + rows(node.inputs[1], low, high)
+                first, second = (values[source] if self.broadcast(node, source, index, depths) else rows(source, low, high)
+                                 for source in node.inputs)
+                value = first + second
             values[index] = value
             for source in inputs:
                 left[source] -= 1
