@@ -602,6 +602,30 @@ def test_an_addition_that_broadcasts_one_row_along_the_axis_runs_in_slabs(thin_s
         assert _close(parameter, other), name
 
 
+class _SkipIfTensor(nn.Module):
+    """A decoder stage as MONAI's BasicUNet writes it (UpCat): the skip concatenated only where it is a
+    tensor, which the tracer's proxy is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.upsample = nn.ConvTranspose3d(4, 2, kernel_size=2, stride=2)
+        self.convs = nn.Sequential(nn.Conv3d(4, 2, 3, padding=1), nn.BatchNorm3d(2), nn.ReLU())
+
+    def forward(self, x, skip):
+        x = self.upsample(x)
+        if isinstance(skip, torch.Tensor):
+            x = torch.cat([skip, x], dim=1)
+        return self.convs(x)
+
+
+def test_a_trace_that_never_reads_an_input_is_no_chain(thin_slabs):
+    """Traced, the stage above never read its skip: split, it raised "expected input ... to have 32
+    channels, but got 16" (or, where the channels matched, would have dropped the skip). The stage
+    inside it is still a chain."""
+    assert SlabGraph.of(_SkipIfTensor()) is None
+    assert split_candidates(nn.ModuleDict({"up": _SkipIfTensor()})) == ["up.upsample", "up.convs"]
+
+
 class _Branching(nn.Module):
     def __init__(self):
         super().__init__()

@@ -260,6 +260,12 @@ def _traced_nodes(module: nn.Module) -> tuple[list[_Node], list[int], int] | Non
         nodes.append(node)
     if output is None or not inputs or writes_into_a_shared_value(nodes, inputs + [output]):
         return None
+    read = {source for node in nodes for source in node.inputs} | {output}
+    if any(index not in read for index in inputs):
+        # An input the trace never reads: Python the tracer took another way than a call does (MONAI's
+        # BasicUNet's UpCat concatenates its skip only where torch.jit.isinstance(skip, torch.Tensor),
+        # False for the tracer's proxy), so the graph is not what the forward computes.
+        return None
     return nodes, inputs, output
 
 
