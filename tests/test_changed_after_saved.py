@@ -5,8 +5,9 @@ Autograd checks a saved tensor's version at backward, but not for a tensor packe
 which plain PyTorch reports) trained silently: on the changed values where the plan kept the tensor
 or recomputed its block (the recompute started from the changed input), and on whichever values
 the copy out read where it swapped. oomless's own change in place, a ReLU(inplace=True) block's
-recompute giving its input the same values again, stays allowed in every backward of a graph kept
-for several (`runtime/saved_versions.py`).
+recompute giving its input the same values again, is hidden from both checks, autograd's and the
+plan's, in every backward of a graph kept for several (`runtime/saved_versions.py`). A saved tensor
+no backward reads may change, as in plain PyTorch.
 """
 
 import copy
@@ -40,11 +41,13 @@ class ChangesSaved(nn.Module):
         return self.c(g)
 
 
+@pytest.mark.parametrize("shape", [(256, 64), (8, 32, 64)], ids=["2d", "3d"])
 @pytest.mark.parametrize("decision", ["keep", "swap", "recompute"])
-def test_a_saved_tensor_changed_in_place_afterwards_is_refused_as_plain_pytorch_refuses_it(decision):
+def test_a_saved_tensor_changed_in_place_afterwards_is_refused_as_plain_pytorch_refuses_it(decision, shape):
+    """64 KiB saved by b: large enough to swap. Of 3 dimensions, linear saves its input as a view
+    of 2 made for the op alone: a swapped one is watched through its base."""
     torch.manual_seed(0)
-    # 64 KiB saved by b: large enough to swap.
-    model, inputs = ChangesSaved(), torch.randn(256, 64)
+    model, inputs = ChangesSaved(), torch.randn(*shape)
     reference = copy.deepcopy(model)
     with pytest.raises(RuntimeError, match=_CHANGED):
         _loss(reference(inputs)).backward()
@@ -54,7 +57,7 @@ def test_a_saved_tensor_changed_in_place_afterwards_is_refused_as_plain_pytorch_
     assert plan.blocks[1].decision == decision
     oomless.apply(model, plan)
     model.change = True
-    with pytest.raises(RuntimeError, match=_CHANGED + r".*saved by block b"):
+    with pytest.raises(RuntimeError, match=_CHANGED + r".*(saved by|an input of) block b"):
         _loss(model(inputs)).backward()
     model.change = False      # the same plan trains the model without the change, as plain PyTorch does
     reference.change = False
@@ -135,3 +138,103 @@ def test_a_saved_tensor_whose_graph_was_dropped_may_change_in_place(decision):
     for name, parameter in reference.named_parameters():
         if parameter.grad is not None:
             assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
+
+
+class ReturnsAux(nn.Module):
+    """``b``'s output is returned beside the prediction and left out of the loss; ``h``, which ``b``
+    saved, is changed in place after it: no backward reads ``b``'s saves, and plain PyTorch trains."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        aux = self.b(h)
+        h.mul_(2.0)
+        return self.c(h), aux
+
+
+@pytest.mark.parametrize("decision", ["keep", "swap"])
+def test_a_changed_saved_tensor_no_backward_reads_trains_as_plain_pytorch(decision):
+    """The profile's sizing step swaps every block: the plan itself must not refuse such a model."""
+    torch.manual_seed(0)
+    model, inputs = ReturnsAux(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out):
+        return _loss(out[0])
+
+    loss_fn(reference(inputs)).backward()
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=loss_fn, blocks=["a", "b", "c"],
+                        decisions={"a": "keep", "b": decision, "c": "keep"}, update_in_backward=False)
+    oomless.apply(model, plan)
+    loss_fn(model(inputs)).backward()
+    for name, parameter in reference.named_parameters():
+        if parameter.grad is not None:
+            assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
+
+
+class Cell(nn.Module):
+    """Keeps its output as a state for its next call, whose ``b`` saves it; ``act`` (a ReLU in place,
+    recomputed) changed it in place in the call before, and its recompute in each backward changes it
+    again, to the same values."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, width)
+        self.state = None
+
+    def forward(self, x):
+        if self.state is not None:
+            x = x + self.b(self.state)
+        self.state = self.act(self.a(x))
+        return self.state
+
+
+def test_a_recomputed_relu_in_place_of_one_forward_under_a_later_forwards_save_equals_plain_pytorch():
+    torch.manual_seed(0)
+    model, inputs = Cell(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+
+    def step(net):
+        net.state = None
+        loss = net(inputs).sum() + net(inputs).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    step(reference)
+    planned = copy.deepcopy(model)
+
+    def forward_after_a_call(x):       # b runs when profiled, each step on a state of its own
+        planned.state = torch.randn_like(x)
+        return Cell.forward(planned, x)
+
+    planned.forward = forward_after_a_call
+    plan = oomless.plan(planned, inputs, "1GiB", loss_fn=lambda out: out.sum(), blocks=["a", "act", "b"],
+                        decisions={"a": "keep", "act": "recompute", "b": "keep"}, update_in_backward=False)
+    oomless.apply(model, plan)
+    step(model)
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name
+
+
+def test_a_loss_that_saved_a_recomputed_relu_in_places_output_backward_twice_equals_plain_pytorch():
+    """The loss saves the model's output outside the plan's hooks, under autograd's own check; the
+    ReLU block's recompute changes that output in place (same values) before the second backward."""
+    torch.manual_seed(0)
+    model, inputs = nn.Sequential(nn.Linear(64, 64), nn.ReLU(inplace=True)), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+
+    def step(net):
+        loss = _loss(net(inputs))
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    step(reference)
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["0", "1"],
+                        decisions={"0": "keep", "1": "recompute"}, update_in_backward=False)
+    oomless.apply(model, plan)
+    step(model)
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].grad, parameter.grad), name

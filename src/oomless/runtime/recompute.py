@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oomless.errors import ApplyError
 from oomless.profile.tensors import changed, versions
-from oomless.runtime.saved_versions import saved_version
+from oomless.runtime.saved_versions import SavedVersion, changed_error
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -85,19 +85,20 @@ class RecomputeBlock:
             context.registry.recompute_calls.append((context.position, self.block_index))
 
         def call(*inputs):
-            taken = context.check_inputs(inputs)
-            try:
-                if changes_input:
-                    # The recompute's inputs are leaves, which autograd lets no op change in place; a
-                    # clone of each is not (the clone's backward saves nothing).
-                    inputs = [tensor.clone() for tensor in inputs]
-                rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
-                call_args, call_kwargs = tree_unflatten(rebuilt, spec)
+            context.check_inputs(inputs)
+            if changes_input:
+                # The recompute's inputs are leaves, which autograd lets no op change in place; a
+                # clone of each is not (the clone's backward saves nothing).
+                inputs = [tensor.clone() for tensor in inputs]
+            rebuilt = [leaf if place is None else inputs[place] for leaf, place in zip(leaves, where)]
+            call_args, call_kwargs = tree_unflatten(rebuilt, spec)
+            # A recompute changes its inputs in place only where the block is a ReLU alone (any
+            # other such block recomputes from clones), giving them the values they had: the raise
+            # of their versions is hidden, or autograd's check (a loss that saved the model's
+            # output) and the plan's would refuse a later backward through the same graph.
+            with torch.autograd._unsafe_preserve_version_counter(
+                    tuple(tensor for tensor in inputs if not tensor.is_inference())):
                 return module(*call_args, **call_kwargs)
-            finally:
-                # What the recompute changed of its inputs in place (a ReLU's, to the values they
-                # had) is oomless's own change, which later checks allow.
-                context.own_changes_since(taken)
         if self.selective:
             forward_context, recompute_context = selective_contexts(context.keep)
             contexts = (forward_context, _Both(context, recompute_context))
@@ -129,7 +130,7 @@ class RecomputeBlock:
                              "from the changed values and give wrong gradients; plan again (oomless.plan(model, ...) "
                              "on this model), make that op out of place (inplace=False), or give the block keep or "
                              "swap (oomless.plan(..., decisions={...}))")
-        context.inputs_ran()
+        context.call_ended()
         try:
             next(generator)
         except StopIteration:
@@ -150,28 +151,20 @@ class _RecomputeContext:
         self.inputs: list = []           # its call's input tensors, from the call's start to its end
         self.input_versions: list = []   # then a `SavedVersion` (or None) of each, as the call left it
 
-    def inputs_ran(self) -> None:
-        """The call is done: its inputs' versions now are those its recomputes must find (its own
-        change in place is in them: a ReLU's, which its recompute makes again to the same values)."""
-        if self.registry is not None:
-            self.input_versions = [saved_version(tensor, self.registry.own_changes) for tensor in self.inputs]
+    def call_ended(self) -> None:
+        """Its inputs' versions now are those its recomputes must find (its own change in place is in
+        them: a ReLU's, which its recompute makes again to the same values)."""
+        self.input_versions = [None if tensor.is_inference() else SavedVersion(tensor) for tensor in self.inputs]
         self.inputs = []
 
-    def check_inputs(self, inputs) -> list:
-        """At a recompute: raise as autograd does where an input was changed in place after the call
-        (the recompute would start from the changed values), other than by oomless's own recomputes;
-        the inputs' versions (`versions`) for `own_changes_since`."""
-        if self.registry is None:
-            return []
-        name = self.block.engine.block_name(self.block.block_index)
-        for check, tensor in zip(self.input_versions, inputs):
-            if check is not None:
-                check.check(tensor, self.registry.own_changes, name)
-        return versions(inputs)
-
-    def own_changes_since(self, taken: list) -> None:
-        if self.registry is not None:
-            self.registry.own_changes.add_since(taken)
+    def check_inputs(self, inputs) -> None:
+        """At a recompute: raise as autograd does where an input was changed in place after the call:
+        the recompute would start from the changed values."""
+        for saved, tensor in zip(self.input_versions, inputs):
+            found = saved.found(tensor) if saved is not None else None
+            if found is not None:
+                name = self.block.engine.block_name(self.block.block_index)
+                raise changed_error(found, saved.version, name, recompute_input=True)
 
     def keep(self, tensors) -> None:
         """Selective: put outputs the forward keeps on the ledger as kept, for the block's phases until

@@ -13,7 +13,7 @@ from collections import deque
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from oomless.runtime.saved_versions import OwnChanges, SavedVersion
+from oomless.runtime.saved_versions import SavedVersion, changed_error
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
 
@@ -22,11 +22,11 @@ class _Entry:
     """One saved storage: kept on the device, or moved to a tier and brought back for backward."""
 
     __slots__ = ("registry", "block_index", "position", "num_bytes", "decision", "weak", "device_data",
-                 "ticket", "handles", "on_ledger", "fetch_issued", "fetched", "key")
+                 "ticket", "handles", "on_ledger", "fetch_issued", "fetched", "version")
 
-    def __init__(self, registry, block_index: int, storage, decision: str, position: int, key: tuple):
+    def __init__(self, registry, block_index: int, storage, decision: str, position: int, version: int):
         self.registry = registry
-        self.key = key                # (device, storage's data pointer)
+        self.version = version        # the storage's version when saved (what a swap copies out)
         self.block_index = block_index
         # Where in the step it was first saved (`SavedTensorEngine.position_of`): its last use in
         # backward, so the first place of the phases it must fit once brought back.
@@ -71,25 +71,16 @@ class _Handle:
             self.storage_offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
             self.dtype = tensor.dtype
         # ``saved``: the tensor autograd saved, whose version `unpack` checks (not a recompute
-        # block's inputs held on the ledger, which nothing unpacks). Watched through a weak
-        # reference where only its bytes stay (swapped).
+        # block's inputs held on the ledger, which nothing unpacks; never an inference tensor,
+        # which autograd does not save). Where the handle holds only bytes (swapped), watched
+        # through a weak reference to the tensor the model holds (the detached alias above dies).
         self.saved_version = None
         if saved is not None and entry is not None:
-            watch = self.tensor is None and entry.decision == SWAP
-            # (A saved tensor is never an inference tensor, which autograd does not save, nor
-            # empty, meta or sparse, which `pack` gives back as they are: it has a storage key.)
-            self.saved_version = SavedVersion(saved, entry.key, entry.registry.own_changes, watch)
-            if watch:
+            self.saved_version = SavedVersion(saved, watch=self.tensor is None)
+            if self.tensor is None:
                 entry.registry.watched.append(weakref.ref(self))
         if entry is not None:
             entry.handles += 1
-
-    def watched(self) -> torch.Tensor | None:
-        """The tensor whose version this handle checks, where it holds one: its own, or its entry's
-        kept tensor (a swapped entry's is the copy brought back, with a counter of its own)."""
-        if self.tensor is not None:
-            return self.tensor
-        return self.entry.device_data if self.entry.decision != SWAP else None
 
     def __del__(self):
         entry = self.entry
@@ -119,7 +110,6 @@ class ForwardRegistry:
         self.next_prefetch = -1          # index in `swapped` of the next entry to bring back
         self.prefetched_unused_bytes = 0
         self.backward_started = False
-        self.own_changes = OwnChanges()  # its saved storages' version raises made by oomless's recomputes
         # The recompute blocks' calls of this forward: (place, block index) (`limit_until_use`).
         self.recompute_calls: list[tuple[int, int]] = []
         # Handles of swapped saves (weak: a save autograd dropped is no longer checked).
@@ -139,11 +129,15 @@ class ForwardRegistry:
         # An entry whose handles all went (a graph freed during the forward, e.g. a metric computed
         # with grad and dropped) has been released: its ticket and ledger share are gone, so a
         # later save of the same live storage needs a fresh entry, not that one.
-        if entry is not None and not entry.weak.expired() and entry.handles > 0:
+        # A swapped entry's bytes are the storage's at its first save: a storage changed in place
+        # since (an earlier save no backward reads, as an output left out of the loss) is saved
+        # again as a fresh entry, or this save would read the old values back.
+        if entry is not None and not entry.weak.expired() and entry.handles > 0 and \
+                (entry.decision != SWAP or entry.version == tensor._version):
             if saved and entry.block_index != block_index and self.engine.recorder is not None:
                 self.engine.recorder.saved_again(block_index, entry)
             return entry
-        entry = _Entry(self, block_index, storage, decision, place, key)
+        entry = _Entry(self, block_index, storage, decision, place, tensor._version)
         self.by_storage[key] = entry
         # Kept bytes count as much as swapped ones: either waits for earlier copies if the ledger
         # would pass the budget.
@@ -164,18 +158,12 @@ class ForwardRegistry:
             entry.device_data = tensor
         return entry
 
-    def check_swapped_unchanged(self) -> None:
-        """Raise, as autograd would at backward, where the forward changed a swapped tensor in place
-        after its save: its copy out may have read the values from before or after the change.
-        Checked at each block's start while the model still references the tensor (and at unpack)."""
-        alive = []
-        for reference in self.watched:
-            handle = reference()
-            tensor = handle.saved_version.weak() if handle is not None else None
-            if tensor is not None:
-                handle.saved_version.check(tensor, self.own_changes, self.engine.block_name(handle.entry.block_index))
-                alive.append(reference)
-        self.watched = alive
+    def note_swapped_changes(self) -> None:
+        """At each block's start in the forward: note a swapped tensor the model changed in place
+        after its save (its copy out may have read the values from before or after the change),
+        while the model still references it; `unpack` raises where backward reads it."""
+        self.watched = [reference for reference in self.watched
+                        if (handle := reference()) is not None and handle.saved_version.note_change()]
 
     def reached(self, position: int) -> None:
         """Backward is at ``position`` (`SavedTensorEngine.position_of`): it goes down the blocks."""
@@ -347,7 +335,7 @@ class SavedTensorEngine:
         position = None
         if self.registry is not None and not self.registry.backward_started:
             if self.registry.watched:
-                self.registry.check_swapped_unchanged()
+                self.registry.note_swapped_changes()
             position = self.position_of(block_index)
             if block_index not in self._called:
                 self._called.add(block_index)
@@ -552,7 +540,9 @@ class SavedTensorEngine:
             return packed
         entry = packed.entry
         if packed.saved_version is not None:
-            packed.saved_version.check(packed.watched(), entry.registry.own_changes, self.block_name(entry.block_index))
+            found = packed.saved_version.found(packed.tensor)
+            if found is not None:
+                raise changed_error(found, packed.saved_version.version, self.block_name(entry.block_index))
         if self._recomputed_on_ledger:
             self.backward_moved()
         self.poll()     # storages freed since the last save or unpack leave the ledger before it is read

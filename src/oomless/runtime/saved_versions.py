@@ -9,8 +9,8 @@ the changed input), and on the old ones where it swaps, where plain PyTorch rais
 
 oomless changes saved storages in place itself in one case: the recompute of a block whose forward
 changes its input in place and gives the same values when run again (`nn.ReLU(inplace=True)`
-alone, `recompute._IDEMPOTENT_IN_PLACE`) raises its input's version again. Those raises are counted
-per storage (`OwnChanges`) and allowed; they leave the values as they were.
+alone). The recompute hides that raise of the input's version (`recompute.RecomputeBlock`), so this
+check, and autograd's own for tensors saved outside the plan's hooks, see none.
 """
 
 import weakref
@@ -18,69 +18,53 @@ import weakref
 import torch
 
 
-class OwnChanges:
-    """Version raises oomless made itself, per storage (``(device, data_ptr)``), in one forward's
-    graph: a handle expects its tensor at its version when packed plus the raises made since."""
-
-    def __init__(self):
-        self.by_storage: dict[tuple, int] = {}
-
-    def count(self, key: tuple) -> int:
-        return self.by_storage.get(key, 0)
-
-    def add(self, tensor: torch.Tensor, raises: int) -> None:
-        key = storage_key(tensor) if raises else None
-        if key is not None:
-            self.by_storage[key] = self.by_storage.get(key, 0) + raises
-
-    def add_since(self, taken: list[tuple[torch.Tensor, int]]) -> None:
-        """Count the raises of ``taken`` (`oomless.profile.tensors.versions`) since it was taken as
-        oomless's own."""
-        for tensor, version in taken:
-            self.add(tensor, tensor._version - version)
-
-
 class SavedVersion:
-    """A packed tensor's version when saved, and how to find the tensor again at unpack: the tensor
-    the handle holds, or a weak reference to the one saved where the handle holds bytes moved to
-    another tier (where the model no longer references that tensor, it cannot change it either)."""
+    """A tensor's version when saved, and, where the handle holds no tensor (its bytes were moved to
+    another tier), a weak reference to check it through while the model still references it."""
 
-    __slots__ = ("version", "own_before", "key", "weak")
+    __slots__ = ("version", "weak", "changed_to")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple, own: OwnChanges, watch: bool):
+    def __init__(self, tensor: torch.Tensor, watch: bool = False):
         self.version = tensor._version
-        self.key = key
-        self.own_before = own.count(key)
-        self.weak = weakref.ref(tensor) if watch else None
+        # A view shares its base's version counter, and autograd may save a view made for the op
+        # alone (linear's input of 3 dimensions, as 2): watched through the base the model holds.
+        self.weak = weakref.ref(tensor if tensor._base is None else tensor._base) if watch else None
+        self.changed_to: int | None = None   # a raised version seen in the forward (`note_change`)
 
-    def check(self, tensor: torch.Tensor | None, own: OwnChanges, saved_by: str) -> None:
-        """Raise as autograd does if ``tensor`` (the handle's, or None to read the weak reference)
-        was changed in place since it was saved, other than by oomless's own recomputes."""
+    def note_change(self) -> bool:
+        """In the forward: remember a change of the watched tensor in place (reported where backward
+        reads it: a saved tensor no backward reads may change, as in plain PyTorch). False once the
+        tensor is gone or a change is noted: nothing left to watch."""
+        tensor = self.weak() if self.weak is not None and self.changed_to is None else None
         if tensor is None:
-            tensor = self.weak() if self.weak is not None else None
-            if tensor is None:
-                return
-        expected = self.version + own.count(self.key) - self.own_before
-        if tensor._version != expected:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
-                f"{expected} instead. It was saved by {saved_by} under the oomless plan, whose hooks take over "
-                "autograd's check (plain PyTorch raises the same for this model). Change the tensor out of place "
-                "(y = y * 2 instead of y.mul_(2); inplace=False), or clone it before changing it")
+            return False
+        if tensor._version != self.version:
+            self.changed_to = tensor._version
+            return False
+        return True
+
+    def found(self, tensor: torch.Tensor | None) -> int | None:
+        """The version ``tensor`` (the handle's, or None to read the weak reference) was changed to
+        since it was saved, None where it was not (or cannot be read)."""
+        if self.changed_to is not None:
+            return self.changed_to
+        if tensor is None and self.weak is not None:
+            tensor = self.weak()
+        if tensor is None or tensor._version == self.version:
+            return None
+        return tensor._version
 
 
-def storage_key(tensor: torch.Tensor) -> tuple | None:
-    """``(device, data pointer)`` of ``tensor``'s storage; None where that names no storage of its
-    own (empty, meta or sparse: every such storage has pointer 0) or the tensor has no version
-    counter (an inference tensor)."""
-    if tensor.is_inference() or tensor.is_sparse or tensor.device.type == "meta":
-        return None
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr()) if storage.nbytes() else None
-
-
-def saved_version(tensor: torch.Tensor, own: OwnChanges, watch: bool = False) -> SavedVersion | None:
-    """`SavedVersion` of ``tensor``, None where it has no storage key (`storage_key`)."""
-    key = storage_key(tensor)
-    return None if key is None else SavedVersion(tensor, key, own, watch)
+def changed_error(found: int, expected: int, saved_by: str, recompute_input: bool = False) -> RuntimeError:
+    """Autograd's error for a saved tensor changed in place, saying which block saved it and what to do."""
+    message = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
+               f"it is at version {found}; expected version {expected} instead. ")
+    if recompute_input:
+        return RuntimeError(
+            message + f"It is an input of {saved_by}, which the oomless plan recomputes from its inputs as the call "
+            "left them; the model changed it in place after the call (torch.utils.checkpoint refuses the same). "
+            "Give that block keep or swap (oomless.plan(..., decisions={...})), or change the tensor out of place")
+    return RuntimeError(
+        message + f"It was saved by {saved_by} under the oomless plan, whose hooks take over autograd's check "
+        "(plain PyTorch raises the same for this model). Change the tensor out of place (y = y * 2 instead of "
+        "y.mul_(2); inplace=False), or clone it before changing it")
