@@ -142,13 +142,14 @@ class SlowTier:
         return [number for name, number in self.calls if name == call]
 
 
-def train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, prefetch_bytes, monkeypatch) -> SlowTier:
-    """Apply ``plan`` to ``model`` with one activation budget for every phase and swaps to a `SlowTier`,
-    then train it and ``reference`` (plain) one step each; returns the tier."""
+def train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, budget, prefetch_bytes, monkeypatch,
+                         tier: SlowTier | None = None) -> SlowTier:
+    """Apply ``plan`` to ``model`` with one activation budget for every phase and swaps to ``tier``
+    (a new `SlowTier` if None), then train it and ``reference`` (plain) one step each; returns the tier."""
     plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=prefetch_bytes,
                                blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
                                        for block in plan.blocks])
-    tier = SlowTier()
+    tier = SlowTier() if tier is None else tier
     monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
     oomless.apply(model, plan)
     train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
@@ -277,20 +278,6 @@ class _CopiedTier(SlowTier):
         return True
 
 
-def _train_on_a_copied_tier(model, reference, inputs, loss_fn, plan, budget, monkeypatch) -> _CopiedTier:
-    """One step of ``reference`` and of ``model`` under ``plan`` with ``budget`` bytes for activations,
-    no per-phase limits and no prefetch window, swapping to a `_CopiedTier` (returned)."""
-    plan = dataclasses.replace(plan, activation_budget=budget, prefetch_bytes=None,
-                               blocks=[dataclasses.replace(block, forward_limit_bytes=None, backward_limit_bytes=None)
-                                       for block in plan.blocks])
-    tier = _CopiedTier()
-    monkeypatch.setattr(oomless.runtime.install, "make_tier", lambda device: tier)
-    oomless.apply(model, plan)
-    train_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), inputs, loss_fn, steps=1)
-    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs, loss_fn, steps=1)
-    return tier
-
-
 def test_prefetch_leaves_room_for_the_recomputes_before_its_use(monkeypatch):
     """Blocks swap, swap, swap, recompute, recompute, swap; the budget holds four outputs. Backward
     starts with the last block's output on the ledger and room for three more: bringing back all
@@ -299,7 +286,8 @@ def test_prefetch_leaves_room_for_the_recomputes_before_its_use(monkeypatch):
     decisions = {"3": "recompute", "4": "recompute"}
     model, reference, inputs, loss_fn, plan = _linear_relus(6, decisions)
     storage_bytes = BATCH * WIDTH * 4
-    tier = _train_on_a_copied_tier(model, reference, inputs, loss_fn, plan, 4 * storage_bytes, monkeypatch)
+    tier = train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, 4 * storage_bytes, None, monkeypatch,
+                                _CopiedTier())
 
     stats = oomless.stats(model)
     assert stats.recomputed_blocks == 2
@@ -332,7 +320,7 @@ def test_prefetch_leaves_room_for_a_shared_blocks_second_recompute_where_that_ca
     plan = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=names,
                         decisions={name: "swap" for name in names} | {"a": "recompute"})
     storage_bytes = BATCH * WIDTH * 4
-    _train_on_a_copied_tier(model, reference, inputs, loss_fn, plan, 4 * storage_bytes, monkeypatch)
+    train_on_a_slow_tier(model, reference, inputs, loss_fn, plan, 4 * storage_bytes, None, monkeypatch, _CopiedTier())
 
     stats = oomless.stats(model)
     assert stats.recomputed_blocks == 2
