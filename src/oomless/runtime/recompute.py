@@ -16,7 +16,6 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oomless.errors import ApplyError
-from oomless.profile.tensors import changed, versions
 from oomless.runtime.saved_versions import SavedVersion, changed_error
 from oomless.runtime.selective import selective_contexts
 
@@ -48,7 +47,6 @@ class RecomputeBlock:
         self.engine = engine
         self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
-        self.input_versions: list = []  # the running call's inputs and their versions (`versions`), pre_hook to post_hook
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
@@ -112,16 +110,15 @@ class RecomputeBlock:
         self.generator = _GENERATOR(call, *options, *tensors)
         next(self.generator)
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
-        self.input_versions = versions(tensors)
-        self.context, context.inputs = context, tensors
+        self.context = context
+        context.call_started(tensors)
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
-        taken, self.input_versions = self.input_versions, []
         context, self.context = self.context, None
         if generator is None or self.recomputing:
             return
-        if changed(taken) and not isinstance(module, _IDEMPOTENT_IN_PLACE):
+        if context.changed_in_call() and not isinstance(module, _IDEMPOTENT_IN_PLACE):
             # Its recompute would start from the changed values and save other tensors than the
             # forward did (wrong gradients, silently); torch's checkpoint refuses it through
             # autograd's version check, which tensors saved through the plan's hooks do not get.
@@ -148,13 +145,22 @@ class _RecomputeContext:
         self.registry = registry         # that forward's (`SavedTensorEngine.recompute_started`)
         self.input_handles: list = []    # its call's inputs, held on the ledger as kept
         self.kept_handles: list = []     # selective: the costly ops' outputs the forward kept
-        self.inputs: list = []           # its call's input tensors, from the call's start to its end
-        self.input_versions: list = []   # then a `SavedVersion` (or None) of each, as the call left it
+        # Its call's input tensors and their versions at the call's start (None: an inference tensor,
+        # which has none), until the call ends; then a `SavedVersion` (or None) of each, as it left them.
+        self.inputs: list[tuple[torch.Tensor, int | None]] = []
+        self.input_versions: list = []
+
+    def call_started(self, tensors) -> None:
+        self.inputs = [(tensor, None if tensor.is_inference() else tensor._version) for tensor in tensors]
+
+    def changed_in_call(self) -> bool:
+        """Whether the call changed an input in place."""
+        return any(version is not None and tensor._version != version for tensor, version in self.inputs)
 
     def call_ended(self) -> None:
         """Its inputs' versions now are those its recomputes must find (its own change in place is in
         them: a ReLU's, which its recompute makes again to the same values)."""
-        self.input_versions = [None if tensor.is_inference() else SavedVersion(tensor) for tensor in self.inputs]
+        self.input_versions = [None if version is None else SavedVersion(tensor) for tensor, version in self.inputs]
         self.inputs = []
 
     def check_inputs(self, inputs) -> None:
@@ -163,8 +169,7 @@ class _RecomputeContext:
         for saved, tensor in zip(self.input_versions, inputs):
             found = saved.found(tensor) if saved is not None else None
             if found is not None:
-                name = self.block.engine.block_name(self.block.block_index)
-                raise changed_error(found, saved.version, name, recompute_input=True)
+                raise changed_error(found, saved.version, f"block {self.block.name}", recompute_input=True)
 
     def keep(self, tensors) -> None:
         """Selective: put outputs the forward keeps on the ledger as kept, for the block's phases until
