@@ -364,6 +364,8 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                 model, optimizer, plan.accumulation_steps, in_backward=plan.update_in_backward,
                 offload_state=plan.offload_optimizer_state,
                 offload_blocks=[(name, modules[name]) for name in plan.decisions] if plan.offload_parameters else None)
+            if update.reads is not None:
+                installed_state(model).engine.parameter_reads = update.reads
             if update.parameters_off is not None:
                 # Brought-in parameters are resident, never saved activations to count or swap (the
                 # saved-tensor engine takes the parameters' storages at the model's forward, before them).

@@ -131,7 +131,8 @@ class InstalledPlan:
             compiled = _is_compiled(module)
             if decision == RECOMPUTE:
                 block = RecomputeBlock(module, index, self.engine, selective=self._selective(index, module),
-                                       name=name, changes_input=self.plan.blocks[index].changes_input)
+                                       name=name, changes_input=self.plan.blocks[index].changes_input,
+                                       compiled=compiled)
                 self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
             self.handles.append(module.register_forward_pre_hook(_eager(self._block_enter(index, decision), compiled)))

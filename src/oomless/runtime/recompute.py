@@ -36,7 +36,7 @@ class RecomputeBlock:
     """Hook state of one recompute block."""
 
     def __init__(self, module: torch.nn.Module, block_index: int, engine, selective: bool = False, name: str = "",
-                 changes_input: bool = False):
+                 changes_input: bool = False, compiled: bool = False):
         self.module = module
         self.block_index = block_index
         self.name = name
@@ -50,6 +50,10 @@ class RecomputeBlock:
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
+        # With the update in backward: whether its forward's reads of other modules' parameters outside
+        # their gradients' path were recorded (at its first call, `runtime.parameter_reads`). Not in
+        # a compiled block: dynamo would trace the recording mode into its graph.
+        self.reads_recorded = compiled
 
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
@@ -102,6 +106,10 @@ class RecomputeBlock:
             contexts = (forward_context, _Both(context, recompute_context))
         else:
             contexts = (nullcontext(), context)
+        reads = self.engine.parameter_reads
+        if reads is not None and not self.reads_recorded:
+            self.reads_recorded = True
+            contexts = (_Both(reads.recorder(module.parameters()), contexts[0]), contexts[1])
         options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
         if self.changes_input:
             # The forward runs on the tensors themselves, as the model expects; the recompute, from

@@ -302,6 +302,9 @@ class SavedTensorEngine:
         self._recomputed_on_ledger = 0
         # Parameters off the device between uses (`OffloadedParameters`, set by `oomless.apply`).
         self.offloaded_parameters = None
+        # Parameters updated in backward and read outside their gradients' path (`ParameterReads`,
+        # set by `oomless.apply` with the update in backward): every save is shown to it.
+        self.parameter_reads = None
         # Called once at the first unpack in backward after a forward, then cleared.
         self.backward_check = None
         # Tensors packed inside a block since the forward began; where none were and backward
@@ -483,6 +486,8 @@ class SavedTensorEngine:
         if registry is None or not isinstance(tensor, torch.Tensor):
             return tensor
         saved = tensor
+        if self.parameter_reads is not None:
+            self.parameter_reads.saved(tensor)
         if self.offloaded_parameters is not None:
             owner = self.offloaded_parameters.owner_of(tensor)
             if owner is not None:

@@ -25,8 +25,9 @@ Why the result is bit for bit the plain step's:
 - Autograd runs a parameter's AccumulateGrad node only after every node that contributes to its
   gradient, and those are the nodes that saved it; so no later part of backward reads the parameter
   the update has just written (a recomputed block recomputes before its own parameters' gradients
-  exist). A tensor saved as ``param.detach()`` outside the gradient's path would be read after the
-  update; autograd's version counter then raises instead of computing something else.
+  exist). A read outside the gradient's path (a tensor saved as ``param.detach()``, a recompute block
+  reading another module's weight without its gradient) could come after the update: such a
+  parameter's module is updated at the end of backward instead (`oomless.runtime.parameter_reads`).
 - The user's ``optimizer.step()`` and ``zero_grad()`` skip parameters whose ``grad`` is None (every
   ``torch.optim`` optimizer does): for the parameters updated here they are no-ops; parameters the
   hooks do not cover (frozen, not in this model) are stepped by the user's call as before.
@@ -64,6 +65,7 @@ from oomless.errors import ApplyError, InputError
 from oomless.runtime.offload_parameters import OffloadedParameters
 from oomless.runtime.offload_state import MIN_OFFLOAD_BYTES, OffloadedState
 from oomless.runtime.optimizer_slices import OptimizerSlice, check_sliceable, group_index_of
+from oomless.runtime.parameter_reads import ParameterReads
 
 STATE_ATTRIBUTE = "_oomless_update_in_backward"
 
@@ -126,6 +128,9 @@ class UpdateInBackward:
         self.slice = OptimizerSlice(optimizer, list(self.names), group_of)
         self.unit_of = update_units(model, self.names)
         self._ready: dict[tuple, list[nn.Parameter]] = {}          # units whose gradients are partly ready
+        # Units whose parameters backward reads outside their gradients' path: updated at its end.
+        self.reads = ParameterReads(self) if in_backward else None
+        self._at_backward_end: list[list[nn.Parameter]] = []
         self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
         self.steps_in_backward = 0                              # counted for tests and stats
         self.state = self.parameters_off = None
@@ -179,8 +184,19 @@ class UpdateInBackward:
             ready.append(param)
             if len(ready) == len(unit):
                 del self._ready[unit]
+                if self.reads is not None and self.reads.defers(ready):
+                    if not self._at_backward_end:
+                        torch.autograd.Variable._execution_engine.queue_callback(self._update_at_backward_end)
+                    self._at_backward_end.append(ready)
+                    return
                 self._update(ready)
                 self.steps_in_backward += len(ready)
+
+    def _update_at_backward_end(self) -> None:
+        units, self._at_backward_end = self._at_backward_end, []
+        for ready in units:
+            self._update(ready)
+            self.steps_in_backward += len(ready)
 
     def _before_user_step(self, optimizer, args, kwargs) -> None:
         self._hidden_gradients = {}     # left by a step that raised: stale, not put back
@@ -204,6 +220,8 @@ class UpdateInBackward:
                              f"micro-batches (parameter {name} and {len(partial) - 1} more have accumulated "
                              "gradients not yet applied); step after every k-th backward, or plan with the "
                              "accumulation_steps the loop uses")
+        self._update_at_backward_end()     # left by a backward that raised before its end
+        self.reads.refresh()
         # A module's parameters whose partners got no gradient this step (unused in the forward).
         for ready in self._ready.values():
             self._update(ready)
