@@ -240,3 +240,70 @@ def test_a_loss_that_saved_a_recomputed_relu_in_places_output_backward_twice_equ
     oomless.apply(model, plan)
     step(model)
     _assert_same_gradients(model, reference)
+
+
+class ChangesOutsideBlocks(nn.Module):
+    """The model's own forward, between its blocks, saves ``s`` (sigmoid saves its result) and may
+    double it in place."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 1)
+        self.change = False
+
+    def forward(self, x):
+        s = torch.sigmoid(self.a(x))
+        if self.change:
+            s.mul_(2.0)
+        return self.c(self.b(s))
+
+
+def _planned(model, inputs, decisions):
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=list(decisions), decisions=decisions,
+                        update_in_backward=False, min_swap_bytes=0)
+    return oomless.apply(model, plan)
+
+
+@pytest.mark.parametrize("decision", ["keep", "swap"])
+def test_an_optimizer_step_between_a_forward_and_its_backward_is_refused_as_plain_pytorch_refuses_it(decision):
+    """The GAN loop's classic mistake: optimizer.step() changes the parameters the forward saved (b's
+    and c's weights, saved for their inputs' gradients). The plan hands parameters back unwrapped
+    (resident anyway) and trained on the stepped weights."""
+    torch.manual_seed(0)
+    model, inputs = ChangesOutsideBlocks(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    _planned(model, inputs, {"a": "keep", "b": decision, "c": "keep"})
+    # Every block kept: the plan's hooks only count its first forwards, then autograd checks on its own.
+    ours = _CHANGED if decision == "keep" else _CHANGED + r".*saved by block (b|c).*optimizer.step\(\)"
+    for net, expected in ((reference, _CHANGED), (model, ours)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(3):       # past the forwards a plan of kept blocks counts under its hooks
+            optimizer.zero_grad()
+            _loss(net(inputs)).backward()
+            optimizer.step()
+        loss = _loss(net(inputs))
+        optimizer.step()
+        with pytest.raises(RuntimeError, match=expected):
+            loss.backward()
+
+
+@pytest.mark.parametrize("what", ["outside-blocks", "input"])
+def test_a_save_outside_the_blocks_or_an_input_changed_in_place_is_refused_as_plain_pytorch_refuses_it(what):
+    torch.manual_seed(0)
+    model, inputs = ChangesOutsideBlocks(), torch.randn(256, 64, requires_grad=True)
+    reference = copy.deepcopy(model)
+    _planned(model, inputs, {"a": "swap", "b": "swap", "c": "keep"})
+
+    def step(net):
+        net.change = what == "outside-blocks"
+        x = inputs.detach().clone().requires_grad_()
+        out = net(x)
+        if what == "input":
+            with torch.no_grad():
+                x.mul_(2.0)     # a's weight's gradient reads x
+        _loss(out).backward()
+    with pytest.raises(RuntimeError, match=_CHANGED):
+        step(reference)
+    saver = "the model's forward outside every block" if what == "outside-blocks" else "block a"
+    with pytest.raises(RuntimeError, match=_CHANGED + f".*saved by {saver}"):
+        step(model)

@@ -116,7 +116,11 @@ class RecomputeBlock:
             # the copies, sees the values the forward started from and saves what it saved.
             tensors = [_copy(tensor) for tensor in tensors]
         self.generator = _GENERATOR(call, *options, *tensors)
-        next(self.generator)
+        self.engine.saving_recompute_inputs = True
+        try:
+            next(self.generator)
+        finally:
+            self.engine.saving_recompute_inputs = False
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
         self.context = context
         context.call_started(tensors)

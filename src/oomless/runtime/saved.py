@@ -13,7 +13,7 @@ from collections import deque
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from oomless.runtime.saved_versions import SavedVersion, changed_error
+from oomless.runtime.saved_versions import SavedVersion, UnmovedSave, changed_error
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
 
@@ -305,6 +305,7 @@ class SavedTensorEngine:
         # Parameters updated in backward and read outside their gradients' path (`ParameterReads`,
         # set by `oomless.apply` with the update in backward): every save is shown to it.
         self.parameter_reads = None
+        self.saving_recompute_inputs = False    # set by `RecomputeBlock.pre_hook` (`_unmoved`)
         # Called once at the first unpack in backward after a forward, then cleared.
         self.backward_check = None
         # Tensors packed inside a block since the forward began; where none were and backward
@@ -498,7 +499,7 @@ class SavedTensorEngine:
         if block_index is None:
             if self.recorder is not None and tensor.device.type != "meta":
                 self.recorder.unassigned(tensor.untyped_storage().nbytes())
-            return tensor
+            return self._unmoved(tensor, None)
         self.packed_in_blocks += 1
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
             return tensor
@@ -510,7 +511,8 @@ class SavedTensorEngine:
             # saver's place at the last one's (U-Net on CUDA: prefetch without limits, 2026-11-27).
             return tensor
         if (tensor.device, storage.data_ptr()) in self.resident_storages:
-            return tensor  # a parameter, buffer or forward input: resident anyway, never moved
+            # A parameter, buffer or forward input: resident anyway, never moved.
+            return self._unmoved(tensor, block_index)
         decision = self.decision
         movable = self._movable(tensor)
         if decision == SWAP and (storage.nbytes() < self.min_swap_bytes or not movable):
@@ -521,6 +523,12 @@ class SavedTensorEngine:
         place = self.position_of(block_index)
         return _Handle(registry.entry_for(tensor, block_index, place, decision, movable), tensor, place,
                        hold=not movable, saved=saved)
+
+    def _unmoved(self, tensor: torch.Tensor, block_index: int | None):
+        """A save handed back as it is, checked at unpack as autograd would. Not a recompute block's
+        inputs, which torch's checkpoint saves as the call starts: `_RecomputeContext.check_inputs`
+        checks them against their versions at its end (a ReLU(inplace=True) block changes its own)."""
+        return tensor if self.saving_recompute_inputs else UnmovedSave(tensor, block_index)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
@@ -539,6 +547,8 @@ class SavedTensorEngine:
             unseen, self.blocks_unseen = self.blocks_unseen, None
             unseen()
         if not isinstance(packed, _Handle):
+            if isinstance(packed, UnmovedSave):
+                return packed.unpacked(self.block_name)
             if isinstance(packed, _ParameterUse):
                 self.offloaded_parameters.ensure_in(packed.parameter)
                 return packed.tensor

@@ -55,7 +55,30 @@ class SavedVersion:
         return tensor._version
 
 
-def changed_error(found: int, expected: int, saved_by: str, recompute_input: bool = False) -> RuntimeError:
+class UnmovedSave:
+    """A saved tensor the plan hands back as it is: a parameter, buffer or input of the step (resident
+    anyway), or a tensor saved by the model's own forward outside every block; with its version at the
+    save, which autograd would have checked (an ``optimizer.step()`` between a forward and its
+    backward changes the parameters that forward saved: the GAN loop's classic mistake, which plain
+    PyTorch refuses and the plan trained through silently)."""
+
+    __slots__ = ("tensor", "version", "block_index")
+
+    def __init__(self, tensor: torch.Tensor, block_index: int | None):
+        self.tensor, self.block_index = tensor, block_index
+        self.version = None if tensor.is_inference() else tensor._version
+
+    def unpacked(self, block_name) -> torch.Tensor:
+        """The tensor, after autograd's check (``block_name``: a block's index -> its name)."""
+        if self.version is not None and self.tensor._version != self.version:
+            saved_by = ("the model's forward outside every block" if self.block_index is None
+                        else block_name(self.block_index))
+            raise changed_error(self.tensor._version, self.version, saved_by, unmoved=True)
+        return self.tensor
+
+
+def changed_error(found: int, expected: int, saved_by: str, recompute_input: bool = False,
+                  unmoved: bool = False) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, saying which block saved it and what to do."""
     message = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
                f"it is at version {found}; expected version {expected} instead. ")
@@ -64,7 +87,11 @@ def changed_error(found: int, expected: int, saved_by: str, recompute_input: boo
             message + f"It is an input of {saved_by}, which the oomless plan recomputes from its inputs as the call "
             "left them; the model changed it in place after the call (torch.utils.checkpoint refuses the same). "
             "Give that block keep or swap (oomless.plan(..., decisions={...})), or change the tensor out of place")
-    return RuntimeError(
-        message + f"It was saved by {saved_by} under the oomless plan, whose hooks take over autograd's check "
-        "(plain PyTorch raises the same for this model). Change the tensor out of place (y = y * 2 instead of "
-        "y.mul_(2); inplace=False), or clone it before changing it")
+    message += (f"It was saved by {saved_by} under the oomless plan, whose hooks take over autograd's check "
+                "(plain PyTorch raises the same for this model). ")
+    if unmoved:
+        message += ("It is a parameter, a buffer or an input of the step, or a tensor the model computed outside "
+                    "its blocks: an optimizer.step() between a forward and its backward changes the parameters that "
+                    "forward saved (step after the backward); otherwise ")
+    return RuntimeError(message + ("c" if unmoved else "C") + "hange the tensor out of place (y = y * 2 instead of "
+                        "y.mul_(2); inplace=False), or clone it before changing it")
