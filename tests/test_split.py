@@ -679,6 +679,21 @@ def test_what_cannot_run_in_slabs_is_no_chain():
                                                   "decoders.1", "head"]
 
 
+def test_padding_same_runs_in_slabs_where_it_is_symmetric(thin_slabs):
+    """padding="same" (MONAI's and Keras-style models) is int padding where dilation x (kernel - 1) is
+    even on every axis; "valid" with a kernel of one row along D keeps the size too. Equal to the
+    unsplit chain; an even kernel's "same" (padded on the right alone) is no chain."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Conv3d(2, 4, 3, padding="same"), nn.GroupNorm(2, 4), nn.ReLU(),
+                          nn.Conv3d(4, 4, (5, 3, 1), padding="same", dilation=(2, 1, 1)), nn.ReLU(),
+                          nn.Conv3d(4, 3, (1, 3, 3), padding="valid"))
+    reference = copy.deepcopy(chain)
+    x = torch.randn(2, 2, 19, 7, 6, requires_grad=True)
+    _assert_same_step(chain, reference, (x,), 4)
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.Conv3d(2, 2, 2, padding="same"), nn.ReLU()))) is None
+    assert SlabGraph.chain(leaves(nn.Sequential(nn.Conv3d(2, 2, 3, padding="valid"), nn.ReLU()))) is None
+
+
 class _ProbabilitiesInEval(nn.Module):
     """A segmentation head whose forward reads ``self.training``: logits to train on, probabilities in eval."""
 

@@ -12,7 +12,8 @@ output, and their gradients; the rest is one slab's worth.
     output = run_in_slabs(graph, (x,), slabs=8)  # a decoder stage: (x, skip)
 
 A graph is an ``nn.Sequential`` (nested ones are looked through) or a module whose forward
-``torch.fx`` traces to these ops only: convolutions of stride 1 and "same" zero padding along D,
+``torch.fx`` traces to these ops only: convolutions of stride 1 and "same" zero padding along D
+(``padding="same"`` too where it is symmetric),
 transposed convolutions that upsample along D without overlap (kernel = stride, no padding),
 BatchNorm / GroupNorm / InstanceNorm, pointwise activations, concatenation along channels, addition
 (an addend of one row along D broadcasts: every slab reads it whole).
@@ -126,15 +127,28 @@ def why_not_downsampling(module: nn.Module) -> str | None:
     return None
 
 
+def padding_of(conv: nn.Module) -> tuple[int, ...] | None:
+    """A convolution's zero padding per spatial axis as ints: ``padding="same"`` is dilation x
+    (kernel - 1) / 2 on each side where that is whole (PyTorch pads the odd one out on the right
+    alone, which no int padding gives: None), ``"valid"`` none."""
+    if not isinstance(conv.padding, str):
+        return tuple(conv.padding)
+    if conv.padding == "valid":
+        return (0,) * len(conv.kernel_size)
+    total = [dilation * (kernel - 1) for kernel, dilation in zip(conv.kernel_size, conv.dilation)]
+    return None if any(size % 2 for size in total) else tuple(size // 2 for size in total)
+
+
 def why_not_sliceable(module: nn.Module) -> str | None:
     """Why ``module`` (an op of a graph) cannot run in slabs along AXIS; None when it can."""
     if type(module) in _CONVOLUTIONS:
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        padding = padding_of(module)
+        if module.padding_mode != "zeros" or padding is None:
             return (f"{type(module).__name__} with padding {module.padding!r} ({module.padding_mode}): "
-                    "needs int zero padding")
+                    "needs zero padding the same on both sides")
         kernel, dilation = module.kernel_size[0], module.dilation[0]
-        if module.stride[0] != 1 or dilation * (kernel - 1) != 2 * module.padding[0]:
-            return (f"{type(module).__name__} stride {module.stride[0]}, kernel {kernel}, padding {module.padding[0]} "
+        if module.stride[0] != 1 or dilation * (kernel - 1) != 2 * padding[0]:
+            return (f"{type(module).__name__} stride {module.stride[0]}, kernel {kernel}, padding {padding[0]} "
                     "along the first spatial axis: needs stride 1 and padding that keeps the size")
         return None
     if type(module) in _TRANSPOSED:
@@ -173,7 +187,7 @@ def _module_node(module: nn.Module, source: int, downsampling: bool = False) -> 
     if why_not_sliceable(module) is not None:
         return None
     if type(module) in _CONVOLUTIONS:
-        return _Node("conv", (source,), module, halo=module.padding[0], function=_CONVOLUTIONS[type(module)])
+        return _Node("conv", (source,), module, halo=padding_of(module)[0], function=_CONVOLUTIONS[type(module)])
     if type(module) in _TRANSPOSED:
         return _Node("up", (source,), module, scale=module.stride[0], function=_TRANSPOSED[type(module)])
     if isinstance(module, _NORMS):
@@ -505,7 +519,7 @@ def _convolve(node: _Node, x: torch.Tensor, zero_rows: tuple[int, int], weights:
     if any(zero_rows):
         x = F.pad(x, (0, 0) * (x.dim() - AXIS - 1) + zero_rows)
     conv = node.module
-    padding = (0,) + tuple(conv.padding[1:])
+    padding = (0,) + padding_of(conv)[1:]
     return node.function(x, *_weight_and_bias(conv, weights), conv.stride, padding, conv.dilation, conv.groups)
 
 
@@ -1152,7 +1166,7 @@ class _Backward:
                 grad_x, grad_weight, grad_bias = (grad if wanted else None for grad, wanted in zip(
                     torch.ops.aten.convolution_backward(
                         gradient, padded, weights, [conv.bias.shape[0]] if with_bias else None, conv.stride,
-                        (0,) + tuple(conv.padding[1:]), conv.dilation, False, [0] * (padded.dim() - 2),
+                        (0,) + padding_of(conv)[1:], conv.dilation, False, [0] * (padded.dim() - 2),
                         conv.groups, mask), mask))
                 padded = None
                 if grad_weight is not None:
