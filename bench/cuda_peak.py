@@ -165,7 +165,7 @@ def _watch_the_ledger(model, device) -> tuple[dict, dict]:
     the limit: the plan's working memory of a phase is its activation budget less that limit. Filled
     in as the step runs."""
     from oomless.runtime.install import installed_state
-    from oomless.runtime.saved import ForwardRegistry
+    from oomless.runtime.saved_entries import ForwardRegistry
 
     engine = installed_state(model).engine
     highest = {"bytes": -1}

@@ -84,7 +84,7 @@ def has_storage(tensor: torch.Tensor) -> bool:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:
-    """A storage's name while it lives, as the runtime's entries key it (runtime/saved.py)."""
+    """A storage's name while it lives, as the runtime's entries key it (runtime/saved_entries.py)."""
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 

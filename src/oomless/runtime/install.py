@@ -25,7 +25,8 @@ from oomless.errors import ApplyError
 from oomless.profile.tensors import alive_bytes, has_storage, tensor_bytes, tensors_in, weak_storages
 from oomless.runtime.ledger import Ledger
 from oomless.runtime.recompute import RecomputeBlock
-from oomless.runtime.saved import KEEP, RECOMPUTE, SWAP, SavedTensorEngine
+from oomless.runtime.saved import SavedTensorEngine
+from oomless.runtime.saved_entries import KEEP, RECOMPUTE, SWAP
 from oomless.runtime.tiers import make_tier
 from oomless.sizes import format_bytes
 
