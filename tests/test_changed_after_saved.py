@@ -307,3 +307,22 @@ def test_a_save_outside_the_blocks_or_an_input_changed_in_place_is_refused_as_pl
     saver = "the model's forward outside every block" if what == "outside-blocks" else "block a"
     with pytest.raises(RuntimeError, match=_CHANGED + f".*saved by {saver}"):
         step(model)
+
+
+def test_a_change_under_allow_mutation_on_saved_tensors_says_that_context_does_not_see_the_plans_saves():
+    """PyTorch's context clones a saved tensor before it changes, for the saves its own hooks see:
+    not those the plan packs inside the model's forward. Refused, saying so (it trained on the
+    changed values before the plan checked versions)."""
+    torch.manual_seed(0)
+    model, inputs = ChangesSaved(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        _loss(reference(inputs)).backward()         # plain PyTorch: cloned before the change, trains
+    model.change = False
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=["a", "b", "c"],
+                        decisions={"a": "keep", "b": "swap", "c": "keep"}, update_in_backward=False)
+    oomless.apply(model, plan)
+    model.change = True
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        with pytest.raises(RuntimeError, match=_CHANGED + ".*allow_mutation_on_saved_tensors.*saved by block b"):
+            _loss(model(inputs)).backward()

@@ -82,6 +82,10 @@ def changed_error(found: int, expected: int, saved_by: str, recompute_input: boo
     """Autograd's error for a saved tensor changed in place, saying which block saved it and what to do."""
     message = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
                f"it is at version {found}; expected version {expected} instead. ")
+    if getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
+        # Its pack hook, which marks what its mode clones before a change, is outside the plan's.
+        message += ("torch.autograd.graph.allow_mutation_on_saved_tensors() clones only the saved tensors its own "
+                    "hooks see, and the oomless plan's hooks take every save inside the model's forward. ")
     if recompute_input:
         return RuntimeError(
             message + f"It is an input of {saved_by}, which the oomless plan recomputes from its inputs as the call "
