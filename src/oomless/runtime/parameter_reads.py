@@ -16,14 +16,18 @@ three steps in a probe with a swapped and a recomputed gate).
 So such a parameter's update runs at the end of backward (``queue_callback``), after every read:
 - seen by the plan's pack hook: a saved tensor that shares an updated parameter's storage and is
   not on its gradient's path (it does not require grad);
-- seen at a recompute block's first call, through a ``TorchFunctionMode`` around its forward: an op's
-  argument that is such a tensor, or an updated parameter read under ``torch.no_grad()``; the block's
-  own parameters are left out (its recompute and backward come before their update anyway).
+- seen at a recompute block's first call: a ``TorchFunctionMode`` around its forward records every
+  updated parameter an op reads (an argument sharing its storage, with or without grad), and the
+  block's graph, walked back from its outputs to its inputs, gives those whose gradient it makes
+  (their AccumulateGrad nodes): the others are read outside it (another module's weight, a weight
+  the block registers too but reads ``.detach()``ed, a mask computed from a weight), and the
+  recompute would read them after their update.
 Once seen, a parameter stays in the set for the rest of training (a plan of kept blocks runs
 without hooks after its first forwards; the set it saw then still applies). Its module's gradients
 live until the end of backward, beyond what the plan counts: such reads are rare and the weights
 they read small. Not covered: parameters kept off the device (``offload_parameters``), whose storage
-moves between uses, and the reads of a compiled recompute block (its forward is not recorded).
+moves between uses (an empty one has no address to know it by), and the reads of a compiled recompute
+block (its forward is not recorded; dynamo passes the weights it reads to the compiled graph as inputs).
 """
 
 import torch
@@ -43,7 +47,8 @@ class ParameterReads:
 
     def refresh(self) -> None:
         """Read where the parameters live now (they may have moved since: at each optimizer step)."""
-        self._by_storage = {(param.device, param.untyped_storage().data_ptr()): param for param in self.update.names}
+        self._by_storage = {(param.device, param.untyped_storage().data_ptr()): param for param in self.update.names
+                            if param.untyped_storage().nbytes()}
 
     def parameter_read(self, tensor, on_gradient_path: bool) -> torch.nn.Parameter | None:
         """The updated parameter ``tensor`` reads outside its gradient's path, if any
@@ -52,7 +57,9 @@ class ParameterReads:
             return None
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
             return None
-        return self._by_storage.get((tensor.device, tensor.untyped_storage().data_ptr()))
+        storage = tensor.untyped_storage()
+        # Empty storages share address 0 (CUDA's batch norm saves an empty reserve in every call).
+        return self._by_storage.get((tensor.device, storage.data_ptr())) if storage.nbytes() else None
 
     def saved(self, tensor: torch.Tensor) -> None:
         """The pack hook saw ``tensor`` saved for backward (autograd packs in no-grad mode: a saved
@@ -64,24 +71,47 @@ class ParameterReads:
     def defers(self, params) -> bool:
         return any(param in self.deferred for param in params)
 
-    def recorder(self, own) -> "RecordReads":
-        """A mode to enter around a recompute block's forward; ``own``: its parameters."""
-        return RecordReads(self, set(own))
+    def recorder(self, inputs) -> "RecordReads":
+        """A mode to enter around a recompute block's forward on ``inputs``; `defer_unreached` after it."""
+        return RecordReads(self, inputs)
+
+    def defer_unreached(self, recorder: "RecordReads", outputs) -> None:
+        """After a recompute block's call: defer the parameters its ops read (``recorder.found``)
+        whose gradients its graph, from ``outputs`` back to its inputs, does not make."""
+        if recorder.found:
+            self.deferred.update(set(recorder.found) - gradients_made(outputs, recorder.inputs))
+
+
+def gradients_made(outputs, inputs) -> set:
+    """The leaves whose AccumulateGrad nodes the graph reaches from ``outputs``' nodes without going
+    past ``inputs``' nodes."""
+    boundary = {tensor.grad_fn for tensor in inputs if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None}
+    stack = [tensor.grad_fn for tensor in outputs if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None]
+    seen, leaves = set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in boundary:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)      # an AccumulateGrad node's leaf
+        if variable is not None:
+            leaves.add(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 class RecordReads(TorchFunctionMode):
-    """Adds to ``reads.deferred`` the updated parameters that the ops run under it read outside their
-    gradient's path, other than ``own``."""
+    """Collects (``found``) the updated parameters the ops run under it read, with or without grad."""
 
-    def __init__(self, reads: ParameterReads, own: set):
+    def __init__(self, reads: ParameterReads, inputs):
         super().__init__()
-        self.reads, self.own = reads, own
+        self.reads, self.inputs = reads, inputs
+        self.found: dict[torch.nn.Parameter, None] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_gradient_path = torch.is_grad_enabled()
         for leaf in tree_leaves((args, kwargs)):
-            param = self.reads.parameter_read(leaf, on_gradient_path)
-            if param is not None and param not in self.own:
-                self.reads.deferred.add(param)
+            param = self.reads.parameter_read(leaf, on_gradient_path=False)
+            if param is not None:
+                self.found[param] = None
         return func(*args, **kwargs)

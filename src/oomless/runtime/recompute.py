@@ -2,10 +2,15 @@
 
 Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook starts
 `torch.utils.checkpoint`'s non-reentrant generator and the forward hook finishes it. Its RNG
-stashing replays dropout exactly. What plain checkpointing gets wrong is buffers: the recomputed
-forward would update BatchNorm running statistics a second time. We snapshot a block's buffers
-before its first recompute in a backward (a module called twice is recomputed twice) and put them
-back once that backward ends, so they change once per step, as in plain PyTorch.
+stashing replays dropout exactly. What plain checkpointing gets wrong is buffers a forward changes.
+A recompute would start from the buffers as the forward left them: spectral norm's power
+iteration (``nn.utils.parametrizations.spectral_norm``) reads its vectors and writes them, so the
+recompute normalised the weight by another estimate (3e-2 off plain PyTorch after three steps,
+silently). So each call copies the buffers its forward changes (found at the block's first call in
+a mode) and its recompute starts from them. And the recomputed forward would update BatchNorm's
+running statistics a second time: we snapshot a block's buffers before its first recompute in a
+backward (a module called twice is recomputed twice) and put them back once that backward ends, so
+they change once per step, as in plain PyTorch.
 """
 
 import inspect
@@ -16,6 +21,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oomless.errors import ApplyError
+from oomless.profile.tensors import tensors_in
 from oomless.runtime.saved_versions import SavedVersion, changed_error
 from oomless.runtime.selective import selective_contexts
 
@@ -49,6 +55,10 @@ class RecomputeBlock:
         self.generator = None
         self.recomputing = False
         self.restore_queued = False     # its buffers are put back at the end of the running backward
+        # The buffers its forward changes in place (running statistics, spectral norm's vectors), as
+        # found at its first call in the mode in ``changing_in``; None: not known for this mode yet.
+        self.changing_buffers: list | None = None
+        self.changing_in: bool | None = None
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
         # With the update in backward: whether its forward's reads of other modules' parameters outside
         # their gradients' path were recorded (at its first call, `runtime.parameter_reads`). Not in
@@ -109,7 +119,8 @@ class RecomputeBlock:
         reads = self.engine.parameter_reads
         if reads is not None and not self.reads_recorded:
             self.reads_recorded = True
-            contexts = (_Both(reads.recorder(module.parameters()), contexts[0]), contexts[1])
+            context.recorder = reads.recorder(tensors)
+            contexts = (_Both(context.recorder, contexts[0]), contexts[1])
         options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
         if self.changes_input:
             # The forward runs on the tensors themselves, as the model expects; the recompute, from
@@ -124,6 +135,10 @@ class RecomputeBlock:
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
         self.context = context
         context.call_started(tensors)
+        if self.changing_in != module.training:
+            self.changing_buffers, self.changing_in = None, module.training
+        buffers = list(module.buffers()) if self.changing_buffers is None else self.changing_buffers
+        context.buffers_at_start = [(buffer, buffer.detach().clone()) for buffer in buffers]
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
@@ -140,10 +155,18 @@ class RecomputeBlock:
                              "on this model), make that op out of place (inplace=False), or give the block keep or "
                              "swap (oomless.plan(..., decisions={...}))")
         context.call_ended()
+        if self.changing_buffers is None:
+            # Compared by value: BatchNorm's kernel writes its running statistics without raising their version.
+            context.buffers_at_start = [(buffer, start) for buffer, start in context.buffers_at_start
+                                        if not torch.equal(buffer, start)]
+            self.changing_buffers = [buffer for buffer, _ in context.buffers_at_start]
         try:
             next(generator)
         except StopIteration:
             pass
+        if context.recorder is not None:
+            recorder, context.recorder = context.recorder, None
+            self.engine.parameter_reads.defer_unreached(recorder, tensors_in(output))
 
 
 class _RecomputeContext:
@@ -161,6 +184,9 @@ class _RecomputeContext:
         # which has none), until the call ends; then a `SavedVersion` (or None) of each, as it left them.
         self.inputs: list[tuple[torch.Tensor, int | None]] = []
         self.input_versions: list = []
+        self.recorder = None             # its call's `parameter_reads.RecordReads`, until the call ends
+        # (buffer, its values when the call started) of the buffers the block's forward changes.
+        self.buffers_at_start: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def call_started(self, tensors) -> None:
         self.inputs = [(tensor, None if tensor.is_inference() else tensor._version) for tensor in tensors]
@@ -196,6 +222,11 @@ class _RecomputeContext:
         self.kept_handles = []
         if not block.restore_queued:
             block.restore_queued = self._queue_restore(list(block.module.buffers()))
+        # The recompute starts from the buffers its call started from (through ``.data``: a version
+        # raised here would trip autograd's check of a recomputed graph still holding one).
+        with torch.no_grad():
+            for buffer, start in self.buffers_at_start:
+                buffer.data.copy_(start)
         block.engine.ledger.recomputed_blocks += 1
         block.engine.recompute_started(block.block_index, self.position, self.registry)
 

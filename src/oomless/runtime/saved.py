@@ -305,6 +305,10 @@ class SavedTensorEngine:
         checks them against their versions at its end (a ReLU(inplace=True) block changes its own)."""
         return tensor if self.saving_recompute_inputs else UnmovedSave(tensor, block_index)
 
+    def _updated_in_backward(self, tensor: torch.Tensor) -> bool:
+        reads = self.parameter_reads
+        return reads is not None and reads.parameter_read(tensor, on_gradient_path=False) is not None
+
     def _movable(self, tensor: torch.Tensor) -> bool:
         """Whether `unpack` can rebuild ``tensor`` from its storage bytes alone. Not a tensor on
         another device than the tier's (a CPU scalar in a CUDA op, a second GPU: the tier's streams
@@ -323,7 +327,7 @@ class SavedTensorEngine:
             unseen()
         if not isinstance(packed, Handle):
             if isinstance(packed, UnmovedSave):
-                return packed.unpacked(self.block_name)
+                return packed.unpacked(self.block_name, self._updated_in_backward)
             if isinstance(packed, ParameterUse):
                 self.offloaded_parameters.ensure_in(packed.parameter)
                 return packed.tensor

@@ -68,20 +68,29 @@ class UnmovedSave:
         self.tensor, self.block_index = tensor, block_index
         self.version = None if tensor.is_inference() else tensor._version
 
-    def unpacked(self, block_name) -> torch.Tensor:
-        """The tensor, after autograd's check (``block_name``: a block's index -> its name)."""
+    def unpacked(self, block_name, updated_in_backward) -> torch.Tensor:
+        """The tensor, after autograd's check (``block_name``: a block's index -> its name;
+        ``updated_in_backward``: whether a tensor is a parameter the plan updates in backward)."""
         if self.version is not None and self.tensor._version != self.version:
             saved_by = ("the model's forward outside every block" if self.block_index is None
                         else block_name(self.block_index))
-            raise changed_error(self.tensor._version, self.version, saved_by, unmoved=True)
+            raise changed_error(self.tensor._version, self.version, saved_by, unmoved=True,
+                                updated_in_backward=updated_in_backward(self.tensor))
         return self.tensor
 
 
 def changed_error(found: int, expected: int, saved_by: str, recompute_input: bool = False,
-                  unmoved: bool = False) -> RuntimeError:
+                  unmoved: bool = False, updated_in_backward: bool = False) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, saying which block saved it and what to do."""
     message = ("one of the variables needed for gradient computation has been modified by an inplace operation: "
                f"it is at version {found}; expected version {expected} instead. ")
+    if updated_in_backward:
+        return RuntimeError(
+            message + f"It is a parameter saved by {saved_by}, which the oomless plan's update in backward had "
+            "already stepped (its gradient was complete): a node that reads it after that is outside its "
+            "gradient's path in a way the plan did not see (a custom autograd.Function that saves a weight it does "
+            "not take as an input). Plan with update_in_backward=False, or pass the weight to that Function as an "
+            "input (its gradient None)")
     if getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
         # Its pack hook, which marks what its mode clones before a change, is outside the plan's.
         message += ("torch.autograd.graph.allow_mutation_on_saved_tensors() clones only the saved tensors its own "

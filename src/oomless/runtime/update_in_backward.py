@@ -185,9 +185,10 @@ class UpdateInBackward:
             if len(ready) == len(unit):
                 del self._ready[unit]
                 if self.reads is not None and self.reads.defers(ready):
-                    if not self._at_backward_end:
-                        torch.autograd.Variable._execution_engine.queue_callback(self._update_at_backward_end)
+                    # One callback per unit (the first finds them all, the others none): a backward
+                    # that raised before its end left its units here without running its callback.
                     self._at_backward_end.append(ready)
+                    torch.autograd.Variable._execution_engine.queue_callback(self._update_at_backward_end)
                     return
                 self._update(ready)
                 self.steps_in_backward += len(ready)
