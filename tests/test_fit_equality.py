@@ -172,3 +172,94 @@ def test_a_recomputed_block_that_changes_the_buffers_it_reads_equals_plain_pytor
     _train(model, inputs, loss_fn, steps=3)
     _assert_same(reference, model)
     assert oomless.stats(model).recomputed_blocks >= 3
+
+
+class _Smoothed(torch.nn.Module):
+    """Shifts its output by an average of its inputs kept in a buffer (read by the add, which saves
+    nothing, so plain PyTorch may change it after; tanh saves the result): updated in place
+    (``"in-place"``), only from its second call on (``"delayed"``), or replaced (``"replaced"``:
+    ``self.average = ...``)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.linear, self.how = torch.nn.Linear(32, 32), how
+        self.register_buffer("average", torch.ones(32))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        out = torch.tanh(self.linear(x) + self.average)
+        if self.training:
+            new = 0.9 * self.average + 0.1 * x.detach().abs().mean(0)
+            if self.how == "replaced":
+                self.average = new
+            elif self.how == "in-place" or self.calls > 0:
+                self.average.copy_(new)
+            self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("how", ["in-place", "delayed", "replaced"])
+def test_a_recomputed_block_whose_forward_reads_and_updates_a_buffer_equals_plain_pytorch(how):
+    """The recompute reads the buffer as its call found it (each call's own copy, or the object it
+    replaced), and after backward the buffer is as the forward left it: value and object."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), _Smoothed(how), torch.nn.Linear(32, 1))
+    inputs, loss_fn = torch.randn(64, 16), (lambda out: out.square().mean())
+    reference = copy.deepcopy(model)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, blocks=["0", "1", "2"],
+                decisions={"0": "keep", "1": "recompute", "2": "keep"})
+    _train(reference, inputs, loss_fn, steps=3)
+    _train(model, inputs, loss_fn, steps=3)
+    _assert_same(reference, model)
+
+
+def test_a_spectral_norm_set_to_eval_then_train_inside_a_recomputed_block_equals_plain_pytorch():
+    """Which buffers a forward changes depends on every submodule's mode, not the block's alone."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(32, 32)), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), block, torch.nn.Linear(32, 1))
+    inputs, loss_fn = torch.randn(64, 16), (lambda out: out.square().mean())
+    reference = copy.deepcopy(model)
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, blocks=["0", "1", "2"],
+                decisions={"0": "keep", "1": "recompute", "2": "keep"})
+    for net in (reference, model):
+        net[1][0].eval()
+        _train(net, inputs, loss_fn, steps=1)
+        net[1][0].train()
+        _train(net, inputs, loss_fn, steps=2)
+    _assert_same(reference, model)
+
+
+def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call_is_refused():
+    """A queue registered in the block and in its parent, which appends to it after the block's call
+    (MoCo): the recompute would read the new queue (wrong gradients, silently, before); refused."""
+    class Head(torch.nn.Module):
+        def __init__(self, queue):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 32)
+            self.register_buffer("queue", queue)
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x) + self.queue.mean(0))    # the mean saves no queue
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("queue", torch.randn(8, 32))    # appended to after the head's call
+            self.stem, self.head = torch.nn.Linear(16, 32), Head(self.queue)
+
+        def forward(self, x):
+            hidden = self.stem(x)
+            out = self.head(hidden)
+            with torch.no_grad():
+                self.queue.copy_(torch.roll(self.queue, 1, 0))
+                self.queue[0] = hidden[0]
+            return out
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = Model(), torch.randn(64, 16), (lambda out: out.square().mean())
+    loss_fn(copy.deepcopy(model)(inputs)).backward()      # plain PyTorch trains it
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, blocks=["stem", "head"],
+                decisions={"stem": "keep", "head": "recompute"})
+    with pytest.raises(RuntimeError, match=r"buffer\(s\) \['queue'\] of block head.*changed in place after"):
+        loss_fn(model(inputs)).backward()

@@ -2,15 +2,10 @@
 
 Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook starts
 `torch.utils.checkpoint`'s non-reentrant generator and the forward hook finishes it. Its RNG
-stashing replays dropout exactly. What plain checkpointing gets wrong is buffers a forward changes.
-A recompute would start from the buffers as the forward left them: spectral norm's power
-iteration (``nn.utils.parametrizations.spectral_norm``) reads its vectors and writes them, so the
-recompute normalised the weight by another estimate (3e-2 off plain PyTorch after three steps,
-silently). So each call copies the buffers its forward changes (found at the block's first call in
-a mode) and its recompute starts from them. And the recomputed forward would update BatchNorm's
-running statistics a second time: we snapshot a block's buffers before its first recompute in a
-backward (a module called twice is recomputed twice) and put them back once that backward ends, so
-they change once per step, as in plain PyTorch.
+stashing replays dropout exactly. What plain checkpointing gets wrong is buffers a forward changes:
+a recompute must start from them as its call found them (spectral norm's power iteration), and
+must not leave what it writes (BatchNorm's running statistics would move twice a step); see
+`runtime.recompute_buffers`.
 """
 
 import inspect
@@ -23,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from oomless.errors import ApplyError
 from oomless.profile.tensors import tensors_in
 from oomless.runtime.saved_versions import SavedVersion, changed_error
+from oomless.runtime.recompute_buffers import BlockBuffers
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -54,11 +50,7 @@ class RecomputeBlock:
         self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
         self.recomputing = False
-        self.restore_queued = False     # its buffers are put back at the end of the running backward
-        # The buffers its forward changes in place (running statistics, spectral norm's vectors), as
-        # found at its first call in the mode in ``changing_in``; None: not known for this mode yet.
-        self.changing_buffers: list | None = None
-        self.changing_in: bool | None = None
+        self.buffers = BlockBuffers(module, name)
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
         # With the update in backward: whether its forward's reads of other modules' parameters outside
         # their gradients' path were recorded (at its first call, `runtime.parameter_reads`). Not in
@@ -68,7 +60,7 @@ class RecomputeBlock:
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
             return
-        self.restore_queued = False     # a backward that raised before its end never ran its restore
+        self.buffers.restore_queued = False     # a backward that raised before its end never ran its restore
         # Every input tensor goes in positionally, once: the recompute then sees the inputs as they
         # were at this call, not as the caller left them. A model may update a dict (or list) it
         # passed to the block in place afterwards (``state.update(layer(state))``); torch's
@@ -135,10 +127,7 @@ class RecomputeBlock:
         context.input_handles = self.engine.keep_handles(tensors, self.block_index)
         self.context = context
         context.call_started(tensors)
-        if self.changing_in != module.training:
-            self.changing_buffers, self.changing_in = None, module.training
-        buffers = list(module.buffers()) if self.changing_buffers is None else self.changing_buffers
-        context.buffers_at_start = [(buffer, buffer.detach().clone()) for buffer in buffers]
+        context.buffers = self.buffers.call_started()
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
@@ -155,11 +144,7 @@ class RecomputeBlock:
                              "on this model), make that op out of place (inplace=False), or give the block keep or "
                              "swap (oomless.plan(..., decisions={...}))")
         context.call_ended()
-        if self.changing_buffers is None:
-            # Compared by value: BatchNorm's kernel writes its running statistics without raising their version.
-            context.buffers_at_start = [(buffer, start) for buffer, start in context.buffers_at_start
-                                        if not torch.equal(buffer, start)]
-            self.changing_buffers = [buffer for buffer, _ in context.buffers_at_start]
+        context.buffers.call_ended()
         try:
             next(generator)
         except StopIteration:
@@ -185,8 +170,7 @@ class _RecomputeContext:
         self.inputs: list[tuple[torch.Tensor, int | None]] = []
         self.input_versions: list = []
         self.recorder = None             # its call's `parameter_reads.RecordReads`, until the call ends
-        # (buffer, its values when the call started) of the buffers the block's forward changes.
-        self.buffers_at_start: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.buffers = None              # its call's buffers as it found them (`CallBuffers`)
 
     def call_started(self, tensors) -> None:
         self.inputs = [(tensor, None if tensor.is_inference() else tensor._version) for tensor in tensors]
@@ -220,38 +204,9 @@ class _RecomputeContext:
         # From here the recomputed block's saved bytes (the kept outputs among them) are on the ledger
         # as one count (`recompute_started`) until its backward is done.
         self.kept_handles = []
-        if not block.restore_queued:
-            block.restore_queued = self._queue_restore(list(block.module.buffers()))
-        # The recompute starts from the buffers its call started from (through ``.data``: a version
-        # raised here would trip autograd's check of a recomputed graph still holding one).
-        with torch.no_grad():
-            for buffer, start in self.buffers_at_start:
-                buffer.data.copy_(start)
+        block.buffers.before_recompute(self.buffers)
         block.engine.ledger.recomputed_blocks += 1
         block.engine.recompute_started(block.block_index, self.position, self.registry)
-
-    def _queue_restore(self, buffers: list) -> bool:
-        """Put the block's buffers back as the forward left them once this backward ends. Taken at
-        the first recompute of the block in a backward only: a module called twice in the forward
-        (weight sharing) is recomputed twice, and a snapshot taken at the second recompute would
-        hold the running statistics the first one updated."""
-        if not buffers:
-            return False
-        snapshots = [(buffer, buffer.detach().clone()) for buffer in buffers]
-
-        # Restoring at the end of backward, not here: the recomputed graph of this block may
-        # still read the buffers, and writing them now would trip autograd's version check.
-        # Written through ``.data``, which leaves the buffer's version as it is: a backward with
-        # create_graph=True (a gradient penalty) keeps the recomputed graph, whose nodes saved the
-        # buffers (BatchNorm's running statistics, unread in training mode's backward), for the
-        # second backward, and a version raised here made that backward raise.
-        def restore():
-            with torch.no_grad():
-                for buffer, saved in snapshots:
-                    buffer.data.copy_(saved)
-            self.block.restore_queued = False
-        torch.autograd.Variable._execution_engine.queue_callback(restore)
-        return True
 
     def __exit__(self, *exception):
         self.block.recomputing = False

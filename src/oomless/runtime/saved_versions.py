@@ -87,10 +87,11 @@ def changed_error(found: int, expected: int, saved_by: str, recompute_input: boo
     if updated_in_backward:
         return RuntimeError(
             message + f"It is a parameter saved by {saved_by}, which the oomless plan's update in backward had "
-            "already stepped (its gradient was complete): a node that reads it after that is outside its "
-            "gradient's path in a way the plan did not see (a custom autograd.Function that saves a weight it does "
-            "not take as an input). Plan with update_in_backward=False, or pass the weight to that Function as an "
-            "input (its gradient None)")
+            "already stepped (its gradient was complete). Either this is a second backward in one optimizer step "
+            "(loss.backward(retain_graph=True) twice, or two losses each with its own backward): plan with "
+            "accumulation_steps=k for k backwards per step; or a node reads the parameter outside its gradient's "
+            "path in a way the plan did not see (a custom autograd.Function that saves a weight it does not take "
+            "as an input): pass the weight to that Function as an input, or plan with update_in_backward=False")
     if getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
         # Its pack hook, which marks what its mode clones before a change, is outside the plan's.
         message += ("torch.autograd.graph.allow_mutation_on_saved_tensors() clones only the saved tensors its own "
