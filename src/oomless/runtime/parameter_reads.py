@@ -42,13 +42,20 @@ class ParameterReads:
     def __init__(self, update):
         self.update = update
         self.deferred: set[torch.nn.Parameter] = set()
-        self._by_storage: dict[tuple, torch.nn.Parameter] = {}
-        self.refresh()
+        # A parameter by its storage's address, made at the first read after each optimizer step
+        # (they may have moved since); the device is compared at the lookup.
+        self._by_address: dict[int, torch.nn.Parameter] | None = None
 
     def refresh(self) -> None:
-        """Read where the parameters live now (they may have moved since: at each optimizer step)."""
-        self._by_storage = {(param.device, param.untyped_storage().data_ptr()): param for param in self.update.names
-                            if param.untyped_storage().nbytes()}
+        """Forget where the parameters live: read again at the next lookup (at each optimizer step)."""
+        self._by_address = None
+
+    def _parameter_at(self, tensor: torch.Tensor) -> torch.nn.Parameter | None:
+        if self._by_address is None:
+            self._by_address = {param.untyped_storage().data_ptr(): param for param in self.update.names
+                                if param.untyped_storage().nbytes()}
+        param = self._by_address.get(tensor.untyped_storage().data_ptr())
+        return param if param is not None and param.device == tensor.device else None
 
     def parameter_read(self, tensor, on_gradient_path: bool) -> torch.nn.Parameter | None:
         """The updated parameter ``tensor`` reads outside its gradient's path, if any
@@ -57,9 +64,8 @@ class ParameterReads:
             return None
         if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
             return None
-        storage = tensor.untyped_storage()
         # Empty storages share address 0 (CUDA's batch norm saves an empty reserve in every call).
-        return self._by_storage.get((tensor.device, storage.data_ptr())) if storage.nbytes() else None
+        return self._parameter_at(tensor) if tensor.untyped_storage().nbytes() else None
 
     def saved(self, tensor: torch.Tensor) -> None:
         """The pack hook saw ``tensor`` saved for backward (autograd packs in no-grad mode: a saved
