@@ -230,9 +230,12 @@ def test_a_spectral_norm_set_to_eval_then_train_inside_a_recomputed_block_equals
     _assert_same(reference, model)
 
 
-def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call_is_refused():
+@pytest.mark.parametrize("rows", [8, 1024], ids=["small", "large"])
+def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call(rows):
     """A queue registered in the block and in its parent, which appends to it after the block's call
-    (MoCo): the recompute would read the new queue (wrong gradients, silently, before); refused."""
+    (MoCo): the recompute read the new queue (wrong gradients, silently, before). A small one is
+    copied at every call, so the recompute reads it as the call did: as plain PyTorch; a large one
+    (128 KiB) is not, and the recompute is refused."""
     class Head(torch.nn.Module):
         def __init__(self, queue):
             super().__init__()
@@ -245,7 +248,7 @@ def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call_is_refus
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("queue", torch.randn(8, 32))    # appended to after the head's call
+            self.register_buffer("queue", torch.randn(rows, 32))    # appended to after the head's call
             self.stem, self.head = torch.nn.Linear(16, 32), Head(self.queue)
 
         def forward(self, x):
@@ -258,8 +261,14 @@ def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call_is_refus
 
     torch.manual_seed(0)
     model, inputs, loss_fn = Model(), torch.randn(64, 16), (lambda out: out.square().mean())
-    loss_fn(copy.deepcopy(model)(inputs)).backward()      # plain PyTorch trains it
+    reference = copy.deepcopy(model)
     oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, blocks=["stem", "head"],
                 decisions={"stem": "keep", "head": "recompute"})
+    if rows == 8:
+        _train(reference, inputs, loss_fn, steps=3)
+        _train(model, inputs, loss_fn, steps=3)
+        _assert_same(reference, model)
+        return
+    loss_fn(reference(inputs)).backward()      # plain PyTorch trains it
     with pytest.raises(RuntimeError, match=r"buffer\(s\) \['queue'\] of block head.*changed in place after"):
         loss_fn(model(inputs)).backward()

@@ -7,17 +7,19 @@ in a buffer, an EMA replaces ``self.ema``): a recompute from the values the forw
 spectral norm's weight by the next estimate (3e-2 off plain PyTorch after three steps, silently).
 And what the recompute writes must not stay: BatchNorm's running statistics would move twice a
 step. So, per call:
-- the buffers its forward changes in place are copied at the call's start and copied back in before
-  its recompute (through ``.data``: a version raised there would trip autograd's check of a
-  recomputed graph still holding one). Which buffers those are is found by value at the block's
-  first call in each mode of its modules (BatchNorm's kernel writes its running statistics without
-  raising their version); small buffers (``SMALL_BUFFER_BYTES``) are copied at every call anyway,
-  larger ones' versions are checked: one changed in a later call that was not copied, or changed
-  outside the block after its call (a queue another module appends to), refuses the recompute,
-  which would read other values, as autograd refuses a changed saved tensor;
+- the buffers its forward changes in place, and every small one (``SMALL_BUFFER_BYTES``), are
+  copied at the call's start and copied back in before its recompute (through ``.data``: a version
+  raised there would trip autograd's check of a recomputed graph still holding one). Which larger
+  buffers change is found by value at the block's first call in each mode of its modules
+  (BatchNorm's kernel writes its running statistics without raising their version; compared once
+  per mode, not at every call: on CUDA a comparison waits for the device); the other larger ones'
+  versions are checked: one changed in a later call, or outside the block after its call (a queue
+  another module appends to), refuses the recompute, which would read other values, as autograd
+  refuses a changed saved tensor;
 - a buffer the forward replaces (``self.ema = ...``) gets its call's object back for the recompute;
-- at the end of backward each buffer is put back as the forward left it, value and object: taken
-  at the block's first recompute in that backward (a block called twice is recomputed twice).
+- at the end of backward each buffer is put back as the forward left it, value (the small and the
+  changing ones) and object: taken at the block's first recompute in that backward (a block called
+  twice is recomputed twice).
 The copies are not on the plan's ledger: small, or a buffer the model changes anyway.
 """
 
@@ -60,7 +62,8 @@ class BlockBuffers:
         entries = _named_buffers(self.module)
         if not entries:
             return False
-        values = [(buffer, buffer.detach().clone()) for sub, name, buffer in entries if (sub, name) in self.changing]
+        values = [(buffer, buffer.detach().clone()) for sub, name, buffer in entries
+                  if (sub, name) in self.changing or buffer.nbytes <= SMALL_BUFFER_BYTES]
 
         def restore():
             with torch.no_grad():
@@ -91,14 +94,17 @@ class CallBuffers:
         self.missed: list[str] = []
 
     def call_ended(self) -> None:
-        """Keep what its recompute needs: the copies of buffers changed in place, the objects of
-        buffers replaced; note the versions of the others as the call left them."""
+        """Keep what its recompute needs: the copies (at the first call in a mode, of the buffers it
+        changed and the small ones), the objects of buffers replaced; note the versions of the
+        others as the call left them."""
         block, copies = self.block, {}
         for index, (sub, name, buffer) in enumerate(self.entries):
             if sub._buffers.get(name) is not buffer:
                 self.replaced.append((sub, name, buffer))
             elif index in self.copies:
-                if not torch.equal(buffer, self.copies[index]):
+                if not self.first_in_mode or buffer.nbytes <= SMALL_BUFFER_BYTES:
+                    copies[index] = self.copies[index]
+                elif not torch.equal(buffer, self.copies[index]):
                     copies[index] = self.copies[index]
                     block.changing.add((sub, name))     # its recompute changes it again: restored
                 elif not buffer.is_inference():
