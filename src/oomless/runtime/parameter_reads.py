@@ -34,6 +34,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from oomless.profile.tensors import has_storage
+
 
 class ParameterReads:
     """The parameters updated in backward (``update``: its `UpdateInBackward`) that backward reads
@@ -62,7 +64,7 @@ class ParameterReads:
         (``on_gradient_path``: whether a use of it that requires grad is on that path)."""
         if not isinstance(tensor, torch.Tensor) or (tensor.requires_grad and on_gradient_path):
             return None
-        if tensor.device.type == "meta" or tensor.is_sparse or tensor.is_nested:
+        if tensor.device.type == "meta" or not has_storage(tensor):
             return None
         # Empty storages share address 0 (CUDA's batch norm saves an empty reserve in every call).
         return self._parameter_at(tensor) if tensor.untyped_storage().nbytes() else None

@@ -28,6 +28,10 @@ import torch
 SMALL_BUFFER_BYTES = 64 * 1024
 
 
+def _copied_every_call(buffer: torch.Tensor) -> bool:
+    return buffer.nbytes <= SMALL_BUFFER_BYTES
+
+
 def _named_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """(submodule, name, buffer) of every buffer of ``module``, a submodule registered twice once."""
     return [(sub, name, buffer) for sub in module.modules() for name, buffer in sub._buffers.items()
@@ -63,7 +67,7 @@ class BlockBuffers:
         if not entries:
             return False
         values = [(buffer, buffer.detach().clone()) for sub, name, buffer in entries
-                  if (sub, name) in self.changing or buffer.nbytes <= SMALL_BUFFER_BYTES]
+                  if (sub, name) in self.changing or _copied_every_call(buffer)]
 
         def restore():
             with torch.no_grad():
@@ -85,7 +89,7 @@ class CallBuffers:
         self.copies: dict[int, torch.Tensor] = {}       # entry index: its values at the call's start
         self.versions: dict[int, int] = {}              # entry index: its version at the start / end
         for index, (sub, name, buffer) in enumerate(self.entries):
-            if first_in_mode or (sub, name) in block.changing or buffer.nbytes <= SMALL_BUFFER_BYTES:
+            if first_in_mode or (sub, name) in block.changing or _copied_every_call(buffer):
                 self.copies[index] = buffer.detach().clone()
             elif not buffer.is_inference():
                 self.versions[index] = buffer._version
@@ -102,7 +106,7 @@ class CallBuffers:
             if sub._buffers.get(name) is not buffer:
                 self.replaced.append((sub, name, buffer))
             elif index in self.copies:
-                if not self.first_in_mode or buffer.nbytes <= SMALL_BUFFER_BYTES:
+                if not self.first_in_mode or _copied_every_call(buffer):
                     copies[index] = self.copies[index]
                 elif not torch.equal(buffer, self.copies[index]):
                     copies[index] = self.copies[index]

@@ -190,14 +190,17 @@ class UpdateInBackward:
                     self._at_backward_end.append(ready)
                     torch.autograd.Variable._execution_engine.queue_callback(self._update_at_backward_end)
                     return
-                self._update(ready)
-                self.steps_in_backward += len(ready)
+                self._step_unit(ready)
 
     def _update_at_backward_end(self) -> None:
         units, self._at_backward_end = self._at_backward_end, []
         for ready in units:
-            self._update(ready)
-            self.steps_in_backward += len(ready)
+            self._step_unit(ready)
+
+    def _step_unit(self, ready: list[nn.Parameter]) -> None:
+        """Update one module's parameters, counted as stepped by the plan rather than by the user's step."""
+        self._update(ready)
+        self.steps_in_backward += len(ready)
 
     def _before_user_step(self, optimizer, args, kwargs) -> None:
         self._hidden_gradients = {}     # left by a step that raised: stale, not put back
@@ -225,8 +228,7 @@ class UpdateInBackward:
         self.reads.refresh()
         # A module's parameters whose partners got no gradient this step (unused in the forward).
         for ready in self._ready.values():
-            self._update(ready)
-            self.steps_in_backward += len(ready)
+            self._step_unit(ready)
         self._ready.clear()
         self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
         if self.state is not None:
