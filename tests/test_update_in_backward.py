@@ -366,3 +366,101 @@ def test_a_weight_read_outside_its_gradients_path_is_updated_after_that_read(gat
     # A mask of the weight saves no alias of it: only its recompute reads the weight again.
     assert update.reads.deferred == (set() if read == "mask" and gate != "recompute" else {model.head.weight})
     assert update.steps_in_backward == STEPS * len(dict.fromkeys(model.parameters()))
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs):
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated out of memory in backward")
+
+
+class _FailsOnce(torch.nn.Module):
+    """Between mid and head: its backward raises once, after head's and out's updates in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, inputs):
+        return _RaiseInBackward.apply(inputs) if self.armed else inputs
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.stem, self.mid = torch.nn.Linear(width, width), torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                                                   torch.nn.GELU())
+        self.fails, self.head, self.out = _FailsOnce(), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+
+    def forward(self, inputs):
+        return self.out(torch.tanh(self.head(self.fails(self.mid(torch.relu(self.stem(inputs)))))))
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+def test_a_backward_that_raised_and_was_skipped_lets_training_go_on(policy):
+    """The loop that recovers from an out-of-memory error (fairseq's): a backward raises, the loop
+    zeroes the gradients and goes on to the next batch without optimizer.step(). The update in backward
+    had already stepped the modules whose gradients were complete before the error (head and out here):
+    that cannot be undone, so a warning says so, and training goes on (the next backward raised
+    InputError before: "got a gradient after its update in backward"). The reference is plain PyTorch
+    stepping those same modules with that batch's gradients: equal bit for bit after three more steps."""
+    torch.manual_seed(0)
+    model, batches = _Chain(), [torch.randn(64, 32) for _ in range(5)]
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    oomless.fit(model, batches[0], "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                min_swap_bytes=0, blocks=["stem", "mid", "fails", "head", "out"],
+                decisions={"stem": policy, "mid": policy, "fails": "keep", "head": policy, "out": "keep"})
+    for step, batch in enumerate(batches):
+        reference_optimizer.zero_grad()
+        loss_fn(reference(batch)).backward()
+        if step == 1:
+            for param in [*reference.stem.parameters(), *reference.mid.parameters()]:
+                param.grad = None       # the failed backward had not reached them
+        reference_optimizer.step()
+
+        optimizer.zero_grad()
+        model.fails.armed = step == 1
+        if step == 1:
+            updated = r"a backward that raised had already updated 4 parameters \(head.weight, head.bias, out.weight, out.bias\)"
+            with pytest.warns(UserWarning, match=updated):
+                with pytest.raises(RuntimeError, match="simulated out of memory"):
+                    loss_fn(model(batch)).backward()
+                optimizer.zero_grad()
+                model.fails.armed = False
+                loss_fn(model(batches[2])).backward()     # the warning comes with the next backward
+            optimizer.step()
+            continue
+        if step == 2:
+            continue    # trained above, right after the failure
+        loss_fn(model(batch)).backward()
+        optimizer.step()
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+
+
+class _ReentrantChain(_Chain):
+    def forward(self, inputs):
+        hidden = torch.utils.checkpoint.checkpoint(self.mid, torch.relu(self.stem(inputs)), use_reentrant=True)
+        return self.out(torch.tanh(torch.utils.checkpoint.checkpoint(self.head, hidden, use_reentrant=True)))
+
+
+def test_a_models_own_reentrant_checkpoint_is_one_backward_not_a_failed_one(recwarn):
+    """A reentrant checkpoint (Hugging Face's gradient checkpointing before transformers 4.35) runs a
+    backward inside backward, with its own graph task: the outer one has not ended, and is not taken
+    for one that raised (its counts would start again in the middle of the step)."""
+    torch.manual_seed(0)
+    model, inputs = _ReentrantChain(), torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True)
+    _train(reference, reference_optimizer, inputs, loss_fn)
+    _train(model, optimizer, inputs, loss_fn)
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+    assert installed_update(model).steps_in_backward == STEPS * 8
+    assert not [warning for warning in recwarn if "backward that raised" in str(warning.message)]

@@ -56,7 +56,17 @@ The loop's other habits:
   when ``max_grad_norm`` is given. A ``clip_grad_norm_`` in the loop would see no gradients.
 - fp16 loss scaling (``GradScaler``) must skip the whole step on overflow, which cannot be known before
   the last gradient: ``GradScaler.step`` finds no gradients and asserts.
+- A backward that raises (a loop that recovers from out of memory: zero_grad, next batch, no
+  ``optimizer.step()``): the modules it had updated stay updated (plain PyTorch would have stepped
+  none); the next backward warns, naming them, and counts from zero. Units it had completed but not
+  updated yet (deferred to its end, or waiting for a partner) are dropped, as the plain loop drops
+  their gradients. A backward is recognised by autograd's graph task: a callback queued at its first
+  gradient runs at its end; one that raised is dropped unrun (a weak reference finds it gone), while a
+  backward nested in it (a reentrant checkpoint) finds it still alive.
 """
+
+import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -132,6 +142,8 @@ class UpdateInBackward:
         self.reads = ParameterReads(self) if in_backward else None
         self._at_backward_end: list[list[nn.Parameter]] = []
         self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
+        self._backward_end: weakref.ref | None = None           # the running backward's end callback
+        self._updated_this_backward: list[nn.Parameter] = []
         self.steps_in_backward = 0                              # counted for tests and stats
         self.state = self.parameters_off = None
         device = next(iter(self.names)).device
@@ -167,6 +179,7 @@ class UpdateInBackward:
                 self.parameters_off.updated(param)
 
     def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        self._note_backward()
         seen = self.gradients_seen[param] + 1
         if seen > self.accumulation_steps:
             raise InputError(
@@ -192,6 +205,39 @@ class UpdateInBackward:
                     return
                 self._step_unit(ready)
 
+    def _note_backward(self) -> None:
+        end = self._backward_end() if self._backward_end is not None else None
+        if end is not None:
+            return      # this backward, or one nested in it (a reentrant checkpoint's)
+        if self._backward_end is not None:
+            self._forget_failed_backward()
+        end = _BackwardEnd(self._backward_ended)
+        self._backward_end = weakref.ref(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _backward_ended(self) -> None:
+        self._backward_end = None
+        self._updated_this_backward = []
+
+    def _forget_failed_backward(self) -> None:
+        """The last backward raised before its end and no ``optimizer.step()`` followed: its counts
+        start again; what it had updated cannot be undone (the module docstring)."""
+        updated, self._updated_this_backward = self._updated_this_backward, []
+        self._backward_end = None
+        self._ready.clear()
+        self._at_backward_end = []
+        self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+        if updated:
+            names = sorted((self.names[param] for param in updated), key=list(self.names.values()).index)
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            warnings.warn(
+                f"a backward that raised had already updated {len(names)} parameters ({shown}) with that "
+                "batch's gradients: the update in backward steps each module as soon as its gradients are "
+                "complete, and cannot undo it (the plain loop, which steps after backward, would have "
+                "stepped none). The other gradients of that backward are dropped and counting starts again "
+                "with this one. To skip a failed batch without any update, plan with update_in_backward=False",
+                stacklevel=2)
+
     def _update_at_backward_end(self) -> None:
         units, self._at_backward_end = self._at_backward_end, []
         for ready in units:
@@ -201,6 +247,7 @@ class UpdateInBackward:
         """Update one module's parameters, counted as stepped by the plan rather than by the user's step."""
         self._update(ready)
         self.steps_in_backward += len(ready)
+        self._updated_this_backward += ready
 
     def _before_user_step(self, optimizer, args, kwargs) -> None:
         self._hidden_gradients = {}     # left by a step that raised: stale, not put back
@@ -231,6 +278,7 @@ class UpdateInBackward:
             self._step_unit(ready)
         self._ready.clear()
         self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+        self._backward_ended()
         if self.state is not None:
             self.state.step_finished()
         if self.parameters_off is not None:
@@ -255,6 +303,17 @@ class UpdateInBackward:
             self.parameters_off = None
         if getattr(self.optimizer, STATE_ATTRIBUTE, None) is self:
             delattr(self.optimizer, STATE_ATTRIBUTE)
+
+
+class _BackwardEnd:
+    """Queued with autograd at a backward's first gradient, run at its end; held only by autograd,
+    so a backward that raised leaves it to be freed unrun."""
+
+    def __init__(self, ended):
+        self.ended = ended
+
+    def __call__(self) -> None:
+        self.ended()
 
 
 def apply_update_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1,
