@@ -272,3 +272,40 @@ def test_a_buffer_another_module_changes_after_a_recomputed_blocks_call(rows):
     loss_fn(reference(inputs)).backward()      # plain PyTorch trains it
     with pytest.raises(RuntimeError, match=r"buffer\(s\) \['queue'\] of block head.*changed in place after"):
         loss_fn(model(inputs)).backward()
+
+
+def _with_hook_before_the_plan(kind: str) -> torch.nn.Module:
+    """A block whose module had a forward pre-hook before the plan was applied: an input transform
+    (returns new arguments), or the deprecated hook-based weight_norm / spectral_norm (each computes
+    the module's weight from its parameters in its pre-hook; Hugging Face's wav2vec2 falls back to
+    the first, HiFi-GAN and GAN code use both)."""
+    torch.manual_seed(0)
+    hooked = torch.nn.Linear(64, 64)
+    if kind == "input-transform":
+        hooked.register_forward_pre_hook(lambda module, args: (args[0] * 2 + 1,))
+    elif kind == "weight_norm":
+        hooked = torch.nn.utils.weight_norm(hooked)
+    else:
+        hooked = torch.nn.utils.spectral_norm(hooked)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), hooked, torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+@pytest.mark.parametrize("kind", ["input-transform", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_a_forward_pre_hook_registered_before_the_plan_runs_once_per_call(kind, policy):
+    """Such a hook runs before the plan's own pre-hook, so outside the recompute's checkpoint: its
+    result (the new arguments, the module's weight) is the call's, from the graph outside the block.
+    The recompute ran it again: the input transformed twice (wrong gradients, silently), the weight
+    computed again inside the checkpoint (torch's CheckpointError: other saved tensors). The
+    recompute runs only what the call ran inside the checkpoint."""
+    # Made twice: a module under the hook-based weight_norm cannot be deep-copied (its weight is no leaf).
+    model, reference, inputs = _with_hook_before_the_plan(kind), _with_hook_before_the_plan(kind), torch.randn(128, 32)
+    loss_fn = lambda out: out.square().mean()     # noqa: E731
+    names = [name for name, _ in model.named_children()]
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=names,
+                decisions={name: policy if name == "2" else "keep" for name in names})
+    _train(reference, inputs, loss_fn, steps=3)
+    _train(model, inputs, loss_fn, steps=3)
+    _assert_same(reference, model)
+    if policy == "recompute":
+        assert oomless.stats(model).recomputed_blocks >= 3

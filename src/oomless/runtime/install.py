@@ -135,6 +135,7 @@ class InstalledPlan:
                                        name=name, changes_input=self.plan.blocks[index].changes_input,
                                        compiled=compiled)
                 self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
+                block.pre_hook_id = self.handles[-1].id
                 self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
             self.handles.append(module.register_forward_pre_hook(_eager(self._block_enter(index, decision), compiled)))
             self.handles.append(module.register_forward_hook(_eager(self._block_exit(index), compiled), always_call=True))

@@ -5,11 +5,16 @@ Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook 
 stashing replays dropout exactly. What plain checkpointing gets wrong is buffers a forward changes:
 a recompute must start from them as its call found them (spectral norm's power iteration), and
 must not leave what it writes (BatchNorm's running statistics would move twice a step); see
-`runtime.recompute_buffers`.
+`runtime.recompute_buffers`. And a recompute must run what the call ran inside the checkpoint, not
+the forward pre-hooks the module had before the plan's: those ran before the plan's pre-hook, outside
+the checkpoint, and their results (new arguments, the weight the hook-based ``weight_norm`` and
+``spectral_norm`` compute) are the call's; run again, an input transform applied twice and the
+weight was computed again inside the checkpoint (torch's CheckpointError).
 """
 
 import inspect
-from contextlib import nullcontext
+from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -52,6 +57,7 @@ class RecomputeBlock:
         self.recomputing = False
         self.buffers = BlockBuffers(module, name)
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
+        self.pre_hook_id = None         # the handle id of `pre_hook` on the module (set where installed)
         # With the update in backward: whether its forward's reads of other modules' parameters outside
         # their gradients' path were recorded (at its first call, `runtime.parameter_reads`). Not in
         # a compiled block: dynamo would trace the recording mode into its graph.
@@ -101,7 +107,7 @@ class RecomputeBlock:
             # of their versions is hidden, or autograd's check (a loss that saved the model's
             # output) and the plan's would refuse a later backward through the same graph.
             with torch.autograd._unsafe_preserve_version_counter(
-                    tuple(tensor for tensor in inputs if not tensor.is_inference())):
+                    tuple(tensor for tensor in inputs if not tensor.is_inference())), self._only_inner_pre_hooks():
                 return module(*call_args, **call_kwargs)
         if self.selective:
             forward_context, recompute_context = selective_contexts(context.keep)
@@ -128,6 +134,28 @@ class RecomputeBlock:
         self.context = context
         context.call_started(tensors)
         context.buffers = self.buffers.call_started()
+
+    @contextmanager
+    def _only_inner_pre_hooks(self):
+        """Without the module's forward pre-hooks that run before `pre_hook` (other than oomless's
+        own), for a recompute: the call ran them outside the checkpoint (the module docstring)."""
+        hooks = self.module._forward_pre_hooks
+        outer = []
+        if self.pre_hook_id in hooks:
+            for hook_id, hook in hooks.items():
+                if hook_id == self.pre_hook_id:
+                    break
+                if not (getattr(hook, "__module__", None) or "").startswith("oomless."):
+                    outer.append(hook_id)
+        if not outer:
+            yield
+            return
+        self.module._forward_pre_hooks = OrderedDict((hook_id, hook) for hook_id, hook in hooks.items()
+                                                     if hook_id not in outer)
+        try:
+            yield
+        finally:
+            self.module._forward_pre_hooks = hooks
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
