@@ -81,6 +81,14 @@ def test_a_profile_on_meta_tensors_sees_the_change_in_place_too():
     assert [block.changes_input for block in profile.blocks] == [False, True, False]
 
 
+def test_a_profile_without_a_budget_rehearses_its_recompute_from_a_copy():
+    """Without a budget the profile's timing step recomputes every block: it refused such a block
+    ("changed its own input in place ... which its profile did not show": the sizing step's finding
+    was not passed to the timing step)."""
+    profile = oomless.profile(Net(_leaky()), torch.randn(64, 32), loss_fn=_loss, blocks=["a", "b", "c"])
+    assert [block.changes_input for block in profile.blocks] == [False, True, False]
+
+
 def test_a_plan_that_did_not_see_the_change_is_refused_at_the_forward_naming_the_block():
     torch.manual_seed(0)
     model, inputs = Net(_leaky()), torch.randn(64, 32)
@@ -91,6 +99,42 @@ def test_a_plan_that_did_not_see_the_change_is_refused_at_the_forward_naming_the
     oomless.apply(model, unseen)
     with pytest.raises(oomless.ApplyError, match=r"block b changed its own input in place.*plan again"):
         model(inputs)
+
+
+class ChangedAfter(nn.Module):
+    """``squash`` (a Tanh: saves its output, not its input) reads ``h``; the forward then halves
+    ``h`` in place. Plain PyTorch trains: nothing saved reads ``h``. A recompute of ``squash`` does."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.stem, self.squash, self.head = nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        squashed = self.squash(h)
+        h.mul_(0.5)
+        return self.head(squashed + h)
+
+
+@pytest.mark.parametrize("profile_on", ["cpu", "meta"])
+def test_a_block_whose_input_the_model_changes_after_its_call_recomputes_from_its_input_as_it_was(profile_on):
+    """The profile sees the change (after the call, before backward) as it sees a block's own: the
+    recompute starts from a copy taken at the call (it raised autograd's error, as torch's checkpoint
+    does, where plain PyTorch trains)."""
+    torch.manual_seed(0)
+    model, inputs = ChangedAfter(), torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    reference_gradients = _train(reference, inputs)
+    blocks = ["stem", "squash", "head"]
+    if profile_on == "meta":
+        profile = oomless.profile(model, inputs, loss_fn=_loss, blocks=blocks, target="h100")
+        assert [block.changes_input for block in profile.blocks] == [False, True, False]
+    plan = oomless.plan(model, inputs, "1GiB", loss_fn=_loss, blocks=blocks,
+                        decisions={"stem": "keep", "squash": "recompute", "head": "keep"})
+    assert [block.changes_input for block in plan.blocks] == [False, True, False]
+    oomless.apply(model, plan)
+    _assert_same(model, reference, _train(model, inputs), reference_gradients)
+    assert oomless.stats(model).recomputed_blocks >= 2
 
 
 def test_a_gradient_penalty_through_a_recomputed_batchnorm_block_equals_plain_pytorch():

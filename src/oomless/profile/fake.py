@@ -41,7 +41,7 @@ from oomless.profile.fake_memory import MetaMemory, PhasePeaks
 from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.roofline import Roofline
-from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
+from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
                                      changed, earlier_saves_by_place, holders_by_place, parameters_read_by,
                                      tensor_bytes, tensors_in, versions)
 
@@ -61,6 +61,7 @@ class _FakeRecorder:
         self.resident = resident
         self.sharing = InputSharing(_storage_key)   # blocks' inputs an earlier block had
         self.input_versions: dict = {}              # a running block's inputs' versions (`versions`)
+        self.changed_after = ChangedAfterCalls()    # and whether the model changes them after the call
         self.memory = MetaMemory(set(resident))
         self.peaks = PhasePeaks()
         self.phase: tuple | None = None     # as `PhasePeaks` names them
@@ -184,6 +185,7 @@ class _FakeRecorder:
             block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
             self.forward_block = index
             self.input_versions[index] = versions(inputs)
+            self.changed_after.look()
             self.phase = ("forward", index)
         return hook
 
@@ -192,7 +194,9 @@ class _FakeRecorder:
             self.forward_block = None
             self.sharing.block_finished(index)
             block = self.blocks[index]
-            block.changes_input |= changed(self.input_versions.pop(index, []))
+            taken = self.input_versions.pop(index, [])
+            block.changes_input |= changed(taken)
+            self.changed_after.call_ended(index, taken)
             outputs = tensors_in(output)
             block.output_bytes += _distinct_bytes(outputs)
             self._track(self.live_outputs, outputs)
@@ -292,6 +296,8 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                                       and value.dtype == precision_dtype else value, output)
                 loss = loss_of(output, loss_fn)
                 del output      # as the real profiler's step (profiler._measure_step)
+                for index in recorder.changed_after.changed_since():
+                    recorder.blocks[index].changes_input = True
                 recorder.in_backward = True
                 loss.backward()
                 del loss

@@ -59,7 +59,8 @@ class BlockProfile:
     held_forward_bytes: int = 0
     held_backward_bytes: int = 0
     # Its forward changed one of its own inputs in place (a LeakyReLU(inplace=True) as its first op,
-    # ``x.mul_(...)``): a recompute of it starts from a copy of its inputs taken before its forward
+    # ``x.mul_(...)``), or the model did after its call, before backward (`tensors.ChangedAfterCalls`):
+    # a recompute of it starts from a copy of its inputs taken before its forward
     # (`BlockPlan.changes_input`), as the changed values would give other saved tensors.
     changes_input: bool = False
     # Measured memory beyond static bytes and saved activations while the block's forward / backward

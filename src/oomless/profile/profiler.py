@@ -78,11 +78,13 @@ def loss_of(output, loss_fn):
 
 def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict[str, str] | None = None,
                   base_bytes: int = 0, measure_selective: bool = False, rehearsed=None,
-                  link_minimum_bytes: int = 8 * 2**20) -> tuple[Recorder, float]:
+                  link_minimum_bytes: int = 8 * 2**20, changing: frozenset = frozenset()) -> tuple[Recorder, float]:
     """Run forward, loss and backward once, every block swapped (or under ``decisions``), recording per
     block. ``rehearsed``: the plan those decisions are (`planner.rehearsal_plan`), whose activation
     budget, per-phase limits and prefetch window the step keeps as training does. The swap tier's
-    rates are recorded (`Recorder.link`) where it moved ``link_minimum_bytes`` each way."""
+    rates are recorded (`Recorder.link`) where it moved ``link_minimum_bytes`` each way. ``changing``:
+    the blocks whose inputs the sizing step saw changed in place (`BlockProfile.changes_input`),
+    recomputed from copies."""
     from oomless.plan.plan import BlockPlan, Plan
     from oomless.runtime.install import install_plan, installed_state, uninstall_plan
 
@@ -92,8 +94,8 @@ def _measure_step(model, example_inputs, loss_fn, found, device, decisions: dict
     measuring = Plan(memory_bytes=0, device=str(device), static_bytes=0, reserve_bytes=0, activation_budget=0,
                      predicted_peak_bytes=0, predicted_activation_peak_bytes=0, predicted_step_seconds=0.0,
                      plain_peak_bytes=0, plain_step_seconds=0.0, prefetch_bytes=0, min_swap_bytes=0,
-                     blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0)
-                             for name in names])
+                     blocks=[BlockPlan(name, (decisions or {}).get(name, "swap"), "profiling", 0, 0.0, 0.0,
+                                       changes_input=name in changing) for name in names])
     if rehearsed is not None:
         # Without the plan's limits the timing step's copies out could lag behind compute unchecked
         # (256 MiB in flight): on CPU a transformer's rehearsal at 35 MiB held 4.1 MiB over its
@@ -402,7 +404,8 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
         timing, predicted_bytes, rehearsed = rehearsal_plan(sized, memory_bytes)
         before_rehearsal = probe.current()
         link_minimum = _link_minimum_bytes(sized)
-        timer, sized.loss_seconds = measure(timing, rehearsed, link_minimum_bytes=link_minimum)
+        changing = frozenset(block.name for block in sized.blocks if block.changes_input)
+        timer, sized.loss_seconds = measure(timing, rehearsed, link_minimum_bytes=link_minimum, changing=changing)
         for p in parameters:
             p.grad = None
         sized.measured_peak_bytes = max(sized.measured_peak_bytes, timer.probe.highest_bytes)

@@ -23,8 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import (InputSharing, add_saved_earlier, alive_bytes, changed, has_storage,
-                                     storage_bytes, storage_key, tensors_in, versions, weak_storages)
+from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes, changed,
+                                     has_storage, storage_bytes, storage_key, tensors_in, versions, weak_storages)
 
 
 _LOSS = -1  # the phase between the end of the forward and the first block's backward
@@ -64,6 +64,7 @@ class Recorder:
         # Each running block's and module's inputs with their versions when it started, to tell
         # whether its forward changes them in place (`BlockProfile.changes_input`).
         self.input_versions: dict = {}
+        self.changed_after = ChangedAfterCalls()    # and whether the model changes them after the call
         self.unassigned_saved_bytes = 0
         self.backward_marks: list[tuple[float, int]] = []
         self.live_outputs: dict[tuple, tuple[StorageWeakRef, int]] = {}
@@ -223,6 +224,7 @@ class Recorder:
         entered = time.perf_counter()
         self.resident = resident_storages
         self.sharing = InputSharing(storage_key)
+        self.changed_after = ChangedAfterCalls()
         self._before_blocks = BlockProfile("")
         self._enter(("forward", _BEFORE_BLOCKS))
         self.hook_seconds += time.perf_counter() - entered
@@ -272,6 +274,7 @@ class Recorder:
 
     def _forward_finished(self, output) -> None:
         self.first_saves.clear()        # the forward's saves are all made
+        self.changed_after.look()
         self._track(self.live_output, tensors_in(output))
         if self.selective_meter is not None:
             self.selective_meter.__exit__(None, None, None)
@@ -284,6 +287,9 @@ class Recorder:
         freed now, the loss did not save."""
         output_bytes = sum(num_bytes for _, num_bytes in self.live_output.values())
         self.output_freed_bytes = output_bytes - alive_bytes(self.live_output)
+        # Block indices are ints, segments' names str.
+        for key in self.changed_after.changed_since():
+            (self.blocks[key] if isinstance(key, int) else self.segments[key]).changes_input = True
 
     def unassigned(self, num_bytes):
         self.unassigned_saved_bytes += num_bytes
@@ -347,7 +353,9 @@ class Recorder:
         opened = self.open_segments.pop(name, None)
         if opened is not None and not self.in_backward:
             self.segments[name].ran += self.block_starts[opened[0]:]
-            self.segments[name].changes_input |= changed(self.input_versions.pop(name, []))
+            taken = self.input_versions.pop(name, [])
+            self.segments[name].changes_input |= changed(taken)
+            self.changed_after.call_ended(name, taken)
             seconds = self.now() - self.tier_stall() - self.hook_seconds - opened[2]
             self.segment_seconds[name] = self.segment_seconds.get(name, 0.0) + seconds
 
@@ -369,6 +377,7 @@ class Recorder:
         block.input_held_earlier += self.sharing.block_started(index, inputs, self.resident)
         block.held_forward_bytes = max(block.held_forward_bytes, alive_bytes(self.live_outputs))
         self.input_versions[index] = versions(inputs)
+        self.changed_after.look()
         self._enter(("forward", index))
         before, self._before_blocks = self._before_blocks, None
         if before is not None and before.forward_other_bytes is not None:
@@ -387,7 +396,9 @@ class Recorder:
         block = self.blocks[index]
         ended = self.now()
         block.forward_seconds += ended - self.started.pop(index)
-        block.changes_input |= changed(self.input_versions.pop(index, []))
+        taken = self.input_versions.pop(index, [])
+        block.changes_input |= changed(taken)
+        self.changed_after.call_ended(index, taken)
         outputs = tensors_in(output)
         block.output_bytes += storage_bytes(outputs)
         self._track(self.live_outputs, outputs)

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -124,6 +125,41 @@ def versions(tensors) -> list[tuple[torch.Tensor, int]]:
 def changed(taken: list[tuple[torch.Tensor, int]]) -> bool:
     """Whether any tensor of ``taken`` (`versions`) was changed in place since."""
     return any(tensor._version != version for tensor, version in taken)
+
+
+class ChangedAfterCalls:
+    """The inputs of calls that have ended (weakly) with their versions then: which calls' inputs the
+    model changes in place afterwards, before backward (``h = block(x); x.mul_(2)``). A recompute of
+    such a call would start from the changed values: it starts from a copy taken at the call, as for a
+    block that changes its own input (`BlockProfile.changes_input`). Plain PyTorch trains such a
+    model wherever nothing saved reads the input (the block saves its output: tanh, exp, sigmoid).
+    Looked at each block start and at the forward's end and the loss's: a tensor the model no longer
+    holds cannot be changed, and under a plan the recompute holds it, so the weak references die."""
+
+    def __init__(self):
+        self.calls: list[tuple[object, list]] = []
+        self.changed: set = set()
+
+    def call_ended(self, key, taken: list[tuple[torch.Tensor, int]]) -> None:
+        """``taken``: the call's inputs (`versions` at its start), read again now, at its end."""
+        self.calls.append((key, [(weakref.ref(tensor), tensor._version) for tensor, _ in taken]))
+
+    def look(self) -> None:
+        """Note the calls whose inputs changed since their end; drop those no longer held."""
+        calls = []
+        for key, inputs in self.calls:
+            alive = [(ref, version, tensor) for ref, version in inputs if (tensor := ref()) is not None]
+            if any(tensor._version != version for _, version, tensor in alive):
+                self.changed.add(key)
+            elif alive:
+                calls.append((key, [(ref, version) for ref, version, _ in alive]))
+        self.calls = calls
+
+    def changed_since(self) -> set:
+        """The keys of the calls with an input changed after the call; forgets them all."""
+        self.look()
+        changed, self.changed, self.calls = self.changed, set(), []
+        return changed
 
 
 def storage_bytes(tensors) -> int:
