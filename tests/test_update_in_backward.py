@@ -464,3 +464,31 @@ def test_a_models_own_reentrant_checkpoint_is_one_backward_not_a_failed_one(recw
     _assert_same_training(reference, reference_optimizer, model, optimizer)
     assert installed_update(model).steps_in_backward == STEPS * 8
     assert not [warning for warning in recwarn if "backward that raised" in str(warning.message)]
+
+
+def test_a_recompute_blocks_reads_are_recorded_by_a_call_that_completes():
+    """A recompute block's reads of other modules' weights are recorded at its first call; a first call
+    that raised (out of memory on the first batch, skipped by the loop) recorded none, head was
+    updated in backward before the gate's recompute read its weight: 1.3e-5 off plain after four
+    steps, silently. The first call that completes records them."""
+    torch.manual_seed(0)
+    model, batches = _GatedByALaterWeight(), [torch.randn(64, 32) for _ in range(5)]
+    reference = copy.deepcopy(model)
+    reference.gate.holder[0] = reference.head
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, reference))
+    loss_fn = lambda out: out.square().mean()   # noqa: E731
+    oomless.fit(model, batches[0], "1TiB", loss_fn=loss_fn, optimizer=optimizer, update_in_backward=True,
+                blocks=["stem", "gate", "head", "out"],
+                decisions={"stem": "keep", "gate": "recompute", "head": "keep", "out": "keep"})
+    failing = model.gate.linear.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model(batches[0])
+    failing.remove()
+    optimizer.zero_grad()
+    for batch in batches[1:]:
+        for trained, trained_optimizer in ((reference, reference_optimizer), (model, optimizer)):
+            trained_optimizer.zero_grad()
+            loss_fn(trained(batch)).backward()
+            trained_optimizer.step()
+    _assert_same_training(reference, reference_optimizer, model, optimizer)
+    assert installed_update(model).reads.deferred == {model.head.weight}

@@ -116,7 +116,8 @@ class RecomputeBlock:
             contexts = (nullcontext(), context)
         reads = self.engine.parameter_reads
         if reads is not None and not self.reads_recorded:
-            self.reads_recorded = True
+            # Recorded once its call completes (`post_hook`): a first call that raised (out of memory,
+            # skipped by the loop) recorded part of them; the next call records them all.
             context.recorder = reads.recorder(tensors)
             contexts = (_Both(context.recorder, contexts[0]), contexts[1])
         options = (True, lambda: contexts, "default", False) + ((True,) if _HAS_EARLY_STOP else ())
@@ -177,9 +178,10 @@ class RecomputeBlock:
             next(generator)
         except StopIteration:
             pass
-        if context.recorder is not None:
+        if context.recorder is not None and output is not None:     # None: the forward raised
             recorder, context.recorder = context.recorder, None
             self.engine.parameter_reads.defer_unreached(recorder, tensors_in(output))
+            self.reads_recorded = True
 
 
 class _RecomputeContext:
