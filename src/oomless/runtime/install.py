@@ -1,7 +1,8 @@
 """`apply` / `remove`: install a Plan on a model in place, through hooks only.
 
 - A forward pre-hook on the model opens `saved_tensors_hooks` for the whole forward; its forward
-  hook (always called, even on an exception) closes it.
+  hook (always called, even on an exception) closes it. On a KeyboardInterrupt torch calls no
+  forward hook: the next forward closes what the interrupted one left open (`runtime.open_calls`).
 - Each block's pre/post hooks tell the pack hook which block (and so which decision) is running.
 - Recompute blocks get the non-reentrant checkpoint hooks of `recompute.py`.
 The state lives on the model as ``model._oomless`` and `remove` restores the model exactly.
@@ -24,6 +25,7 @@ except ImportError:          # a build without torch.distributed: no sharded par
 from oomless.errors import ApplyError
 from oomless.profile.tensors import alive_bytes, has_storage, tensor_bytes, tensors_in, weak_storages
 from oomless.runtime.ledger import Ledger
+from oomless.runtime.open_calls import is_running, module_call_frame
 from oomless.runtime.recompute import RecomputeBlock
 from oomless.runtime.saved import SavedTensorEngine
 from oomless.runtime.saved_entries import KEEP, RECOMPUTE, SWAP
@@ -94,7 +96,9 @@ class InstalledPlan:
         self.recorder = recorder
         self.handles: list = []
         self._hooks_context = None
+        self._forward_frame = None  # torch's call of the model the hooks are open for (`runtime.open_calls`)
         self._calls_inside = 0      # calls of the model inside its own forward, still running
+        self.recompute_blocks: list[RecomputeBlock] = []
         self._parameters_move = True
         self._warned_gradients = False
         self._warned_output = False
@@ -134,6 +138,7 @@ class InstalledPlan:
                 block = RecomputeBlock(module, index, self.engine, selective=self._selective(index, module),
                                        name=name, changes_input=self.plan.blocks[index].changes_input,
                                        compiled=compiled)
+                self.recompute_blocks.append(block)
                 self.handles.append(module.register_forward_pre_hook(_eager(block.pre_hook, compiled), with_kwargs=True))
                 block.pre_hook_id = self.handles[-1].id
                 self.handles.append(module.register_forward_hook(_eager(block.post_hook, compiled), always_call=True))
@@ -149,10 +154,12 @@ class InstalledPlan:
 
     def _model_pre_hook(self, model, args, kwargs):
         if self._hooks_context is not None:
-            # A call of the model inside its own forward: part of the outer step, under its hooks,
-            # which its end must not take off (`_model_post_hook`).
-            self._calls_inside += 1
-            return
+            if is_running(self._forward_frame):
+                # A call of the model inside its own forward: part of the outer step, under its hooks,
+                # which its end must not take off (`_model_post_hook`).
+                self._calls_inside += 1
+                return
+            self._close_interrupted_forward()
         if not torch.is_grad_enabled():
             return
         kwargs = self._without_cache(model, kwargs)
@@ -196,9 +203,24 @@ class InstalledPlan:
             self.ledger.stall_seconds += self.tier.collect_stall_seconds()
         self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_context.__enter__()
+        self._forward_frame = module_call_frame()
         if self.recorder is not None:
             self.recorder.forward_started(resident)
         return args, kwargs
+
+    def _close_interrupted_forward(self) -> None:
+        """The last forward was interrupted where torch calls no forward hook (a KeyboardInterrupt):
+        close what its hooks opened, innermost first: the recomputes' checkpoints, then the plan's
+        saved-tensor hooks (both on autograd's one stack of them). Its graph, if the loop kept it,
+        trains no further: the loop went on to the next batch."""
+        for block in sorted((block for block in self.recompute_blocks if block.generator is not None),
+                            key=lambda block: block.opened, reverse=True):
+            block.abandon()
+        context, self._hooks_context, self._forward_frame = self._hooks_context, None, None
+        context.__exit__(None, None, None)
+        self._calls_inside = 0
+        self.engine.block_index, self.engine.decision = None, KEEP
+        self._gathered_keys.clear()
 
     def _check_inputs(self, inputs: list[torch.Tensor]) -> None:
         """Warn once where a step's input tensors hold more bytes than the example the plan was made for
@@ -253,7 +275,7 @@ class InstalledPlan:
             # hooks here let every save after it escape the plan: kept, on no ledger).
             self._calls_inside -= 1
             return
-        context, self._hooks_context = self._hooks_context, None
+        context, self._hooks_context, self._forward_frame = self._hooks_context, None, None
         context.__exit__(None, None, None)
         self.engine.block_index = None
         # The forward's locals are gone (a U-Net's skips): swapped storages they held leave the ledger

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_map
 
 from oomless.errors import ApplyError, InputError
 from oomless.runtime.grad_scaler_guard import DROPPED_MESSAGE, GradScalerGuard
+from oomless.runtime.open_calls import is_running, module_call_frame
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_ATTRIBUTE = "_oomless_precision"
@@ -283,7 +284,8 @@ class Precision:
         self.handles: list = []
         self.unscale_handles: list = []     # one per parameter, until the model is sharded
         self.guard = GradScalerGuard() if scaler is not None else None
-        self._entered: list = []   # per model call: the autocast context we entered, or None
+        # Per model call: the autocast context we entered (or None), and torch's call frame (`runtime.open_calls`).
+        self._entered: list = []
 
     def install(self, model: nn.Module, optimizer=None) -> None:
         # First of the model's pre-hooks: a refused autocast stops the call before the plan's
@@ -359,8 +361,13 @@ class Precision:
             self.scaler.restore_reduce_scatter()
 
     def _pre_hook(self, model, args, kwargs):
+        # Calls interrupted where torch calls no forward hook (a KeyboardInterrupt): their autocast off.
+        while self._entered and self._entered[-1][1] is not None and not is_running(self._entered[-1][1]):
+            context, _ = self._entered.pop()
+            if context is not None:
+                context.__exit__(None, None, None)
         if self.guard is not None and torch.is_grad_enabled() and self.guard.skipped_by_grad_scaler():
-            self._entered.append(None)      # popped by the forward hook, which runs even when this raises
+            self._entered.append((None, None))      # popped by the forward hook, which runs even when this raises
             raise InputError(DROPPED_MESSAGE)
         if torch.is_grad_enabled():
             self.follow_sharding(model)     # a caller's fully_shard after installing: before its backward
@@ -368,7 +375,7 @@ class Precision:
         if torch.is_autocast_enabled(self.device_type):
             outer = torch.get_autocast_dtype(self.device_type)
             if outer != self.dtype:
-                self._entered.append(None)
+                self._entered.append((None, None))
                 planned = "fp32 (no autocast)" if self.dtype is None else f"{self.precision} ({self.dtype})"
                 raise ApplyError(
                     f"the model runs under torch.autocast({self.device_type!r}, dtype={outer}) but oomless planned "
@@ -377,7 +384,7 @@ class Precision:
         elif self.dtype is not None:
             context = torch.autocast(self.device_type, dtype=self.dtype)
             context.__enter__()
-        self._entered.append(context)
+        self._entered.append((context, module_call_frame()))
         if self.scaler is not None and torch.is_grad_enabled():
             self.follow_unfrozen(model)
             # A gradient leaving the model through an input is the caller's: give it back unscaled.
@@ -387,7 +394,7 @@ class Precision:
     def _post_hook(self, model, args, output):
         if not self._entered:
             return None
-        context = self._entered.pop()
+        context, _ = self._entered.pop()
         if context is not None:
             context.__exit__(None, None, None)
             if output is None:

@@ -13,6 +13,7 @@ weight was computed again inside the checkpoint (torch's CheckpointError).
 """
 
 import inspect
+import itertools
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 
@@ -28,6 +29,7 @@ from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
 _HAS_EARLY_STOP = "early_stop" in inspect.signature(_GENERATOR).parameters
+_OPENED = itertools.count()     # the order calls opened their checkpoints in (`RecomputeBlock.opened`)
 # In-place modules that give their own result back when run on it again (f(f(x)) == f(x)): one
 # alone in a block changes the block's input in place, and its recompute, reading that result,
 # saves and leaves what the forward did.
@@ -54,6 +56,7 @@ class RecomputeBlock:
         self.engine = engine
         self.selective = selective      # keeps its costly ops' outputs (runtime/selective.py)
         self.generator = None
+        self.opened = 0                 # when `generator` was opened, in the order of all blocks' calls
         self.recomputing = False
         self.buffers = BlockBuffers(module, name)
         self.context = None             # the running call's `_RecomputeContext`, pre_hook to post_hook
@@ -126,6 +129,7 @@ class RecomputeBlock:
             # the copies, sees the values the forward started from and saves what it saved.
             tensors = [_copy(tensor) for tensor in tensors]
         self.generator = _GENERATOR(call, *options, *tensors)
+        self.opened = next(_OPENED)
         self.engine.saving_recompute_inputs = True
         try:
             next(self.generator)
@@ -157,6 +161,12 @@ class RecomputeBlock:
             yield
         finally:
             self.module._forward_pre_hooks = hooks
+
+    def abandon(self) -> None:
+        """Its call was interrupted (`runtime.open_calls`): close torch's checkpoint generator, which
+        takes its saved-tensor hooks and its forward's contexts off their stacks."""
+        generator, self.generator, self.context = self.generator, None, None
+        generator.close()
 
     def post_hook(self, module, args, output):
         generator, self.generator = self.generator, None
