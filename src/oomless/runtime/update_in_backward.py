@@ -51,7 +51,10 @@ The loop's other habits:
   its k-th gradient, the earlier ones accumulate as usual (so they are all alive in the last
   micro-batch: no memory is saved; the planner never chooses this with k > 1). A parameter that gets a
   gradient after its update with no ``optimizer.step()`` in between (accumulation without telling),
-  or ``optimizer.step()`` after fewer than k micro-batches, raises `InputError`.
+  or ``optimizer.step()`` after fewer than k micro-batches, raises `InputError`; but ``zero_grad()``
+  after fewer than k (a step skipped after an error or a non-finite loss) starts the count again, as
+  the plain loop starts accumulating again (a hook before each accumulation sees the gradient gone),
+  and a step after a backward that raised applies every gradient there is, as the plain step does.
 - Clipping by global norm needs every gradient before the first update: refused at ``plan``/``fit``
   when ``max_grad_norm`` is given. A ``clip_grad_norm_`` in the loop would see no gradients.
 - fp16 loss scaling (``GradScaler``) must skip the whole step on overflow, which cannot be known before
@@ -155,6 +158,9 @@ class UpdateInBackward:
         if in_backward:
             self.handles += [param.register_post_accumulate_grad_hook(self._gradient_accumulated)
                              for param in self.names]
+        if in_backward and accumulation_steps > 1:
+            # Before each gradient is accumulated: whether the loop dropped the micro-batches so far.
+            self.handles += [param.register_hook(self._arriving(param)) for param in self.names]
         self._hidden_gradients: dict[nn.Parameter, torch.Tensor] = {}     # during the user's step
         self.handles.append(optimizer.register_step_pre_hook(self._before_user_step))
         if not in_backward:
@@ -186,10 +192,11 @@ class UpdateInBackward:
                 f"parameter {self.names[param]} got a gradient after its update in backward with no "
                 f"step() of the optimizer the plan was applied with ({type(self.optimizer).__name__}) in between; "
                 f"its update ran after {self.accumulation_steps} backward pass(es). Call that optimizer's step() "
-                "once per step (it is a no-op for the parameters updated in backward), and for gradient "
-                "accumulation over k micro-batches pass accumulation_steps=k. The plan steps that optimizer "
-                "in backward: to train with a new one, oomless.remove(model), then oomless.apply(model, plan, "
-                "optimizer=new_optimizer)")
+                "once per step (it is a no-op for the parameters updated in backward), also where the loop skips "
+                "a step after its backward (an error or a check after backward: that backward's update has "
+                "been applied already), and for gradient accumulation over k micro-batches pass "
+                "accumulation_steps=k. The plan steps that optimizer in backward: to train with a new one, "
+                "oomless.remove(model), then oomless.apply(model, plan, optimizer=new_optimizer)")
         self.gradients_seen[param] = seen
         if seen == self.accumulation_steps:
             unit = self.unit_of[param]
@@ -204,6 +211,15 @@ class UpdateInBackward:
                     torch.autograd.Variable._execution_engine.queue_callback(self._update_at_backward_end)
                     return
                 self._step_unit(ready)
+
+    def _arriving(self, param: nn.Parameter):
+        def hook(grad):
+            seen = self.gradients_seen[param]
+            if param.grad is None and 0 < seen < self.accumulation_steps:
+                # zero_grad() after micro-batches not yet applied (a step skipped after an error or a
+                # non-finite loss): the plain loop starts accumulating again, and so does the count.
+                self.gradients_seen[param] = 0
+        return hook
 
     def _note_backward(self) -> None:
         end = self._backward_end() if self._backward_end is not None else None
@@ -265,7 +281,17 @@ class UpdateInBackward:
             return
         partial = {self.names[param]: seen for param, seen in self.gradients_seen.items()
                    if 0 < seen < self.accumulation_steps}
-        if partial:
+        failed = self._backward_end is not None and self._backward_end() is None
+        if failed:
+            # A step after a backward that raised: the plain step applies every gradient there is,
+            # micro-batches short or not.
+            waiting: dict[tuple, list[nn.Parameter]] = {}
+            for param, seen in self.gradients_seen.items():
+                if 0 < seen < self.accumulation_steps and param.grad is not None:
+                    waiting.setdefault(self.unit_of[param], []).append(param)
+            for ready in waiting.values():
+                self._step_unit(ready)
+        elif partial:
             name, seen = next(iter(partial.items()))
             raise InputError(f"optimizer.step() after {seen} of accumulation_steps={self.accumulation_steps} "
                              f"micro-batches (parameter {name} and {len(partial) - 1} more have accumulated "
