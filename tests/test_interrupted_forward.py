@@ -1,4 +1,5 @@
-"""A forward interrupted by Ctrl-C, and the loop goes on (a notebook: interrupt, then run the cell again).
+"""A step stopped half way, and the loop goes on: a forward interrupted by Ctrl-C (a notebook:
+interrupt, then run the cell again), a backward that raised.
 
 torch calls a module's ``always_call`` forward hooks when its forward raises an ``Exception``, not
 a ``KeyboardInterrupt``: what the plan's pre-hooks opened stayed open. A recompute block's
@@ -81,3 +82,32 @@ def test_an_interrupted_bf16_forward_leaves_no_autocast_after_the_next_one():
     assert _no_saved_tensor_hooks_left()
     with torch.no_grad():
         assert model(batches[0]).dtype == torch.float32
+
+
+class RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs):
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated out of memory in backward")
+
+
+def test_a_backward_that_raised_after_a_recompute_leaves_nothing_on_the_ledger():
+    """The recomputed block's bytes leave the ledger at the end of backward (a queued callback),
+    which a backward that raised never reaches: they stayed counted through the evaluation after,
+    as saved activations no step held, until the next backward."""
+    batches = [torch.randn(64, 32) for _ in range(2)]
+    model = _model()
+    oomless.fit(model, batches[0], "1TiB", loss_fn=_loss, min_swap_bytes=0, blocks=["0", "1", "2", "4"],
+                decisions={"0": "keep", "1": "recompute", "2": "keep", "4": "keep"})
+    # Inside block 1: its backward raises after its recompute.
+    raising = model[1][0].register_forward_hook(lambda module, args, output: RaisesInBackward.apply(output))
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        _loss(model(batches[1])).backward()
+    raising.remove()
+    model.zero_grad()
+    with torch.no_grad():
+        model(batches[0])
+    assert oomless.stats(model).resident_activation_bytes == 0

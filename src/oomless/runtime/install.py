@@ -153,12 +153,16 @@ class InstalledPlan:
             self.tier.close()
 
     def _model_pre_hook(self, model, args, kwargs):
-        if self._hooks_context is not None:
-            if is_running(self._forward_frame):
-                # A call of the model inside its own forward: part of the outer step, under its hooks,
-                # which its end must not take off (`_model_post_hook`).
-                self._calls_inside += 1
-                return
+        if self._hooks_context is None:
+            # No backward runs now: one that raised left its last recompute's bytes on the ledger
+            # (the callback that takes them off at its end was dropped with it).
+            self.engine.backward_moved()
+        elif is_running(self._forward_frame):
+            # A call of the model inside its own forward: part of the outer step, under its hooks,
+            # which its end must not take off (`_model_post_hook`).
+            self._calls_inside += 1
+            return
+        else:
             self._close_interrupted_forward()
         if not torch.is_grad_enabled():
             return
