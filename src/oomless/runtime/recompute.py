@@ -69,7 +69,6 @@ class RecomputeBlock:
     def pre_hook(self, module, args, kwargs):
         if self.recomputing or not torch.is_grad_enabled():
             return
-        self.buffers.restore_queued = False     # a backward that raised before its end never ran its restore
         # Every input tensor goes in positionally, once: the recompute then sees the inputs as they
         # were at this call, not as the caller left them. A model may update a dict (or list) it
         # passed to the block in place afterwards (``state.update(layer(state))``); torch's

@@ -48,6 +48,7 @@ class BlockBuffers:
         self.restore_queued = False
 
     def call_started(self) -> "CallBuffers":
+        self.restore_queued = False     # a backward that raised before its end never ran its restore
         mode = tuple(sub.training for sub in self.module.modules())
         first = mode not in self.modes_seen
         self.modes_seen.add(mode)
