@@ -118,6 +118,18 @@ def apply_plan_for_share(model, inputs, loss_fn, optimizer, share):
     return plan, memory
 
 
+class RaisesInBackward(torch.autograd.Function):
+    """The identity, whose backward raises as an out-of-memory error would (a loop that recovers from one)."""
+
+    @staticmethod
+    def forward(ctx, inputs):
+        return inputs.view_as(inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated out of memory in backward")
+
+
 def train_steps(model, optimizer, inputs, loss_fn, steps=2):
     """The plain training loop the equality tests run on both sides, dropout seeded per step."""
     for step in range(steps):

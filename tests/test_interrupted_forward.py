@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import oomless
+from tests.conftest import RaisesInBackward
 
 
 class Interrupts(nn.Module):
@@ -82,16 +83,6 @@ def test_an_interrupted_bf16_forward_leaves_no_autocast_after_the_next_one():
     assert _no_saved_tensor_hooks_left()
     with torch.no_grad():
         assert model(batches[0]).dtype == torch.float32
-
-
-class RaisesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inputs):
-        return inputs.view_as(inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("simulated out of memory in backward")
 
 
 def test_a_backward_that_raised_after_a_recompute_leaves_nothing_on_the_ledger():

@@ -22,6 +22,7 @@ import oomless
 from oomless.errors import InputError
 from oomless.models import MLP, TinyTransformer
 from oomless.runtime.update_in_backward import installed_update
+from tests.conftest import RaisesInBackward
 
 OPTIMIZERS = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -368,16 +369,6 @@ def test_a_weight_read_outside_its_gradients_path_is_updated_after_that_read(gat
     assert update.steps_in_backward == STEPS * len(dict.fromkeys(model.parameters()))
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inputs):
-        return inputs.view_as(inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("simulated out of memory in backward")
-
-
 class _FailsOnce(torch.nn.Module):
     """Between mid and head: its backward raises once, after head's and out's updates in backward."""
 
@@ -386,7 +377,7 @@ class _FailsOnce(torch.nn.Module):
         self.armed = False
 
     def forward(self, inputs):
-        return _RaiseInBackward.apply(inputs) if self.armed else inputs
+        return RaisesInBackward.apply(inputs) if self.armed else inputs
 
 
 class _Chain(torch.nn.Module):
