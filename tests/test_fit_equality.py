@@ -309,3 +309,25 @@ def test_a_forward_pre_hook_registered_before_the_plan_runs_once_per_call(kind, 
     _assert_same(reference, model)
     if policy == "recompute":
         assert oomless.stats(model).recomputed_blocks >= 3
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+def test_quantization_aware_training_from_fresh_observers_equals_plain_pytorch(policy):
+    """``prepare_qat``'s per-channel observers start with empty buffers that take their shape at the
+    first forward: planning's steps could not put them back (a bare RuntimeError on the sizes)."""
+    quantization = pytest.importorskip("torch.ao.quantization")
+
+    def prepared():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()),
+                                    torch.nn.Linear(32, 1))
+        model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+        return quantization.prepare_qat(model.train(), inplace=True)
+
+    model, reference, inputs = prepared(), prepared(), torch.randn(64, 16)
+    loss_fn = lambda out: out.square().mean()     # noqa: E731
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=["0", "1", "2"],
+                decisions={"0": "keep", "1": policy, "2": "keep"})
+    _train(reference, inputs, loss_fn, steps=3)
+    _train(model, inputs, loss_fn, steps=3)
+    _assert_same(reference, model)

@@ -257,7 +257,11 @@ def training_state_kept(model: nn.Module):
     numbers start from them."""
     parameters = list(dict.fromkeys(model.parameters()))
     grads = [param.grad for param in parameters]
-    buffers = [buffer.detach().clone() for buffer in model.buffers()]
+    # Each buffer's object and values: a step may replace one (``self.ema = ...``) or resize it (a
+    # per-channel observer of quantization-aware training starts empty and takes its shape at its
+    # first forward; copying its values back failed on the shapes).
+    buffers = [(module, name, buffer, buffer.detach().clone()) for module in model.modules()
+               for name, buffer in module._buffers.items() if buffer is not None]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -266,8 +270,12 @@ def training_state_kept(model: nn.Module):
         with torch.no_grad():
             for param, grad in zip(parameters, grads):
                 param.grad = grad
-            for buffer, saved in zip(model.buffers(), buffers):
-                buffer.copy_(saved)
+            for module, name, buffer, saved in buffers:
+                module._buffers[name] = buffer
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
+                else:
+                    buffer.data = saved
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

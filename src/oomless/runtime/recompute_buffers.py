@@ -32,6 +32,15 @@ def _copied_every_call(buffer: torch.Tensor) -> bool:
     return buffer.nbytes <= SMALL_BUFFER_BYTES
 
 
+def _write(buffer: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` into ``buffer`` through ``.data`` (its version left alone), its shape too where the
+    forward resized it (a per-channel observer of quantization-aware training starts empty)."""
+    if buffer.shape == values.shape:
+        buffer.data.copy_(values)
+    else:
+        buffer.data = values.clone()
+
+
 def _named_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """(submodule, name, buffer) of every buffer of ``module``, a submodule registered twice once."""
     return [(sub, name, buffer) for sub in module.modules() for name, buffer in sub._buffers.items()
@@ -75,7 +84,7 @@ class BlockBuffers:
                 for sub, name, buffer in entries:
                     sub._buffers[name] = buffer
                 for buffer, saved in values:
-                    buffer.data.copy_(saved)
+                    _write(buffer, saved)
             self.restore_queued = False
         torch.autograd.Variable._execution_engine.queue_callback(restore)
         return True
@@ -144,4 +153,4 @@ class CallBuffers:
             for sub, buffer_name, buffer in self.replaced:
                 sub._buffers[buffer_name] = buffer
             for index, start in self.copies.items():
-                self.entries[index][2].data.copy_(start)
+                _write(self.entries[index][2], start)
