@@ -283,14 +283,21 @@ def _with_hook_before_the_plan(kind: str) -> torch.nn.Module:
     hooked = torch.nn.Linear(64, 64)
     if kind == "input-transform":
         hooked.register_forward_pre_hook(lambda module, args: (args[0] * 2 + 1,))
+    elif kind == "global-input-transform":
+        hooked.transformed = True
     elif kind == "weight_norm":
         hooked = torch.nn.utils.weight_norm(hooked)
     else:
         hooked = torch.nn.utils.spectral_norm(hooked)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), hooked, torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), hooked, nn.Tanh(), nn.Linear(64, 1))
 
 
-@pytest.mark.parametrize("kind", ["input-transform", "weight_norm", "spectral_norm"])
+def _transform_marked(module, args):
+    return (args[0] * 2 + 1,) if getattr(module, "transformed", False) else None
+
+
+@pytest.mark.parametrize("kind", ["input-transform", "global-input-transform", "weight_norm", "spectral_norm"])
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_a_forward_pre_hook_registered_before_the_plan_runs_once_per_call(kind, policy):
     """Such a hook runs before the plan's own pre-hook, so outside the recompute's checkpoint: its
@@ -302,13 +309,80 @@ def test_a_forward_pre_hook_registered_before_the_plan_runs_once_per_call(kind, 
     model, reference, inputs = _with_hook_before_the_plan(kind), _with_hook_before_the_plan(kind), torch.randn(128, 32)
     loss_fn = lambda out: out.square().mean()     # noqa: E731
     names = [name for name, _ in model.named_children()]
-    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=names,
-                decisions={name: policy if name == "2" else "keep" for name in names})
-    _train(reference, inputs, loss_fn, steps=3)
-    _train(model, inputs, loss_fn, steps=3)
+    # A global pre-hook (register_module_forward_pre_hook) runs before every module's own.
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(_transform_marked)
+    try:
+        oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=names,
+                    decisions={name: policy if name == "2" else "keep" for name in names})
+        _train(reference, inputs, loss_fn, steps=3)
+        _train(model, inputs, loss_fn, steps=3)
+    finally:
+        handle.remove()
     _assert_same(reference, model)
     if policy == "recompute":
         assert oomless.stats(model).recomputed_blocks >= 3
+
+
+class _ScaledPerCall(torch.nn.Linear):
+    def forward(self, x):
+        return torch.tanh(super().forward(x) * self.scale)
+
+
+class _PerCall(torch.nn.Module):
+    """Called twice in one forward. ``kind``: a pre-hook from before the plan sets a scale for each
+    call that the forward reads (a plain attribute); or the hook-based spectral norm sets the weight
+    for each call, its power iteration one step on at the second."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.stem, self.head = torch.nn.Linear(32, 64), torch.nn.Linear(64, 1)
+        if kind == "scale-per-call":
+            self.shared = _ScaledPerCall(64, 64)
+            self.shared.register_forward_pre_hook(
+                lambda module, args: setattr(module, "scale", float(args[0].abs().mean())))
+        else:
+            self.shared = torch.nn.utils.spectral_norm(torch.nn.Linear(64, 64))
+        self.kind = kind
+
+    def forward(self, x):
+        hidden = torch.tanh(self.stem(x))
+        if self.kind == "scale-per-call":
+            return self.head(torch.tanh(self.shared(hidden * 3) + self.shared(hidden)))
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(hidden)))))
+
+
+@pytest.mark.parametrize("kind", ["scale-per-call", "spectral_norm"])
+def test_a_recompute_reads_the_attributes_its_call_read(kind):
+    """The recompute of the first call ran with what the second call's pre-hook left on the module:
+    the second call's scale (2e-2 off plain PyTorch), spectral norm's next weight (7e-4)."""
+    torch.manual_seed(0)
+    model, inputs = _PerCall(kind), torch.randn(128, 32)
+    torch.manual_seed(0)
+    reference = _PerCall(kind)     # made twice: the hook-based spectral_norm cannot be deep-copied
+    loss_fn = lambda out: out.square().mean()     # noqa: E731
+    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, min_swap_bytes=0, blocks=["stem", "shared", "head"],
+                decisions={"stem": "keep", "shared": "recompute", "head": "keep"})
+    _train(reference, inputs, loss_fn, steps=3)
+    _train(model, inputs, loss_fn, steps=3)
+    _assert_same(reference, model)
+
+
+def test_a_recompute_under_functional_call_reads_the_parameters_and_buffers_given():
+    """torch.func.functional_call (MAML's fast weights) puts parameters and buffers in for the forward
+    and the module's own back before backward: the recompute ran with the module's own (gradients
+    2e-2 off plain PyTorch, silently)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(),
+                                                           nn.Linear(32, 32)), nn.Linear(32, 1))
+    reference, inputs = copy.deepcopy(model), torch.randn(64, 16)
+    oomless.fit(model, inputs, "1TiB", loss_fn=lambda out: out.square().mean(), blocks=["0", "1", "2"],
+                decisions={"0": "keep", "1": "recompute", "2": "keep"}, min_swap_bytes=0)
+    for trained in (reference, model):
+        fast = {name: parameter * 1.5 for name, parameter in trained.named_parameters()}
+        fast |= {name: buffer + 0.5 for name, buffer in trained.named_buffers() if buffer.is_floating_point()}
+        torch.func.functional_call(trained, fast, (inputs,)).square().mean().backward()
+    _assert_same(reference, model)
 
 
 @pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
@@ -319,8 +393,8 @@ def test_quantization_aware_training_from_fresh_observers_equals_plain_pytorch(p
 
     def prepared():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()),
-                                    torch.nn.Linear(32, 1))
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.ReLU()), nn.Linear(32, 1))
         model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
         return quantization.prepare_qat(model.train(), inplace=True)
 

@@ -42,7 +42,7 @@ from oomless.profile.profile import BlockProfile, Profile
 from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.roofline import Roofline
 from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
-                                     changed, earlier_saves_by_place, holders_by_place, parameters_read_by,
+                                     earlier_saves_by_place, holders_by_place, parameters_read_by,
                                      tensor_bytes, tensors_in, versions)
 
 _LOSS = -1
@@ -194,9 +194,7 @@ class _FakeRecorder:
             self.forward_block = None
             self.sharing.block_finished(index)
             block = self.blocks[index]
-            taken = self.input_versions.pop(index, [])
-            block.changes_input |= changed(taken)
-            self.changed_after.call_ended(index, taken)
+            block.changes_input |= self.changed_after.call_ended(index, self.input_versions.pop(index, []))
             outputs = tensors_in(output)
             block.output_bytes += _distinct_bytes(outputs)
             self._track(self.live_outputs, outputs)
@@ -297,7 +295,7 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                 loss = loss_of(output, loss_fn)
                 del output      # as the real profiler's step (profiler._measure_step)
                 for index in recorder.changed_after.changed_since():
-                    recorder.blocks[index].changes_input = True
+                    recorder.blocks[index].changes_input |= bool(recorder.blocks[index].saved_sizes)
                 recorder.in_backward = True
                 loss.backward()
                 del loss

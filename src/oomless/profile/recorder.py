@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from oomless.profile.profile import BlockProfile
 from oomless.profile.rss import MemoryProbe
-from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes, changed,
+from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes,
                                      has_storage, storage_bytes, storage_key, tensors_in, versions, weak_storages)
 
 
@@ -289,7 +289,10 @@ class Recorder:
         self.output_freed_bytes = output_bytes - alive_bytes(self.live_output)
         # Block indices are ints, segments' names str.
         for key in self.changed_after.changed_since():
-            (self.blocks[key] if isinstance(key, int) else self.segments[key]).changes_input = True
+            if not isinstance(key, int):
+                self.segments[key].changes_input = True
+            elif self.blocks[key].saved_sizes:
+                self.blocks[key].changes_input = True
 
     def unassigned(self, num_bytes):
         self.unassigned_saved_bytes += num_bytes
@@ -353,9 +356,7 @@ class Recorder:
         opened = self.open_segments.pop(name, None)
         if opened is not None and not self.in_backward:
             self.segments[name].ran += self.block_starts[opened[0]:]
-            taken = self.input_versions.pop(name, [])
-            self.segments[name].changes_input |= changed(taken)
-            self.changed_after.call_ended(name, taken)
+            self.segments[name].changes_input |= self.changed_after.call_ended(name, self.input_versions.pop(name, []))
             seconds = self.now() - self.tier_stall() - self.hook_seconds - opened[2]
             self.segment_seconds[name] = self.segment_seconds.get(name, 0.0) + seconds
 
@@ -396,9 +397,7 @@ class Recorder:
         block = self.blocks[index]
         ended = self.now()
         block.forward_seconds += ended - self.started.pop(index)
-        taken = self.input_versions.pop(index, [])
-        block.changes_input |= changed(taken)
-        self.changed_after.call_ended(index, taken)
+        block.changes_input |= self.changed_after.call_ended(index, self.input_versions.pop(index, []))
         outputs = tensors_in(output)
         block.output_bytes += storage_bytes(outputs)
         self._track(self.live_outputs, outputs)

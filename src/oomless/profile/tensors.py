@@ -140,9 +140,11 @@ class ChangedAfterCalls:
         self.calls: list[tuple[object, list]] = []
         self.changed: set = set()
 
-    def call_ended(self, key, taken: list[tuple[torch.Tensor, int]]) -> None:
-        """``taken``: the call's inputs (`versions` at its start), read again now, at its end."""
+    def call_ended(self, key, taken: list[tuple[torch.Tensor, int]]) -> bool:
+        """``taken``: the call's inputs (`versions` at its start), read again now, at its end.
+        Whether the call changed one itself."""
         self.calls.append((key, [(weakref.ref(tensor), tensor._version) for tensor, _ in taken]))
+        return changed(taken)
 
     def look(self) -> None:
         """Note the calls whose inputs changed since their end; drop those no longer held."""
@@ -156,7 +158,9 @@ class ChangedAfterCalls:
         self.calls = calls
 
     def changed_since(self) -> set:
-        """The keys of the calls with an input changed after the call; forgets them all."""
+        """The keys of the calls with an input changed after the call; forgets them all. A block
+        that saved nothing is never recomputed: leave it out (an ``nn.Identity`` or a view whose
+        output, its own input, an in-place ReLU after it changes)."""
         self.look()
         changed, self.changed, self.calls = self.changed, set(), []
         return changed

@@ -154,8 +154,9 @@ class InstalledPlan:
 
     def _model_pre_hook(self, model, args, kwargs):
         if self._hooks_context is None:
-            # No backward runs now: one that raised left its last recompute's bytes on the ledger
-            # (the callback that takes them off at its end was dropped with it).
+            # A new step (or an evaluation) between backwards: one that raised left its last
+            # recompute's bytes on the ledger (the callback that takes them off at its end was
+            # dropped with it).
             self.engine.backward_moved()
         elif is_running(self._forward_frame):
             # A call of the model inside its own forward: part of the outer step, under its hooks,

@@ -19,7 +19,10 @@ _MODULE_FILE = torch.nn.modules.module.__file__
 
 
 def module_call_frame() -> FrameType | None:
-    """The frame of torch's module call running the hook that calls this."""
+    """The frame of torch's module call running the hook that calls this; None while torch.compile
+    traces the hook (it cannot trace frames), where `is_running` answers as for a running call."""
+    if torch.compiler.is_compiling():
+        return None
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename != _MODULE_FILE:
         frame = frame.f_back
@@ -27,7 +30,10 @@ def module_call_frame() -> FrameType | None:
 
 
 def is_running(frame: FrameType | None) -> bool:
-    """Whether ``frame`` is on this thread's stack (its call has not returned or raised past it)."""
+    """Whether ``frame`` is on this thread's stack (its call has not returned or raised past it);
+    True for None (not known: taken as running, as before calls were told apart)."""
+    if frame is None:
+        return True
     current = sys._getframe(1)
     while current is not None:
         if current is frame:

@@ -362,7 +362,7 @@ class Precision:
 
     def _pre_hook(self, model, args, kwargs):
         # Calls interrupted where torch calls no forward hook (a KeyboardInterrupt): their autocast off.
-        while self._entered and self._entered[-1][1] is not None and not is_running(self._entered[-1][1]):
+        while self._entered and not is_running(self._entered[-1][1]):
             context, _ = self._entered.pop()
             if context is not None:
                 context.__exit__(None, None, None)

@@ -5,17 +5,13 @@ Same mechanism as PyTorch's composable `checkpoint(module)`: a forward pre-hook 
 stashing replays dropout exactly. What plain checkpointing gets wrong is buffers a forward changes:
 a recompute must start from them as its call found them (spectral norm's power iteration), and
 must not leave what it writes (BatchNorm's running statistics would move twice a step); see
-`runtime.recompute_buffers`. And a recompute must run what the call ran inside the checkpoint, not
-the forward pre-hooks the module had before the plan's: those ran before the plan's pre-hook, outside
-the checkpoint, and their results (new arguments, the weight the hook-based ``weight_norm`` and
-``spectral_norm`` compute) are the call's; run again, an input transform applied twice and the
-weight was computed again inside the checkpoint (torch's CheckpointError).
+`runtime.recompute_buffers`. And it must run the block as the call did: without the pre-hooks that
+ran outside the checkpoint, with the call's attributes and parameters (`runtime.recompute_call`).
 """
 
 import inspect
 import itertools
-from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -25,6 +21,7 @@ from oomless.errors import ApplyError
 from oomless.profile.tensors import tensors_in
 from oomless.runtime.saved_versions import SavedVersion, changed_error
 from oomless.runtime.recompute_buffers import BlockBuffers
+from oomless.runtime.recompute_call import CallState
 from oomless.runtime.selective import selective_contexts
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -109,7 +106,7 @@ class RecomputeBlock:
             # of their versions is hidden, or autograd's check (a loss that saved the model's
             # output) and the plan's would refuse a later backward through the same graph.
             with torch.autograd._unsafe_preserve_version_counter(
-                    tuple(tensor for tensor in inputs if not tensor.is_inference())), self._only_inner_pre_hooks():
+                    tuple(tensor for tensor in inputs if not tensor.is_inference())), context.call_state.as_called():
                 return module(*call_args, **call_kwargs)
         if self.selective:
             forward_context, recompute_context = selective_contexts(context.keep)
@@ -138,28 +135,7 @@ class RecomputeBlock:
         self.context = context
         context.call_started(tensors)
         context.buffers = self.buffers.call_started()
-
-    @contextmanager
-    def _only_inner_pre_hooks(self):
-        """Without the module's forward pre-hooks that run before `pre_hook` (other than oomless's
-        own), for a recompute: the call ran them outside the checkpoint (the module docstring)."""
-        hooks = self.module._forward_pre_hooks
-        outer = []
-        if self.pre_hook_id in hooks:
-            for hook_id, hook in hooks.items():
-                if hook_id == self.pre_hook_id:
-                    break
-                if not (getattr(hook, "__module__", None) or "").startswith("oomless."):
-                    outer.append(hook_id)
-        if not outer:
-            yield
-            return
-        self.module._forward_pre_hooks = OrderedDict((hook_id, hook) for hook_id, hook in hooks.items()
-                                                     if hook_id not in outer)
-        try:
-            yield
-        finally:
-            self.module._forward_pre_hooks = hooks
+        context.call_state = CallState(module, self.pre_hook_id)
 
     def abandon(self) -> None:
         """Its call was interrupted (`runtime.open_calls`): close torch's checkpoint generator, which
@@ -210,6 +186,7 @@ class _RecomputeContext:
         self.input_versions: list = []
         self.recorder = None             # its call's `parameter_reads.RecordReads`, until the call ends
         self.buffers = None              # its call's buffers as it found them (`CallBuffers`)
+        self.call_state = None           # its call's attributes and parameters (`recompute_call.CallState`)
 
     def call_started(self, tensors) -> None:
         self.inputs = [(tensor, None if tensor.is_inference() else tensor._version) for tensor in tensors]

@@ -150,7 +150,10 @@ class CallBuffers:
                 "the new values. Give that block keep or swap (oomless.plan(..., decisions={...})), or update the "
                 "buffer out of place")
         with torch.no_grad():
-            for sub, buffer_name, buffer in self.replaced:
-                sub._buffers[buffer_name] = buffer
+            # Its objects: one the forward replaced, or one another holder put in for the forward only
+            # (torch.func.functional_call's buffers).
+            for sub, buffer_name, buffer in self.entries:
+                if sub._buffers.get(buffer_name) is not buffer:
+                    sub._buffers[buffer_name] = buffer
             for index, start in self.copies.items():
                 _write(self.entries[index][2], start)
