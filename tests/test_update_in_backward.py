@@ -485,13 +485,13 @@ def test_a_recompute_blocks_reads_are_recorded_by_a_call_that_completes():
     assert installed_update(model).reads.deferred == {model.head.weight}
 
 
-def _accumulating_loop(model, optimizer, batches, fail):
+def _accumulating_loop(model, optimizer, batches, fail, set_to_none=True):
     """Two micro-batches per step; ``fail(step, micro_batch)``: "forward" raises in the forward (the
     loop zeroes the gradients and skips the step), "backward" arms ``model.fails`` (the loop steps
     with what it has, as after a last micro-batch lost)."""
     loss_fn = lambda out: out.square().mean() / 2     # noqa: E731
     for step in range(len(batches) // 2):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         for micro_batch in range(2):
             how = fail(step, micro_batch)
             model.fails.armed = how == "backward"
@@ -501,20 +501,22 @@ def _accumulating_loop(model, optimizer, batches, fail):
                 loss_fn(model(batches[2 * step + micro_batch])).backward()
             except RuntimeError:
                 if how == "forward":
-                    optimizer.zero_grad()
+                    optimizer.zero_grad(set_to_none=set_to_none)
                     break
             if how == "backward" or micro_batch == 1:
                 optimizer.step()
         model.fails.armed = False
 
 
-@pytest.mark.parametrize("how", ["forward", "backward"])
-def test_accumulation_after_a_lost_micro_batch_equals_plain_pytorch(how):
+@pytest.mark.parametrize("how, set_to_none", [("forward", True), ("forward", False), ("backward", True)],
+                         ids=["forward", "forward-zeroed-in-place", "backward"])
+def test_accumulation_after_a_lost_micro_batch_equals_plain_pytorch(how, set_to_none):
     """accumulation_steps=2. A step's second micro-batch fails in its forward and the loop skips the
     step (zero_grad): the count of micro-batches went on from the first one, and the next step's
     first micro-batch was taken for the second (every parameter stepped with half a step's gradient,
     silently), its second refused. Or it fails in backward and the loop steps with what it has, as
-    plain PyTorch does: refused ("optimizer.step() after 1 of accumulation_steps=2")."""
+    plain PyTorch does: refused ("optimizer.step() after 1 of accumulation_steps=2"). zero_grad with
+    set_to_none=False zeroes the gradients in place: seen by their version and values."""
     torch.manual_seed(0)
     model, batches = _Chain(), [torch.randn(64, 32) for _ in range(8)]
     reference = copy.deepcopy(model)
@@ -522,6 +524,8 @@ def test_accumulation_after_a_lost_micro_batch_equals_plain_pytorch(how):
     oomless.fit(model, batches[0], "1TiB", loss_fn=lambda out: out.square().mean(), optimizer=optimizer,
                 update_in_backward=True, accumulation_steps=2)
     fail = lambda step, micro_batch: how if (step, micro_batch) == (1, 1) else None     # noqa: E731
-    _accumulating_loop(reference, reference_optimizer, batches, fail)
-    _accumulating_loop(model, optimizer, batches, fail)
+    _accumulating_loop(reference, reference_optimizer, batches, fail, set_to_none)
+    _accumulating_loop(model, optimizer, batches, fail, set_to_none)
+    if not set_to_none:     # the plain loop's zeroed gradients stay; the plan's were consumed
+        reference_optimizer.zero_grad()
     _assert_same_training(reference, reference_optimizer, model, optimizer)

@@ -65,7 +65,9 @@ The loop's other habits:
   updated yet (deferred to its end, or waiting for a partner) are dropped, as the plain loop drops
   their gradients. A backward is recognised by autograd's graph task: a callback queued at its first
   gradient runs at its end; one that raised is dropped unrun (a weak reference finds it gone), while a
-  backward nested in it (a reentrant checkpoint) finds it still alive.
+  backward nested in it (a reentrant checkpoint) finds it still alive. Not recognised: a failure after
+  the first gradients came from a nested backward (the model's last modules inside a reentrant
+  checkpoint), whose end is taken for the whole one's; the next backward raises `InputError` then.
 """
 
 import warnings
@@ -147,6 +149,7 @@ class UpdateInBackward:
         self.gradients_seen = dict.fromkeys(self.names, 0)      # since the user's last optimizer.step()
         self._backward_end: weakref.ref | None = None           # the running backward's end callback
         self._updated_this_backward: list[nn.Parameter] = []
+        self._grad_versions: dict[nn.Parameter, int] = {}      # after each accumulation not yet applied
         self.steps_in_backward = 0                              # counted for tests and stats
         self.state = self.parameters_off = None
         device = next(iter(self.names)).device
@@ -198,6 +201,8 @@ class UpdateInBackward:
                 "accumulation_steps=k. The plan steps that optimizer in backward: to train with a new one, "
                 "oomless.remove(model), then oomless.apply(model, plan, optimizer=new_optimizer)")
         self.gradients_seen[param] = seen
+        if seen < self.accumulation_steps:
+            self._grad_versions[param] = param.grad._version     # `_arriving` tells a zero_() by it
         if seen == self.accumulation_steps:
             unit = self.unit_of[param]
             ready = self._ready.setdefault(unit, [])
@@ -214,12 +219,20 @@ class UpdateInBackward:
 
     def _arriving(self, param: nn.Parameter):
         def hook(grad):
-            seen = self.gradients_seen[param]
-            if param.grad is None and 0 < seen < self.accumulation_steps:
+            if 0 < self.gradients_seen[param] < self.accumulation_steps and self._dropped(param):
                 # zero_grad() after micro-batches not yet applied (a step skipped after an error or a
                 # non-finite loss): the plain loop starts accumulating again, and so does the count.
                 self.gradients_seen[param] = 0
         return hook
+
+    def _dropped(self, param: nn.Parameter) -> bool:
+        """Whether the gradient accumulated so far is gone: set to None, or zeroed in place
+        (``zero_grad(set_to_none=False)``: its version moved, and it holds zeros; values are read
+        only then, a wait for the device on CUDA)."""
+        grad = param.grad
+        if grad is None:
+            return True
+        return grad._version != self._grad_versions.get(param) and not bool(grad.any())
 
     def _note_backward(self) -> None:
         end = self._backward_end() if self._backward_end is not None else None
@@ -238,11 +251,9 @@ class UpdateInBackward:
     def _forget_failed_backward(self) -> None:
         """The last backward raised before its end and no ``optimizer.step()`` followed: its counts
         start again; what it had updated cannot be undone (the module docstring)."""
-        updated, self._updated_this_backward = self._updated_this_backward, []
-        self._backward_end = None
-        self._ready.clear()
+        updated = self._updated_this_backward
         self._at_backward_end = []
-        self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+        self._start_counting()
         if updated:
             names = sorted((self.names[param] for param in updated), key=list(self.names.values()).index)
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -253,6 +264,13 @@ class UpdateInBackward:
                 "stepped none). The other gradients of that backward are dropped and counting starts again "
                 "with this one. To skip a failed batch without any update, plan with update_in_backward=False",
                 stacklevel=2)
+
+    def _start_counting(self) -> None:
+        """A new optimizer step's counts: after the user's step, or a backward that raised."""
+        self._ready.clear()
+        self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
+        self._grad_versions = {}
+        self._backward_ended()
 
     def _update_at_backward_end(self) -> None:
         units, self._at_backward_end = self._at_backward_end, []
@@ -279,20 +297,18 @@ class UpdateInBackward:
                     self._hidden_gradients[param], param.grad = param.grad, None
             self.state.step_finished()
             return
-        partial = {self.names[param]: seen for param, seen in self.gradients_seen.items()
-                   if 0 < seen < self.accumulation_steps}
-        failed = self._backward_end is not None and self._backward_end() is None
-        if failed:
+        partial = [param for param, seen in self.gradients_seen.items() if 0 < seen < self.accumulation_steps]
+        if self._backward_end is not None and self._backward_end() is None:
             # A step after a backward that raised: the plain step applies every gradient there is,
             # micro-batches short or not.
             waiting: dict[tuple, list[nn.Parameter]] = {}
-            for param, seen in self.gradients_seen.items():
-                if 0 < seen < self.accumulation_steps and param.grad is not None:
+            for param in partial:
+                if param.grad is not None:
                     waiting.setdefault(self.unit_of[param], []).append(param)
             for ready in waiting.values():
                 self._step_unit(ready)
         elif partial:
-            name, seen = next(iter(partial.items()))
+            name, seen = self.names[partial[0]], self.gradients_seen[partial[0]]
             raise InputError(f"optimizer.step() after {seen} of accumulation_steps={self.accumulation_steps} "
                              f"micro-batches (parameter {name} and {len(partial) - 1} more have accumulated "
                              "gradients not yet applied); step after every k-th backward, or plan with the "
@@ -302,9 +318,7 @@ class UpdateInBackward:
         # A module's parameters whose partners got no gradient this step (unused in the forward).
         for ready in self._ready.values():
             self._step_unit(ready)
-        self._ready.clear()
-        self.gradients_seen = dict.fromkeys(self.gradients_seen, 0)
-        self._backward_ended()
+        self._start_counting()
         if self.state is not None:
             self.state.step_finished()
         if self.parameters_off is not None:
