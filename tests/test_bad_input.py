@@ -209,6 +209,11 @@ API_CASES = {
     # A name that is no block was dropped without a word: its block got another decision than meant.
     "decisions naming no block": (lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, decisions={"featurs": "swap"}),
                                   oomless.InputError, "decisions name ['featurs'], which are not blocks"),
+    # blocks= naming a module and one inside it keeps the outer: the inner one's decision says so.
+    "decisions naming a block inside a block": (
+        lambda m, x: oomless.plan(m, x, "1GiB", loss_fn=_loss, blocks=["blocks.0", "blocks.0.1"],
+                                  decisions={"blocks.0.1": "swap"}),
+        oomless.InputError, r"blocks.0.1 lies inside block blocks.0: blocks never overlap"),
     # Installed on the CPU, a plan for an H100 ran silently, its budget and times the H100's.
     "apply a target's plan on the CPU": (
         lambda m, x: oomless.apply(m, oomless.plan(m, x, "1GiB", loss_fn=_loss, target="h100")), oomless.ApplyError,

@@ -252,8 +252,13 @@ def check_decisions(decisions: dict[str, str], profile: Profile) -> None:
     known = {block.name for block in profile.blocks} | {segment.name for segment in profile.segments}
     strangers = sorted(name for name in decisions if name not in known)
     if strangers:
+        # A name inside a block (blocks= named both "b0" and "b0.0": blocks never overlap, the outer kept).
+        inside = {name: block.name for name in strangers for block in profile.blocks
+                  if name.startswith(block.name + ".")}
+        within = (f" ({', '.join(f'{name} lies inside block {outer}' for name, outer in list(inside.items())[:3])}: "
+                  "blocks never overlap, and of nested names the outer one is the block)") if inside else ""
         raise InputError(f"decisions name {strangers[:5]}, which are not blocks of this model's step (nor modules "
-                         f"around blocks); its blocks are {[block.name for block in profile.blocks][:8]}"
+                         f"around blocks){within}; its blocks are {[block.name for block in profile.blocks][:8]}"
                          f"{' ...' if len(profile.blocks) > 8 else ''}: give a decision for each of those")
     named = [segment for segment in profile.segments if segment.name in decisions]
     covered: dict[int, str] = {}

@@ -101,7 +101,9 @@ def changed_error(found: int, expected: int, saved_by: str, recompute_input: boo
             message + f"It is an input of {saved_by}, which the oomless plan recomputes from its inputs as the call "
             "left them; the model changed it in place after the call (torch.utils.checkpoint refuses the same), "
             "which the profile the plan was made from did not see (a profile that sees it recomputes the block "
-            "from a copy taken at the call). Plan again on the model as it trains, give that block keep or swap "
+            "from a copy taken at the call; it looks where a later block starts and where the forward ends, so "
+            "a change after the last block to a tensor the forward then drops is not seen). Plan again on the "
+            "model as it trains (with a block after that change in blocks=), give that block keep or swap "
             "(oomless.plan(..., decisions={...})), or change the tensor out of place")
     message += (f"It was saved by {saved_by} under the oomless plan, whose hooks take over autograd's check "
                 "(plain PyTorch raises the same for this model). ")
