@@ -64,13 +64,26 @@ def test_gradient_accumulation_counts_every_gradient_for_the_whole_step(profiled
 def test_a_step_that_starts_with_gradients_is_warned_about_once(profiled):
     model, inputs, loss_fn = _case()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    oomless.fit(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, profile=profiled)
+    roomy = oomless.plan(model, inputs, "1TiB", loss_fn=loss_fn, optimizer=optimizer, profile=profiled,
+                         update_in_backward=False)
+    # Where they could not take the step past the plan's memory, nothing is said.
+    oomless.apply(model, roomy)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_fn(model(inputs)).backward()
+        loss_fn(model(inputs)).backward()
+    oomless.remove(model)
+    model.zero_grad()
+    # A plan that fills its memory: the gradients of a step without zero_grad could pass it.
+    tight = roomy.predicted_peak_bytes + profiled.gradient_bytes // 2
+    oomless.fit(model, inputs, tight, loss_fn=loss_fn, optimizer=optimizer, profile=profiled,
+                update_in_backward=False)
     loss_fn(model(inputs)).backward()
     optimizer.step()
     with pytest.warns(UserWarning, match="starts with .* of gradients"):
         loss_fn(model(inputs)).backward()     # no zero_grad: the gradients of the last step are still there
     optimizer.zero_grad()
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss_fn(model(inputs)).backward()     # from zero_grad: nothing to say

@@ -171,7 +171,8 @@ class InstalledPlan:
         parameters = list(model.parameters())
         if self.plan.gradients_from_backward and not self._warned_gradients:
             held = sum(p.grad.nbytes for p in parameters if p.grad is not None)
-            if held:
+            # Said where they could take the step past the plan's memory (10 KiB of a 1 TiB plan: not).
+            if held and self.plan.predicted_peak_bytes + held > self.plan.memory_bytes:
                 self._warned_gradients = True
                 warnings.warn(
                     f"this step starts with {format_bytes(held)} of gradients, which the plan counts from backward on "
