@@ -104,18 +104,17 @@ class CallBuffers:
             elif not buffer.is_inference():
                 self.versions[index] = buffer._version
         self.first_in_mode = first_in_mode
-        self.replaced: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         self.missed: list[str] = []
 
     def call_ended(self) -> None:
         """Keep what its recompute needs: the copies (at the first call in a mode, of the buffers it
-        changed and the small ones), the objects of buffers replaced; note the versions of the
-        others as the call left them."""
+        changed and the small ones); note the versions of the others as the call left them. A buffer
+        the call replaced needs neither: `put_back` puts its object (``entries``) back."""
         block, copies = self.block, {}
         for index, (sub, name, buffer) in enumerate(self.entries):
             if sub._buffers.get(name) is not buffer:
-                self.replaced.append((sub, name, buffer))
-            elif index in self.copies:
+                continue
+            if index in self.copies:
                 if not self.first_in_mode or _copied_every_call(buffer):
                     copies[index] = self.copies[index]
                 elif not torch.equal(buffer, self.copies[index]):
