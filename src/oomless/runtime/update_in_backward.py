@@ -234,12 +234,15 @@ class UpdateInBackward:
             return True
         return grad._version != self._grad_versions.get(param) and not bool(grad.any())
 
+    def _last_backward_raised(self) -> bool:
+        """Its end callback was queued and is gone unrun (`_BackwardEnd`)."""
+        return self._backward_end is not None and self._backward_end() is None
+
     def _note_backward(self) -> None:
-        end = self._backward_end() if self._backward_end is not None else None
-        if end is not None:
-            return      # this backward, or one nested in it (a reentrant checkpoint's)
-        if self._backward_end is not None:
+        if self._last_backward_raised():
             self._forget_failed_backward()
+        elif self._backward_end is not None:
+            return      # this backward, or one nested in it (a reentrant checkpoint's)
         end = _BackwardEnd(self._backward_ended)
         self._backward_end = weakref.ref(end)
         torch.autograd.Variable._execution_engine.queue_callback(end)
@@ -298,7 +301,7 @@ class UpdateInBackward:
             self.state.step_finished()
             return
         partial = [param for param, seen in self.gradients_seen.items() if 0 < seen < self.accumulation_steps]
-        if self._backward_end is not None and self._backward_end() is None:
+        if self._last_backward_raised():
             # A step after a backward that raised: the plain step applies every gradient there is,
             # micro-batches short or not.
             waiting: dict[tuple, list[nn.Parameter]] = {}
