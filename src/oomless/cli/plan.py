@@ -108,17 +108,13 @@ def check_model_runs(model, example, model_name: str) -> None:
 def _runs_on_meta(model, example) -> bool:
     """Whether the forward runs on meta stand-ins of the parameters, buffers and input: the shapes
     checked without the memory of a real forward (a 3D U-Net's at 232^3 is over a GiB)."""
-    import torch
-
-    from oomless.profile.tensors import attributes_kept
+    from oomless.profile.tensors import attributes_kept, stand_ins_swapped
 
     if example.device.type == "meta":
         return False            # the model is on meta already: the real forward allocates nothing
-    state = {name: tensor.detach().to("meta") for name, tensor in
-             [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
     try:
-        with attributes_kept(model):
-            torch.func.functional_call(model, state, (example.to("meta"),), strict=False)
+        with attributes_kept(model), stand_ins_swapped(model, lambda tensor: tensor.detach().to("meta")):
+            model(example.to("meta"))
     except Exception:           # an op without a meta kernel, a value read in Python, or a wrong shape
         return False
     return True

@@ -260,7 +260,7 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
     the static shapes `PipelineStage` takes instead of inferring them. Its own inference runs each
     stage on uninitialised tensors of the right shape, which BatchNorm would count and fold into its
     running statistics; here each stage runs on fake copies of its parameters and buffers
-    (``FakeTensorMode``, ``functional_call``, what the forward caches taken back), so the model is
+    (``FakeTensorMode``, `stand_ins_swapped`, what the forward caches taken back), so the model is
     untouched and nothing is allocated.
     Fake, not meta, tensors: they keep the device's dispatch keys, so ``torch.autocast`` applies to
     them (meta tensors have no autocast): with ``dtype`` each stage runs under autocast, as it
@@ -268,9 +268,7 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
     stage's outputs in fp32. Gradients are on: whether a stage's input requires a gradient decides
     whether the next stage sends one back."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    from oomless.profile.tensors import attributes_kept
+    from oomless.profile.tensors import attributes_kept, stand_ins_swapped
 
     fake = FakeTensorMode()
     device_type = example[0].device.type
@@ -278,10 +276,9 @@ def stage_shapes(sequence: BlockSequence, cuts: list[int], example: tuple[torch.
     shapes = []
     for stage, (start, stop) in enumerate(zip(cuts, cuts[1:])):
         module = sequence.stage(start, stop)
-        state = {name: fake.from_tensor(tensor) for name, tensor in [*module.named_parameters(),
-                                                                      *module.named_buffers()]}
-        with fake, stage_autocast(device_type, dtype), attributes_kept(module):
-            produced = functional_call(module, state, values)
+        with fake, stage_autocast(device_type, dtype), attributes_kept(module), \
+                stand_ins_swapped(module, fake.from_tensor):
+            produced = module(*values)
         produced = produced if isinstance(produced, tuple) else (produced,)
         if stage == len(cuts) - 2:
             with fake:

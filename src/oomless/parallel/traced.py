@@ -36,7 +36,7 @@ from torch.fx import Graph, GraphModule
 
 from oomless.errors import InputError, one_line
 from oomless.parallel.block_sequence import Block, BlockSequence
-from oomless.parallel.traced_graph import TracedGraph, submodule
+from oomless.parallel.traced_graph import TracedGraph, is_torch_leaf, submodule
 from oomless.profile.blocks import children_as_blocks, find_blocks
 
 TRACED = "traced with torch.export"
@@ -56,7 +56,15 @@ class _Selected(nn.Module):
         self.model, self.select = model, output
 
     def forward(self, *inputs):
+        held = _tensors_held(self.model)
         result = self.model(*inputs)
+        replaced = [name for name, tensor in _tensors_held(self.model).items() if held.get(name) is not tensor]
+        if replaced:
+            raise InputError(f"{type(self.model).__name__}'s forward assigns a new tensor to {replaced[0]} "
+                             f"(self.{replaced[0].rpartition('.')[2]} = ...): a traced sequence replays the ops on the "
+                             "model's own tensors and cannot replay an assignment; update it in place instead "
+                             f"(with torch.no_grad(): self.{replaced[0].rpartition('.')[2]}.copy_(...)), or write the "
+                             "model as a BlockSequence")
         if self.select is None:
             chosen = result
         elif callable(self.select):
@@ -72,6 +80,12 @@ class _Selected(nn.Module):
             raise InputError(f"{type(self.model).__name__} returns {keys}, not one tensor; give output= the key, "
                              "attribute or index of the tensor the loss reads (e.g. output='logits'), or a callable")
         return chosen
+
+
+def _tensors_held(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{qualified name: tensor} of every parameter and buffer, under each name a module has."""
+    return {f"{path}.{name}".lstrip("."): tensor for path, module in model.named_modules(remove_duplicate=False)
+            for table in (module._parameters, module._buffers) for name, tensor in table.items()}
 
 
 class TracedSequence(BlockSequence):
@@ -106,7 +120,8 @@ def traced_sequence(model: nn.Module, example_inputs, output=None, blocks=None) 
     root = _Selected(model, output)
     root.training = model.training              # the flag alone: train() would reach into the model
     modes = {path: module.training for path, module in root.named_modules()}
-    trace = TracedGraph(_export(root, inputs), root)
+    program, called_otherwise = _export(root, inputs)
+    trace = TracedGraph(program, root, called_otherwise)
     names = candidate_blocks(model) if blocks is None else [name for name, _ in find_blocks(model, blocks)]
     segments = trace.segments({f"{_MODEL}.{name}" for name in names})
     built = trace.block_graphs(segments)
@@ -178,14 +193,35 @@ def _is_layer_stack(module: nn.Module) -> bool:
 
 
 def _export(root: _Selected, inputs: tuple[torch.Tensor, ...]):
+    """(the exported program, the ids of torch.nn leaf modules called other than on one tensor
+    giving one): those are replayed as their ATen ops, not as module calls (`TracedGraph`)."""
     from torch.export import Dim, ShapesCollection
 
+    # A batch of one would be specialised (torch.export's 0/1 rule) and the blocks would run no
+    # other batch size: the trace runs on two copies of the example instead (fake tensors: no cost).
+    inputs = tuple(torch.cat([tensor, tensor]) if tensor.dim() and tensor.shape[0] == 1 else tensor
+                   for tensor in inputs)
     shapes = ShapesCollection()
     for tensor in inputs:
         if tensor.dim():
             shapes[tensor] = {0: Dim.AUTO}
+    called_otherwise: set[int] = set()
+
+    def check_arguments(module, args, kwargs):
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            called_otherwise.add(id(module))
+
+    def check_output(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            called_otherwise.add(id(module))
+
+    handles = []
+    for module in root.modules():
+        if is_torch_leaf(module):
+            handles += [module.register_forward_pre_hook(check_arguments, with_kwargs=True),
+                        module.register_forward_hook(check_output)]
     try:
-        return torch.export.export(root, inputs, strict=False, dynamic_shapes=shapes)
+        program = torch.export.export(root, inputs, strict=False, dynamic_shapes=shapes)
     except InputError:
         raise
     except Exception as error:
@@ -195,6 +231,28 @@ def _export(root: _Selected, inputs: tuple[torch.Tensor, ...]):
         raise InputError(f"torch.export cannot trace {type(root.model).__name__}: {why}: {one_line(error)}. "
                          "Write the model as a BlockSequence instead (oomless.parallel.block_sequence.Block: name, "
                          "module, tensors read, tensors written) or trace a module without that code") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    _check_batch_symbolic(program, root)
+    return program, called_otherwise
+
+
+def _check_batch_symbolic(program, root: _Selected) -> None:
+    """A pipeline runs micro-batches of any size: refuse a trace whose batch dimension the forward fixed."""
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor) or not value.dim():
+            continue
+        spec = next((spec for spec in program.graph_signature.input_specs if spec.arg.name == node.name), None)
+        batch = value.shape[0]         # a SymInt even where specialised: then its expression is a number
+        if spec is not None and spec.kind.name == "USER_INPUT" and (not isinstance(batch, torch.SymInt)
+                                                                    or batch.node.expr.is_number):
+            raise InputError(f"{type(root.model).__name__}'s forward fixes the batch size (dimension 0 of input "
+                             f"{node.name}) at {batch}: torch.export found code that takes it as a constant "
+                             "(x.view(8, -1), a tensor made with a fixed batch), so its blocks could not run "
+                             "micro-batches of another size; read it off the input (x.view(x.shape[0], -1)) or "
+                             "write the model as a BlockSequence")
 
 
 def _block_names(segments: list) -> list[str]:

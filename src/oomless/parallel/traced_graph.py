@@ -61,8 +61,12 @@ def submodule(root: nn.Module, path: str) -> nn.Module | None:
 class TracedGraph:
     """The exported graph as ops in call order, and its cut into blocks (module docstring)."""
 
-    def __init__(self, program, root: nn.Module):
+    def __init__(self, program, root: nn.Module, called_otherwise=frozenset()):
+        """``called_otherwise``: ids of leaf modules some call of which took more than one tensor or
+        gave more than one (``ConvTranspose2d(x, output_size=...)``, ``Bilinear(x, y)``, a max pool
+        giving its indices): their calls stay ATen ops."""
         self.graph, self.root, self.device = program.graph, root, None
+        self.called_otherwise = called_otherwise
         for node in list(self.graph.nodes):
             if node.op == "call_function" and str(node.target).startswith(_ASSERTS) and not node.users:
                 self.graph.erase_node(node)
@@ -93,6 +97,9 @@ class TracedGraph:
         self.output = next(node for node in self.graph.nodes if node.op == "output").args[0][0]
         self.input_names = tuple(node.name for node in self.user_inputs)
         self.position = {node: index for index, node in enumerate(self.graph.nodes)}
+        # Tensors some op writes in place (through a view too: ``buf[:, :2] = y`` writes ``buf``):
+        # never free, or the block reading one would make it again without the write.
+        self._written_bases = {_base(argument) for node in self.graph.nodes for argument in _written(node)}
         self._free: dict[Node, bool] = {}
         self.calls = self._leaf_calls()
         self.ops = list(self._ops())
@@ -107,6 +114,7 @@ class TracedGraph:
         if node not in self._free:
             self._free[node] = (node in self.attributes and self.attributes[node].startswith("_traced_")) or (
                 node.op == "call_function" and node not in self.calls and not _written(node) and not _random(node)
+                and _base(node) not in self._written_bases
                 and all(self.is_size(arg) or self.is_free(arg) for arg in node.all_input_nodes))
         return self._free[node]
 
@@ -118,7 +126,7 @@ class TracedGraph:
         for node in self.graph.nodes:
             for key, (path, _) in node.meta.get("nn_module_stack", {}).items():
                 module = submodule(self.root, path)
-                if module is not None and is_torch_leaf(module):
+                if module is not None and is_torch_leaf(module) and id(module) not in self.called_otherwise:
                     groups.setdefault(key, (path, []))[1].append(node)
                     break
         calls = {}
@@ -314,11 +322,25 @@ def _written(node: Node) -> list[Node]:
     return written
 
 
+# Dropouts return their input itself where they drop nothing (p = 0, or not training: ATen's
+# ``dropout`` does ``return input``), which their schemas do not say: an in-place op after one (MONAI's
+# BasicUNet: dropout 0.0, then an in-place LeakyReLU) writes the dropout's input.
+_DROPOUTS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+             torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default}
+
+
 def _base(node: Node) -> Node:
-    """The tensor ``node`` is a view of, through view ops (their output aliases argument 0)."""
+    """The tensor ``node`` is a view of, through view ops (their output aliases argument 0) and
+    dropouts that drop nothing."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
         arguments = node.target._schema.arguments
-        if not arguments or arguments[0].alias_info is None or not isinstance(node.args[0], Node):
+        if node.target in _DROPOUTS:
+            probability, training = (list(node.args[1:3]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+            if probability != 0 and training is not False:
+                break
+        elif not arguments or arguments[0].alias_info is None:
+            break
+        if not isinstance(node.args[0], Node):
             break
         node = node.args[0]
     return node

@@ -43,7 +43,7 @@ from oomless.profile.profiler import _OPTIMIZER_STATE_COPIES, _refined, loss_of
 from oomless.profile.roofline import Roofline
 from oomless.profile.tensors import (ChangedAfterCalls, InputSharing, add_saved_earlier, alive_bytes, attributes_kept,
                                      earlier_saves_by_place, holders_by_place, parameters_read_by,
-                                     tensor_bytes, tensors_in, versions)
+                                     stand_ins_swapped, tensor_bytes, tensors_in, versions)
 
 _LOSS = -1
 
@@ -244,15 +244,10 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
         notes.append(f"{precision}: CUDA autocast's casting policy applied on meta tensors (profile/fake_autocast.py)")
     # One stand-in per distinct parameter, so tied weights stay tied in the step.
     stand_ins: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) not in stand_ins:
-            stand_ins[id(parameter)] = _meta_like(parameter, dtype).requires_grad_(parameter.requires_grad)
-        state[name] = stand_ins[id(parameter)]
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if id(buffer) not in stand_ins:
-            stand_ins[id(buffer)] = _meta_like(buffer, dtype)
-        state[name] = stand_ins[id(buffer)]
+    for parameter in model.parameters():
+        stand_ins[id(parameter)] = _meta_like(parameter, dtype).requires_grad_(parameter.requires_grad)
+    for buffer in model.buffers():
+        stand_ins[id(buffer)] = _meta_like(buffer, dtype)
     inputs = tree_map(lambda value: _meta_like(value, dtype) if isinstance(value, torch.Tensor) else value,
                       example_inputs)
     parameters = [stand_ins[id(p)] for p in dict.fromkeys(model.parameters())]
@@ -285,9 +280,9 @@ def profile_for_target(model: nn.Module, example_inputs, target, loss_fn=None, o
                 # Attention and dropout as the GPU's fused kernels (outside autocast's mode: they see
                 # autocast's dtypes).
                 autocast = FakeAutocast(precision_dtype, parameters) if precision_dtype else nullcontext()
-                with FusedAttention(), FusedDropout(), autocast:
-                    output = torch.func.functional_call(model, state, () if kwargs else tuple(args), kwargs,
-                                                        strict=False)
+                with FusedAttention(), FusedDropout(), autocast, \
+                        stand_ins_swapped(model, lambda tensor: stand_ins[id(tensor)]):
+                    output = model(*(() if kwargs else tuple(args)), **kwargs)
                 recorder.phase = ("loss", _LOSS)
                 if precision_dtype is not None:
                     output = tree_map(lambda value: value.float() if isinstance(value, torch.Tensor)

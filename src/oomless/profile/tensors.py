@@ -238,6 +238,32 @@ def call_model(model: nn.Module, example_inputs):
 
 
 @contextlib.contextmanager
+def stand_ins_swapped(model: nn.Module, stand_in_for):
+    """Run ``model`` on stand-ins of its parameters and buffers (meta or fake tensors), as
+    ``torch.func.functional_call`` does, and put every one back after, whatever the forward did.
+    ``stand_in_for(tensor)`` is called once per distinct tensor, so tied weights stay tied; yields
+    {id of each original: its stand-in}. Not functional_call itself: it puts a module reached under
+    two names (one layer called twice, registered as ``a`` and ``c``) back to the stand-in, and the
+    model was left with meta parameters."""
+    stand_ins: dict[int, torch.Tensor] = {}
+    places = []
+    for module in model.modules():          # each module once: each (table, name) place once
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    if id(tensor) not in stand_ins:
+                        stand_ins[id(tensor)] = stand_in_for(tensor)
+                    places.append((table, name, tensor))
+    try:
+        for table, name, tensor in places:
+            table[name] = stand_ins[id(tensor)]
+        yield stand_ins
+    finally:
+        for table, name, tensor in places:
+            table[name] = tensor
+
+
+@contextlib.contextmanager
 def attributes_kept(model: nn.Module):
     """Run ``model`` on stand-ins (meta tensors) and leave each module's own attributes as they were:
     what its forward set (a cache of a grid or a mask made for the input's shape, a call counter) is
