@@ -163,6 +163,33 @@ def _check_arguments(name: str, factory: Callable, kwargs: dict) -> None:
         accepted = [parameter for parameter in signature.parameters if parameter not in ("self", "args", "kwargs")]
         raise InputError(f"model {name!r} rejected its arguments {sorted(kwargs)}: {error}; it takes "
                          f"{', '.join(accepted) or 'no arguments'} (--model-arg KEY=VALUE)") from None
+    for key, value in kwargs.items():
+        parameter = signature.parameters.get(key)
+        expected = _plain_type(parameter) if parameter is not None else None
+        if expected is not None and not _is_a(value, expected) and not (value is None and parameter.default is None):
+            raise InputError(f"model {name!r} takes {key} as {expected.__name__}, got {value!r} "
+                             f"(--model-arg {key}=VALUE)")
+
+
+def _plain_type(parameter: inspect.Parameter) -> type | None:
+    """int, float, bool or str where the parameter's annotation (or else its default) says so."""
+    annotation = parameter.annotation
+    if isinstance(annotation, str):             # postponed annotations: the name alone
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
+    if annotation in (int, float, bool, str):
+        return annotation
+    default = parameter.default
+    if annotation is inspect.Parameter.empty and type(default) in (int, float, bool, str):
+        return type(default)
+    return None
+
+
+def _is_a(value, expected: type) -> bool:
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
