@@ -11,6 +11,7 @@ free port; workers that connect there talk to a stranger's gloo, which aborts (S
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -119,9 +120,12 @@ def _parameter_elements(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     parameters = list(model.parameters())
+    local = [(param.to_local() if isinstance(param, DTensor) else param).detach() for param in parameters]
     return {"parameter_elements": sum(param.numel() for param in parameters),
-            "local_parameter_elements": sum((param.to_local() if isinstance(param, DTensor) else param).numel()
-                                            for param in parameters)}
+            "local_parameter_elements": sum(param.numel() for param in local),
+            # This rank's parameters, bit for bit: replicas that should be one model compare equal.
+            "parameter_digest": hashlib.sha256(b"".join(param.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                        for param in local)).hexdigest()}
 
 
 def run_jobs(world_size: int, jobs: list[tuple[str, dict]], out_dir: Path) -> dict:

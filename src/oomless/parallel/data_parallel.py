@@ -81,8 +81,9 @@ class SingleProcess:
     def synchronize(self, model: nn.Module) -> None:
         """Finish anything in flight so model and optimizer can be read (checkpoint, save)."""
 
-    def finish(self, model: nn.Module) -> None:
-        """End of the run: after this every rank holds the same final weights."""
+    def finish(self, model: nn.Module, optimizer=None) -> None:
+        """End of the run or of its layout: after this every rank holds the same final weights (and
+        the same ``optimizer`` state)."""
         self.synchronize(model)
 
     def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
@@ -178,7 +179,7 @@ class SynchronousDataParallel(Collectives):
             with self.collective("overlapped update (bucket all-reduce)"):
                 self.update.synchronize()
 
-    def finish(self, model: nn.Module) -> None:
+    def finish(self, model: nn.Module, optimizer=None) -> None:
         self.synchronize(model)
         if self.update is not None:
             self.update.remove()                # from now on DDP's comm hook only averages, as plain DDP

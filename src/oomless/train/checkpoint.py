@@ -140,14 +140,22 @@ class CheckpointState:
     data_position: int
     trajectory: dict = field(default_factory=dict)
     path: Path | None = None
+    # The training loop's sums since its last log line ({"loss_sum", "dice_sum": tensors, "steps",
+    # "log_every"}), so that a resumed run logs, and tests --switch-when on, the means an
+    # uninterrupted one does.
+    log_window: dict | None = None
 
 
 def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                  full_state: tuple[dict, dict] | None = None) -> tuple[dict, dict]:
+                  full_state: tuple[dict, dict] | None = None, log_window: dict | None = None) -> tuple[dict, dict]:
     """This process's RNG states and, if given, model and optimizer: (tensors, JSON-ready metadata).
     ``full_state``: (model state, optimizer state) to write instead of the model's and optimizer's
-    own state_dict (a sharded layout's full tensors, gathered by its strategy's ``full_state``)."""
+    own state_dict (a sharded layout's full tensors, gathered by its strategy's ``full_state``);
+    ``log_window``: the loop's sums since its last log (`CheckpointState.log_window`)."""
     tensors, meta = {}, {}
+    if log_window is not None:
+        tensors.update({f"log.{name}": log_window[name].detach().cpu() for name in ("loss_sum", "dice_sum")})
+        meta["log_steps"], meta["log_every"] = log_window["steps"], log_window["log_every"]
     model_state, optimizer_state = full_state if full_state is not None else (
         model.state_dict() if model is not None else None, optimizer.state_dict() if optimizer is not None else None)
     if model is not None:
@@ -165,13 +173,13 @@ def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | No
 def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     data_position: int, trajectory: dict | None = None, keep: int = 2,
                     other_ranks: list[tuple[dict, dict]] | None = None,
-                    full_state: tuple[dict, dict] | None = None) -> Path:
+                    full_state: tuple[dict, dict] | None = None, log_window: dict | None = None) -> Path:
     """Write ``step-NNNNNNNN.safetensors`` atomically, with its checksum, then delete all but the
     newest ``keep`` (only once the new file is on disk, so a crash never leaves fewer).
 
     ``other_ranks[r - 1]`` is rank r's `process_state` (gathered by `oomless.parallel.rank_state`);
-    ``full_state``: the model's and optimizer's full state where they are sharded (`process_state`)."""
-    tensors, process_meta = process_state(model, optimizer, full_state)
+    ``full_state``, ``log_window``: as `process_state` takes them."""
+    tensors, process_meta = process_state(model, optimizer, full_state, log_window)
     ranks_meta = {}
     for rank, (rank_tensors, rank_meta) in enumerate(other_ranks or [], start=1):
         tensors.update({f"rank.{rank}.{name}": tensor for name, tensor in rank_tensors.items()})
@@ -179,7 +187,7 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
     meta = {
         "step": step, "data_position": data_position,
         "optimizer": process_meta["optimizer"], "rng": process_meta["rng"],
-        **({"loss_scale": process_meta["loss_scale"]} if "loss_scale" in process_meta else {}),
+        **{name: process_meta[name] for name in ("loss_scale", "log_steps", "log_every") if name in process_meta},
         "trajectory": _json_ready(trajectory or {}), "ranks": ranks_meta,
     }
     path = write_checkpoint_file(checkpoint_path(directory, step), _to_savable(tensors), meta)
@@ -238,12 +246,16 @@ def _copy_what_the_optimizer_kept(optimizer: torch.optim.Optimizer, file_tensors
 
 def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True, rank: int = 0, expected_settings: dict | None = None,
-                    load_state=None) -> CheckpointState:
+                    load_state=None, average_replicas: bool = False) -> CheckpointState:
     """Restore model, optimizer and RNG states in place from ``path``; return step and data position.
 
     The file's checksum, then ``expected_settings`` (`check_settings`), then every shape are checked
     before anything is restored: a refused checkpoint (`CheckpointError`) leaves the model as it was.
     ``rank``: a data-parallel rank restores its own entries (``rank.<r>.``) where the file has them.
+    ``average_replicas``: a layout whose ranks hold one model (dp, fsdp, a pipeline, one process)
+    resuming a relaxed mode's file, whose ranks held their own: every rank restores the mean of
+    the file's replicas (weights, floating-point buffers and optimizer state), what a switch of
+    layout there would have given (`oomless.parallel.relaxed`'s ``finish``).
     ``load_state(model, optimizer, model_state, optimizer_state)`` loads the file's full tensors
     instead of ``load_state_dict`` (a sharded layout keeps its shard of each: the strategy's
     ``load_full_state``)."""
@@ -251,10 +263,12 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     meta, tensors = read_checkpoint_file(path)
     if expected_settings is not None:
         check_settings(path, meta, expected_settings)
+    if average_replicas:
+        tensors = _replicas_averaged(tensors)
     if rank:
         prefix = f"rank.{rank}."
         own = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-        for kind in ("model.", "optimizer.", "rng."):
+        for kind in ("model.", "optimizer.", "rng.", "log."):
             if any(name.startswith(kind) for name in own):
                 tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith(kind)}
                 tensors.update({name: tensor for name, tensor in own.items() if name.startswith(kind)})
@@ -277,5 +291,30 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     load_loss_scale_state(model, meta.get("loss_scale"))
     if restore_rng:
         _set_rng_state({name: tensor for name, tensor in tensors.items() if name.startswith("rng.")}, meta["rng"])
+    log_window = None
+    if meta.get("log_steps") and "log.loss_sum" in tensors and "log.dice_sum" in tensors:
+        log_window = {"loss_sum": tensors["log.loss_sum"].clone(), "dice_sum": tensors["log.dice_sum"].clone(),
+                      "steps": meta["log_steps"], "log_every": meta.get("log_every")}
     return CheckpointState(step=meta["step"], data_position=meta["data_position"],
-                           trajectory=meta.get("trajectory", {}), path=path)
+                           trajectory=meta.get("trajectory", {}), path=path, log_window=log_window)
+
+
+def _replicas_averaged(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each floating-point model and optimizer entry the mean over the file's
+    replicas (rank 0's at the top level, rank r's under ``rank.<r>.``), summed in rank order and
+    divided by their number, as the relaxed modes' final average is; the ranks' own entries dropped."""
+    replicated = ("model.", "optimizer.")
+    ranks = sorted({int(name.split(".")[1]) for name in tensors
+                    if name.startswith("rank.") and name.split(".", 2)[2].startswith(replicated)})
+    if not ranks:
+        return tensors
+    averaged = {name: tensor for name, tensor in tensors.items()
+                if not (name.startswith("rank.") and name.split(".", 2)[2].startswith(replicated))}
+    for name, tensor in tensors.items():
+        replicas = [tensors.get(f"rank.{rank}.{name}") for rank in ranks]
+        if name.startswith(replicated) and tensor.is_floating_point() and all(r is not None for r in replicas):
+            total = tensor.clone()
+            for replica in replicas:
+                total += replica
+            averaged[name] = total / (len(ranks) + 1)
+    return averaged

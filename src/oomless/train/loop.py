@@ -161,9 +161,11 @@ def _find_resumable(config: TrainConfig, console: Console) -> tuple[Path, int] |
 
 
 def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, console: Console,
-            rank: int = 0, load_state=None) -> None:
-    state = load_checkpoint(path, model, optimizer, rank=rank, expected_settings=config.trajectory(),
-                            load_state=load_state)
+            strategy, run: "_Run", load_state=None) -> None:
+    # A layout whose ranks hold one model starts a relaxed mode's file from the mean of its replicas.
+    state = load_checkpoint(path, model, optimizer, rank=strategy.ranks.rank, expected_settings=config.trajectory(),
+                            load_state=load_state, average_replicas=not strategy.relaxed)
+    run.continue_log_window(state.log_window)
     console.print(f"resumed from {path} at step {state.step}", soft_wrap=True)
 
 
@@ -274,7 +276,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             resume_now = step == start_step and resumable
             if resume_now and not strategy.shards_parameters:
                 # After fit: the checkpoint overwrites whatever fit's profiling touched, RNG included.
-                _resume(config, resumable[0], model, optimizer, console, ranks.rank)
+                _resume(config, resumable[0], model, optimizer, console, strategy, run)
             model.train()
             # `model` keeps its parameter names for checkpoints and --save; the strategy calls
             # `train_model` (DDP under dp, the model itself otherwise).
@@ -289,7 +291,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
             del example
             if resume_now and strategy.shards_parameters:
                 # Sharded: the file's full tensors go into each rank's shards, which exist only now.
-                _resume(config, resumable[0], model, optimizer, console, ranks.rank, strategy.load_full_state)
+                _resume(config, resumable[0], model, optimizer, console, strategy, run, strategy.load_full_state)
             if layout.pipelined and config.progress and ranks.is_first:
                 console.print(str(strategy.partition), soft_wrap=True)
                 for stage, stage_plan in zip(strategy.pipeline.stage_indices, strategy.plans):
@@ -298,7 +300,7 @@ def _train(config: TrainConfig, console: Console | None, device: torch.device, r
                 console.print(strategy.describe_rank_plans(), soft_wrap=True)   # every rank gathers
             end = config.parallel.next_switch(step, config.steps)
             step, fired = run.steps(strategy, model, train_model, optimizer, step, end, conditions)
-            strategy.finish(model)                  # every rank now holds the same final weights
+            strategy.finish(model, optimizer)       # every rank now holds the same weights and optimizer state
             if step >= config.steps:
                 break
             layout = config.parallel.with_layout(fired) if fired else config.parallel.layout_at(step)
@@ -444,6 +446,21 @@ class _Run:
                     f"steps {self.timed_after_step + 1}-{steps_done}")
         return now - self.stretch_started, f"step {steps_done}, the first of its layout"
 
+    def log_window(self) -> dict | None:
+        """The sums since the last log, for a checkpoint (`CheckpointState.log_window`)."""
+        if not self.steps_since_log:
+            return None
+        return {"loss_sum": self.loss_sum, "dice_sum": self.dice_sum, "steps": self.steps_since_log,
+                "log_every": self.config.log_every}
+
+    def continue_log_window(self, window: dict | None) -> None:
+        """Resumed: go on summing where the checkpointed run was (its next log line is the mean of the
+        same steps an uninterrupted run's is, and --switch-when fires at the same step); with another
+        --log-every, the new period starts at the resumed step."""
+        if window is not None and window["log_every"] == self.config.log_every:
+            self.loss_sum, self.dice_sum = window["loss_sum"].to(self.device), window["dice_sum"].to(self.device)
+            self.steps_since_log = window["steps"]
+
     def _accumulate(self) -> None:
         loss = self.loss.detach()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
@@ -455,8 +472,11 @@ class _Run:
         # so it runs only here. Under data parallel: the mean over ranks (for dp, the global batch's).
         config = self.config
         loss, dice = self.loss_sum / self.steps_since_log, self.dice_sum / self.steps_since_log
-        self.loss_sum = self.dice_sum = None
-        self.steps_since_log = 0
+        # The run's last step, off the log's period: logged, but the sums go on into its checkpoint,
+        # so that a run resumed from it (with more --steps) logs what one run to those steps does.
+        if steps_done != config.steps or steps_done % config.log_every == 0:
+            self.loss_sum = self.dice_sum = None
+            self.steps_since_log = 0
         record = {"step": steps_done, "loss": strategy.mean_across_ranks(loss).item(),
                   "dice": strategy.mean_across_ranks(dice).item()}
         logged_before = self.history[-1]["step"] if self.history else self.start_step
@@ -513,13 +533,13 @@ class _Run:
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
         config = self.config
         strategy.synchronize(model)            # no update or average in flight; every rank holds all state
-        other_ranks = gather_other_ranks(strategy, model, optimizer)
+        other_ranks = gather_other_ranks(strategy, model, optimizer, self.log_window())
         full_state = strategy.full_state(model, optimizer) if strategy.shards_parameters else None
         if strategy.ranks.is_first:
             save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
                             data_position=steps_done * config.global_batch,
                             trajectory=config.trajectory(), keep=config.keep_checkpoints,
-                            other_ranks=other_ranks, full_state=full_state)
+                            other_ranks=other_ranks, full_state=full_state, log_window=self.log_window())
 
 
 def _result(config: TrainConfig, console: Console, device: torch.device, ranks, run: _Run, strategy, model,
