@@ -78,6 +78,7 @@ CLI_CASES = [
     (TRAIN + ["--sise", "16"], "unrecognized arguments: --sise 16"),
     (TRAIN + ["--workers", "3"], "--workers applies with --data DIR"),
     (TRAIN + ["--data", "no-such-folder"], "--data no-such-folder: no such folder"),
+    (TRAIN + ["--data", "a-file"], "--data a-file: is a file, not a folder"),
     # oomless make-data
     (["make-data", "a-file"], "DIR a-file is a file; name a directory"),
     (["make-data", "new", "--seed", "-1"], "--seed must be between 0 and 2**32 - 1"),

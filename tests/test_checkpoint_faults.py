@@ -70,6 +70,9 @@ DAMAGES = {
     "flipped-header": _flip_byte_in_header,
     "random-bytes": lambda path: path.write_bytes(random.Random(0).randbytes(path.stat().st_size)),
     "removed": Path.unlink,
+    # Intact, but another step's file under this name (copied by hand): taken first for its name, it
+    # hid every newer checkpoint on each later resume.
+    "misnamed": lambda path: shutil.copyfile(path.with_name("step-00000001.safetensors"), path),
 }
 
 

@@ -49,7 +49,8 @@ def find_dataset(root: Path | str) -> DatasetLayout:
     """The layout of ``root``; an InputError naming the folder or file when it is not a dataset."""
     root = Path(root)
     if not root.is_dir():
-        raise InputError(f"--data {root}: no such folder; give a Decathlon task folder (with dataset.json) "
+        what = "is a file, not a folder" if root.exists() else "no such folder"
+        raise InputError(f"--data {root}: {what}; give a Decathlon task folder (with dataset.json) "
                          f"or a folder of NAME_image.nii.gz / NAME_label.nii.gz pairs")
     if (root / "dataset.json").is_file():
         return _decathlon(root)

@@ -171,11 +171,17 @@ def newest_intact_checkpoint(directory: Path | str, report: Callable[[str], None
     ``report``; if every file is damaged, `CheckpointError` names them all."""
     found = list_checkpoints(directory)
     damaged: list[CheckpointError] = []
-    for _, path in reversed(found):
+    for step, path in reversed(found):
         try:
             meta, _ = read_checkpoint_file(path)
         except CheckpointError as error:
             damaged.append(error)
+            continue
+        if meta.get("step") != step:
+            # Intact but misnamed (copied or renamed by hand): taken first for its name, it would hide
+            # the newer files on every later resume.
+            damaged.append(CheckpointError(f"{path} holds step {meta.get('step')}, not the step {step} its name "
+                                           "says", path))
             continue
         for error in damaged:
             report(f"skipping a damaged checkpoint ({error}); resuming from {path.name}")
