@@ -141,6 +141,26 @@ def parse_switch(text: str) -> tuple[int, str]:
     return int(step), layout
 
 
+def check_parallel_flags(args: argparse.Namespace) -> None:
+    """A layout's flag given for a run that never trains under that layout (``--schedule zbv`` under
+    dp, ``--average-every 3`` without local-sgd) is refused: silently ignored, it reads as in effect."""
+    defaults = ParallelConfig()
+    layouts = {args.parallel, *(layout.partition(":")[0] for _, layout in [*args.switch_at, *args.switch_when])}
+    if args.no_overlap and args.overlap not in (defaults.overlap, "none"):
+        raise InputError(f"--no-overlap and --overlap {args.overlap} contradict each other; give one")
+    needs = [("--average-every", args.average_every != defaults.average_every, {"local-sgd"}),
+             ("--overlap", args.overlap != defaults.overlap, {"dp"}),
+             ("--no-overlap", args.no_overlap, {"dp"}),
+             ("--stages", args.stages != defaults.stages, {"pipeline", "hybrid"}),
+             ("--schedule", args.schedule != defaults.schedule, {"pipeline", "hybrid"}),
+             ("--microbatches", args.microbatches is not None, {"pipeline", "hybrid"}),
+             ("--stages-per-rank", args.stages_per_rank is not None, {"pipeline", "hybrid"})]
+    for flag, given, applies in needs:
+        if given and not layouts & applies:
+            raise InputError(f"{flag} applies under --parallel {' or '.join(sorted(applies))} (or a --switch-at / "
+                             f"--switch-when to it); this run trains under {', '.join(sorted(layouts))}")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         size=parse_size(args.size) if args.size is not None and args.data is None else TrainConfig.size,
@@ -165,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     from oomless.train.loop import train
 
     config = config_from_args(args).validate()
+    check_parallel_flags(args)              # after the values' own checks (--stages 0 says that first)
     result = train(config)
     import os
 
