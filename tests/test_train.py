@@ -164,6 +164,7 @@ def test_the_steps_hard_dice_counts_a_batch_in_small_slabs_exactly():
     logits = torch.randn(2, 2, 64, 64, 64)
     labels = (torch.rand(2, 64, 64, 64) > 0.5).long()
     whole = dice_per_class(predicted_class(logits), labels, 2).mean()
+    hard_dice(logits[:, :, :8], labels[:, :8])     # first calls' one-time costs (kernels' caches) not counted
     return_freed_memory_to_the_system()
     reset_peak_rss()
     baseline = current_rss_bytes()
