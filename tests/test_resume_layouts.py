@@ -73,3 +73,9 @@ def test_a_local_sgd_run_continued_under_dp_holds_one_model_on_every_rank(tmp_pa
     for name, tensor in average.items():
         if tensor.is_floating_point():
             assert torch.equal(saved[name], tensor), name
+
+
+def test_a_cube_given_as_one_side_or_three_resumes_either_way(tmp_path):
+    train(_config(steps=2, checkpoint_dir=tmp_path / "run"))
+    resumed = train(_config(steps=3, size=(16, 16, 16), checkpoint_dir=tmp_path / "run", resume=True))
+    assert resumed.steps_done == 3

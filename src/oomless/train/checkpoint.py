@@ -201,11 +201,19 @@ def check_settings(path: Path | str, meta: dict, expected: dict) -> None:
     """Refuse a checkpoint whose run had other trajectory settings (`TrainConfig.trajectory`) than
     ``expected``: resuming it would train a model that equals neither run."""
     saved = meta.get("trajectory", {})
-    different = {name: (saved.get(name), value) for name, value in expected.items() if saved.get(name) != value}
+    different = {name: (saved.get(name), value) for name, value in expected.items()
+                 if _same_setting(name, saved.get(name)) != _same_setting(name, value)}
     if different:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in different.items())
         raise CheckpointError(f"cannot resume {path}: the run was started with different settings ({listed}); "
                               "resume with the old settings or start in another --checkpoint-dir", path)
+
+
+def _same_setting(name: str, value):
+    """A setting as compared across runs: ``size`` 16 is the cube [16, 16, 16] it stands for."""
+    if name == "size" and isinstance(value, int):
+        return [value] * 3
+    return value
 
 
 def _check_shapes(path: Path, model_state: dict[str, torch.Tensor], model: nn.Module,
