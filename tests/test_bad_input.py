@@ -340,3 +340,15 @@ def test_bad_flag_under_torchrun_is_reported_once(tmp_path):
     assert errors == ["oomless train: error: size 20 must be positive and divisible by 2**depth = 8 (depth=3)"], \
         completed.stderr
     assert str(SOURCE) not in completed.stderr          # torchrun's own report, but no frame of oomless's
+
+
+def _net_with_unannotated_defaults(dropout=0, flag=False):
+    return torch.nn.Dropout(dropout) if flag else torch.nn.Identity()
+
+
+def test_model_arguments_without_annotations_take_what_the_factory_takes():
+    """A default's type is no promise (``dropout=0`` takes 0.2): only annotations are checked."""
+    from oomless.models import build_model
+
+    model = build_model("tests.test_bad_input:_net_with_unannotated_defaults", dropout=0.2, flag=1)
+    assert isinstance(model, torch.nn.Dropout) and model.p == 0.2

@@ -241,3 +241,16 @@ def test_written_files_take_the_mode_the_umask_gives(umask, mode, tmp_path):
     finally:
         os.umask(before)
     assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_misnamed_checkpoint_does_not_make_the_run_delete_its_new_ones(three_steps, tmp_path):
+    """Named for a later step than every real one, it sorts last: rotation kept it and deleted each
+    checkpoint as soon as it was written, and the next resume found nothing intact."""
+    directory = tmp_path / "run"
+    shutil.copytree(three_steps, directory)
+    shutil.copyfile(directory / "step-00000002.safetensors", directory / "step-00000099.safetensors")
+    train(_config(checkpoint_dir=directory, resume=True, keep_checkpoints=1), console=Console(file=io.StringIO()))
+    assert "step-00000004.safetensors" in {path.name for path in directory.iterdir()}
+    again = train(_config(checkpoint_dir=directory, resume=True, keep_checkpoints=1, steps=5),
+                  console=Console(file=io.StringIO()))
+    assert again.steps_done == 5

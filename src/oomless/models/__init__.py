@@ -172,16 +172,12 @@ def _check_arguments(name: str, factory: Callable, kwargs: dict) -> None:
 
 
 def _plain_type(parameter: inspect.Parameter) -> type | None:
-    """int, float, bool or str where the parameter's annotation (or else its default) says so."""
+    """int, float, bool or str where the parameter's annotation says so (a default's type alone is
+    no promise: ``dropout=0`` takes 0.2)."""
     annotation = parameter.annotation
     if isinstance(annotation, str):             # postponed annotations: the name alone
         annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation)
-    if annotation in (int, float, bool, str):
-        return annotation
-    default = parameter.default
-    if annotation is inspect.Parameter.empty and type(default) in (int, float, bool, str):
-        return type(default)
-    return None
+    return annotation if annotation in (int, float, bool, str) else None
 
 
 def _is_a(value, expected: type) -> bool:

@@ -62,7 +62,10 @@ def average_now(model: nn.Module, strategy: Collectives, optimizer=None) -> None
     if optimizer is not None:
         tensors += [value for state in optimizer.state.values() for value in state.values()
                     if isinstance(value, torch.Tensor) and value.is_floating_point()]
-    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+    # On the parameters' device: Adam keeps its step counters on the host beside CUDA moments
+    # (`_write_back` copies each part back to its own device).
+    device = tensors[0].device
+    flat = torch.cat([tensor.detach().reshape(-1).to(device) for tensor in tensors])
     with strategy.collective("final parameter average"):
         dist.all_reduce(flat)
     flat /= strategy.ranks.world_size

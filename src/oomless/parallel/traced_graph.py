@@ -335,7 +335,8 @@ def _base(node: Node) -> Node:
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
         arguments = node.target._schema.arguments
         if node.target in _DROPOUTS:
-            probability, training = (list(node.args[1:3]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+            probability = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+            training = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
             if probability != 0 and training is not False:
                 break
         elif not arguments or arguments[0].alias_info is None:

@@ -193,7 +193,8 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
     path = write_checkpoint_file(checkpoint_path(directory, step), _to_savable(tensors), meta)
     remove_temporaries(directory)
     for _, old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        if old != path:         # a misnamed file named for a later step sorts after the one just written
+            old.unlink(missing_ok=True)
     return path
 
 

@@ -181,7 +181,7 @@ def newest_intact_checkpoint(directory: Path | str, report: Callable[[str], None
             # Intact but misnamed (copied or renamed by hand): taken first for its name, it would hide
             # the newer files on every later resume.
             damaged.append(CheckpointError(f"{path} holds step {meta.get('step')}, not the step {step} its name "
-                                           "says", path))
+                                           "says: rename or remove it", path))
             continue
         for error in damaged:
             report(f"skipping a damaged checkpoint ({error}); resuming from {path.name}")

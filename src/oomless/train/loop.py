@@ -165,7 +165,10 @@ def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.
     # A layout whose ranks hold one model starts a relaxed mode's file from the mean of its replicas.
     state = load_checkpoint(path, model, optimizer, rank=strategy.ranks.rank, expected_settings=config.trajectory(),
                             load_state=load_state, average_replicas=not strategy.relaxed)
-    run.continue_log_window(state.log_window)
+    # An uninterrupted run logs at the end of each stretch (a mean never spans two layouts): at a
+    # step switch its sums start afresh, and so do the resumed run's.
+    switches_here = any(at == state.step for at, _ in config.parallel.switch)
+    run.continue_log_window(None if switches_here else state.log_window)
     console.print(f"resumed from {path} at step {state.step}", soft_wrap=True)
 
 
@@ -474,7 +477,8 @@ class _Run:
         loss, dice = self.loss_sum / self.steps_since_log, self.dice_sum / self.steps_since_log
         # The run's last step, off the log's period: logged, but the sums go on into its checkpoint,
         # so that a run resumed from it (with more --steps) logs what one run to those steps does.
-        if steps_done != config.steps or steps_done % config.log_every == 0:
+        carried_into_checkpoint = steps_done == config.steps and steps_done % config.log_every != 0
+        if not carried_into_checkpoint:
             self.loss_sum = self.dice_sum = None
             self.steps_since_log = 0
         record = {"step": steps_done, "loss": strategy.mean_across_ranks(loss).item(),
