@@ -79,3 +79,14 @@ def test_a_cube_given_as_one_side_or_three_resumes_either_way(tmp_path):
     train(_config(steps=2, checkpoint_dir=tmp_path / "run"))
     resumed = train(_config(steps=3, size=(16, 16, 16), checkpoint_dir=tmp_path / "run", resume=True))
     assert resumed.steps_done == 3
+
+
+def test_the_checkpointed_log_sums_say_the_period_and_ranks_they_were_summed_under(tmp_path):
+    """Each rank's sums are its own shard's: resumed on another number of ranks (or --log-every), the
+    run starts its log period afresh rather than mixing them (`_Run.continue_log_window`)."""
+    from oomless.train.checkpoint import load_checkpoint
+
+    train(_config(steps=4, checkpoint_dir=tmp_path / "run"))
+    (_, path), = list_checkpoints(tmp_path / "run")[-1:]
+    window = load_checkpoint(path, train(_config(steps=0)).model).log_window
+    assert window["steps"] == 1 and window["world_size"] == 1 and window["log_every"] == 3

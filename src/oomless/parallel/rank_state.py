@@ -1,9 +1,10 @@
 """Every rank's part of a checkpoint, gathered to rank 0, which writes the one atomic file.
 
 Synchronous modes: the weights and optimizer state are identical on every rank, so only each rank's
-RNG states (and the training loop's loss sums since its last log) travel. Relaxed modes: ranks hold different weights and Adam moments between averages, so
-those travel too. The gather uses ``gather_object`` (pickle between this run's own processes, in
-memory); the file itself stays safetensors + JSON and is never unpickled.
+RNG states (and the training loop's loss sums since its last log) travel. Relaxed modes: ranks hold
+different weights and Adam moments between averages, so those travel too. The gather uses
+``gather_object`` (pickle between this run's own processes, in memory); the file itself stays
+safetensors + JSON and is never unpickled.
 """
 
 import torch.distributed as dist

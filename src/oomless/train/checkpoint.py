@@ -140,9 +140,9 @@ class CheckpointState:
     data_position: int
     trajectory: dict = field(default_factory=dict)
     path: Path | None = None
-    # The training loop's sums since its last log line ({"loss_sum", "dice_sum": tensors, "steps",
-    # "log_every"}), so that a resumed run logs, and tests --switch-when on, the means an
-    # uninterrupted one does.
+    # The training loop's sums since its last log line ({"loss_sum", "dice_sum": tensors; "steps",
+    # "log_every", "world_size"}), so that a resumed run logs, and tests --switch-when on, the means
+    # an uninterrupted one does.
     log_window: dict | None = None
 
 
@@ -155,7 +155,7 @@ def process_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | No
     tensors, meta = {}, {}
     if log_window is not None:
         tensors.update({f"log.{name}": log_window[name].detach().cpu() for name in ("loss_sum", "dice_sum")})
-        meta["log_steps"], meta["log_every"] = log_window["steps"], log_window["log_every"]
+        meta["log_window"] = {name: value for name, value in log_window.items() if not isinstance(value, torch.Tensor)}
     model_state, optimizer_state = full_state if full_state is not None else (
         model.state_dict() if model is not None else None, optimizer.state_dict() if optimizer is not None else None)
     if model is not None:
@@ -187,7 +187,7 @@ def save_checkpoint(directory: Path | str, model: nn.Module, optimizer: torch.op
     meta = {
         "step": step, "data_position": data_position,
         "optimizer": process_meta["optimizer"], "rng": process_meta["rng"],
-        **{name: process_meta[name] for name in ("loss_scale", "log_steps", "log_every") if name in process_meta},
+        **{name: process_meta[name] for name in ("loss_scale", "log_window") if name in process_meta},
         "trajectory": _json_ready(trajectory or {}), "ranks": ranks_meta,
     }
     path = write_checkpoint_file(checkpoint_path(directory, step), _to_savable(tensors), meta)
@@ -301,9 +301,9 @@ def load_checkpoint(path: Path | str, model: nn.Module, optimizer: torch.optim.O
     if restore_rng:
         _set_rng_state({name: tensor for name, tensor in tensors.items() if name.startswith("rng.")}, meta["rng"])
     log_window = None
-    if meta.get("log_steps") and "log.loss_sum" in tensors and "log.dice_sum" in tensors:
+    if meta.get("log_window") and "log.loss_sum" in tensors and "log.dice_sum" in tensors:
         log_window = {"loss_sum": tensors["log.loss_sum"].clone(), "dice_sum": tensors["log.dice_sum"].clone(),
-                      "steps": meta["log_steps"], "log_every": meta.get("log_every")}
+                      **meta["log_window"]}
     return CheckpointState(step=meta["step"], data_position=meta["data_position"],
                            trajectory=meta.get("trajectory", {}), path=path, log_window=log_window)
 

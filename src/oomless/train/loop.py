@@ -168,7 +168,7 @@ def _resume(config: TrainConfig, path: Path, model: nn.Module, optimizer: torch.
     # An uninterrupted run logs at the end of each stretch (a mean never spans two layouts): at a
     # step switch its sums start afresh, and so do the resumed run's.
     switches_here = any(at == state.step for at, _ in config.parallel.switch)
-    run.continue_log_window(None if switches_here else state.log_window)
+    run.continue_log_window(None if switches_here else state.log_window, strategy.ranks.world_size)
     console.print(f"resumed from {path} at step {state.step}", soft_wrap=True)
 
 
@@ -449,18 +449,20 @@ class _Run:
                     f"steps {self.timed_after_step + 1}-{steps_done}")
         return now - self.stretch_started, f"step {steps_done}, the first of its layout"
 
-    def log_window(self) -> dict | None:
+    def log_window(self, world_size: int) -> dict | None:
         """The sums since the last log, for a checkpoint (`CheckpointState.log_window`)."""
         if not self.steps_since_log:
             return None
         return {"loss_sum": self.loss_sum, "dice_sum": self.dice_sum, "steps": self.steps_since_log,
-                "log_every": self.config.log_every}
+                "log_every": self.config.log_every, "world_size": world_size}
 
-    def continue_log_window(self, window: dict | None) -> None:
+    def continue_log_window(self, window: dict | None, world_size: int) -> None:
         """Resumed: go on summing where the checkpointed run was (its next log line is the mean of the
-        same steps an uninterrupted run's is, and --switch-when fires at the same step); with another
-        --log-every, the new period starts at the resumed step."""
-        if window is not None and window["log_every"] == self.config.log_every:
+        same steps an uninterrupted run's is, and --switch-when fires at the same step). With another
+        --log-every or number of ranks (each rank's sums are of its own shard), the new period starts
+        at the resumed step."""
+        if window is not None and (window.get("log_every"), window.get("world_size")) == (self.config.log_every,
+                                                                                         world_size):
             self.loss_sum, self.dice_sum = window["loss_sum"].to(self.device), window["dice_sum"].to(self.device)
             self.steps_since_log = window["steps"]
 
@@ -537,13 +539,14 @@ class _Run:
     def _checkpoint(self, strategy, model: nn.Module, optimizer, steps_done: int) -> None:
         config = self.config
         strategy.synchronize(model)            # no update or average in flight; every rank holds all state
-        other_ranks = gather_other_ranks(strategy, model, optimizer, self.log_window())
+        window = self.log_window(strategy.ranks.world_size)
+        other_ranks = gather_other_ranks(strategy, model, optimizer, window)
         full_state = strategy.full_state(model, optimizer) if strategy.shards_parameters else None
         if strategy.ranks.is_first:
             save_checkpoint(config.checkpoint_dir, model, optimizer, steps_done,
                             data_position=steps_done * config.global_batch,
                             trajectory=config.trajectory(), keep=config.keep_checkpoints,
-                            other_ranks=other_ranks, full_state=full_state, log_window=self.log_window())
+                            other_ranks=other_ranks, full_state=full_state, log_window=window)
 
 
 def _result(config: TrainConfig, console: Console, device: torch.device, ranks, run: _Run, strategy, model,
