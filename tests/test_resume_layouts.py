@@ -45,22 +45,23 @@ def test_a_resumed_run_logs_the_means_an_uninterrupted_run_logs(tmp_path):
 
 
 def test_a_local_sgd_run_continued_under_dp_holds_one_model_on_every_rank(tmp_path):
-    """Live (--switch-at 4:dp) and through a checkpoint (local SGD stopped at step 4, resumed under
-    dp): the replicas' mean, Adam's moments included, on both ranks, and the two ways bit for bit
-    the same. A one-process run resumed from that checkpoint holds the same mean."""
+    """Live (--switch-at 4:dp) and through a checkpoint (the same run stopped at step 4, its last step
+    off the log period, and resumed): the replicas' mean, Adam's moments included, on both ranks, the
+    two ways bit for bit alike, and the same means logged after the switch (the stopped run's sums of
+    step 4 end with its layout). A one-process run resumed from a local-SGD checkpoint holds the mean."""
     relaxed = dict(mode="local-sgd", average_every=3)
+    switching = dict(parallel=dict(relaxed, switch=[(4, "dp")]), global_batch=4, log_every=3)
     jobs = [("stopped", dict(parallel=relaxed, steps=4, global_batch=4, checkpoint_dir=tmp_path / "ck")),
-            ("stopped_too", dict(parallel=relaxed, steps=4, global_batch=4, checkpoint_dir=tmp_path / "resumed")),
-            ("resumed", dict(parallel=dict(mode="dp"), steps=7, global_batch=4, resume=True,
-                             checkpoint_dir=tmp_path / "resumed")),
-            ("switched", dict(parallel=dict(relaxed, switch=[(4, "dp")]), steps=7, global_batch=4)),
+            ("stopped_too", dict(switching, steps=4, checkpoint_dir=tmp_path / "resumed")),
+            ("resumed", dict(switching, steps=7, resume=True, checkpoint_dir=tmp_path / "resumed")),
+            ("switched", dict(switching, steps=7)),
             ("average", dict(parallel=relaxed, steps=4, global_batch=4))]
     run_jobs(2, jobs, tmp_path)
     ranks = [results_of_rank(rank, tmp_path) for rank in (0, 1)]
     for name in ("resumed", "switched", "average"):
         assert ranks[0][name]["parameter_digest"] == ranks[1][name]["parameter_digest"], name
     assert ranks[0]["resumed"]["parameter_digest"] == ranks[0]["switched"]["parameter_digest"]
-    assert ranks[0]["resumed"]["losses"] == ranks[0]["switched"]["losses"][-3:]
+    assert ranks[0]["resumed"]["losses"] == ranks[0]["switched"]["losses"][-2:]      # steps 6 and 7
     # The checkpoint holds two replicas (no average at step 4): their mean is neither.
     (_, path), = list_checkpoints(tmp_path / "ck")[-1:]
     stored = load_file(str(path))
