@@ -89,7 +89,9 @@ def test_plan_prints_json():
 @pytest.mark.parametrize("flags", [(), ("--split", "off"), ("--target", "h100")])
 def test_plan_plot_is_written_however_the_step_is_measured(flags, tmp_path):
     # With --split or --target the profile is measured first; the plot was then skipped, rc 0.
-    path = tmp_path / "plan.png"
+    # Into a folder that does not exist yet: the writer makes it (it raised FileNotFoundError after
+    # printing the plan).
+    path = tmp_path / "new" / "plan.png"
     completed = run_oomless("plan", "mlp", "--memory", "64MiB", "--batch", "4", *flags, "--plot", str(path))
     assert completed.returncode == 0, completed.stderr
     assert path.stat().st_size > 0 and f"written to {path}" in completed.stdout

@@ -150,6 +150,16 @@ def plan(model: nn.Module, example_inputs, memory, loss_fn=None, optimizer=None,
         def make(device_profile: Profile) -> Plan:
             # Decisions may name segments (as a plan that recomputes one names it): planned merged.
             named = [segment for segment in device_profile.segments if segment.name in (decisions or {})]
+            unplanned = sorted(set(decisions or {}) - {block.name for block in device_profile.blocks}
+                               - {segment.name for segment in named})
+            if unplanned:
+                # With parameters off the device the plan moves them per measured block, so it has
+                # no segments to merge: a module around several blocks names none of its blocks.
+                inner = [block.name for block in device_profile.blocks if block.name.startswith(f"{unplanned[0]}.")]
+                raise PlanError(f"decisions name {unplanned[:3]}, modules around several measured blocks, which a plan "
+                                f"with parameters off the device plans block by block; name their blocks "
+                                f"({', '.join(inner[:4])}{', ...' if len(inner) > 4 else ''}) or give "
+                                "offload_parameters=False")
             planned = coarsened(device_profile, named) if named else device_profile
             return make_plan(planned, budget, decisions, min_swap_bytes=min_swap_bytes, solver=solver)
         # Segments (modules around blocks, recomputed as one) where blocks are the profile's own:
@@ -342,6 +352,7 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
         raise ApplyError("oomless is already applied to this model; call oomless.remove(model) "
                          "before applying another plan")
     check_can_apply(model, plan.precision, optimizer, device)
+    _check_no_plan_recomputed(model, plan)
     if plan.compile is not None:
         check_compile_available(plan.compile)
         check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)
@@ -395,6 +406,23 @@ def _check_plan_device(plan: Plan, device: torch.device) -> None:
     if device.type == "cpu":
         raise ApplyError(f"this plan was made for a {plan.device} (target=) and the model is on the CPU: apply "
                          "it on that GPU, or plan for the CPU with oomless.plan(model, example_inputs, memory)")
+
+
+def _check_no_plan_recomputed(model: nn.Module, plan: Plan) -> None:
+    """A block recomputed in backward runs its forward again under torch's checkpoint; a model inside
+    it that has a plan of its own saves through that plan's hooks, which the checkpoint's recompute
+    does not see (torch's CheckpointError: "saved during forward: 27, during recomputation: 0")."""
+    from oomless.plan.simulate import RECOMPUTING
+
+    for name, decision in plan.decisions.items():
+        block = model.get_submodule(name) if decision in RECOMPUTING else None
+        inner = next((path for path, module in (block.named_modules() if block is not None else ())
+                      if installed_state(module) is not None), None)
+        if inner is not None:
+            what = f"holds {name}.{inner}, a model" if inner else "is a model"
+            raise ApplyError(f"block {name} is recomputed by this plan and {what} oomless is applied to with its own "
+                             f"plan: give {name} 'keep' or 'swap' (decisions={{{name!r}: 'swap'}}), or "
+                             "oomless.remove the inner model and plan the whole")
 
 
 def remove(model: nn.Module) -> nn.Module:

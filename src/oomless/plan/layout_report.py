@@ -12,6 +12,7 @@ import io
 import json
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from oomless.errors import InputError
 from oomless.plan.layouts import LayoutEstimate, Span
@@ -202,6 +203,7 @@ def plot_timeline(estimate: LayoutEstimate, path: str) -> str:
     axes.set_title(f"{estimate.name}: predicted step {_seconds(estimate.step_seconds)} "
                    f"({estimate.memory_plan}; {kinds})", fontsize=8)
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)     # as `output_paths.check_output_path` promises
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path

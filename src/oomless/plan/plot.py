@@ -8,6 +8,8 @@ module's at a time in backward) is named in the legend with its bytes.
     plot_plan(profile, plan, "plan.png")          # needs matplotlib: pip install oomless[plot]
 """
 
+from pathlib import Path
+
 from oomless.errors import OomlessError
 from oomless.plan.plan import Plan
 from oomless.plan.simulate import simulate, with_swap_threshold
@@ -79,6 +81,7 @@ def plot_plan(profile: Profile, plan: Plan, path: str) -> str:
                    f"{unit_name}, {plan.plain_step_seconds * 1e3:.0f} ms)", fontsize=9)
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=7)
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)     # as `output_paths.check_output_path` promises
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path

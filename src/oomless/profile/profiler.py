@@ -25,8 +25,8 @@ from oomless.profile.rss import (MemoryProbe, give_back_free_heap, huge_pages_no
 from oomless.profile.selective import SelectiveMeter
 from oomless.runtime import selective as selective_recompute
 from oomless.profile.tensors import (call_model, check_inputs_device, earlier_saves_by_place, has_storage,
-                                     holders_by_place, static_overhead_bytes, storage_bytes, tensor_bytes,
-                                     tensors_held_by, tensors_in, training_state_kept)
+                                     holders_by_place, modules_reached_by, static_overhead_bytes, storage_bytes,
+                                     tensor_bytes, tensors_held_by, tensors_in, training_state_kept)
 from oomless.runtime.tiers import SIZING_MAX_PENDING_BYTES, TIMING_MAX_PENDING_BYTES
 from oomless.sizes import format_bytes
 
@@ -337,7 +337,7 @@ def profile_model(model: nn.Module, example_inputs, loss_fn=None, optimizer=None
     found = find_blocks(model, blocks)
     parameters = list(dict.fromkeys(model.parameters()))
     # Gradients, buffers and RNG as they were, after.
-    with training_state_kept(model) as (cpu_rng, cuda_rng):
+    with training_state_kept(model, also=modules_reached_by(loss_fn)) as (cpu_rng, cuda_rng):
         # Memory beyond static bytes is measured against what the process held before the first step:
         # what the steps leave behind (allocator caches, kernels' workspaces kept for their shapes) is
         # memory the training steps will hold too. Read as `held_now`, as what the steps kept is: read

@@ -79,6 +79,42 @@ def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
     return found
 
 
+def modules_reached_by(function, depth: int = 3) -> list[nn.Module]:
+    """nn.Modules a callable (a loss function) can call: those it holds as `tensors_held_by` finds
+    them, and the module-level names its code reads (a GAN's discriminator defined at the top of a
+    script, read by ``lambda fake: bce(discriminator(fake), ones)``), to ``depth`` levels."""
+    found, seen = {}, set()
+
+    def visit(value, level: int) -> None:
+        if level > depth or id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, torch.Tensor)):
+            return
+        seen.add(id(value))
+        if isinstance(value, nn.Module):
+            found[id(value)] = value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item, level + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, level + 1)
+        elif isinstance(value, functools.partial):
+            for item in (value.func, *value.args, *value.keywords.values()):
+                visit(item, level + 1)
+        elif isinstance(value, types.FunctionType):
+            cells = []
+            for cell in value.__closure__ or ():
+                with contextlib.suppress(ValueError):      # a cell not filled yet
+                    cells.append(cell.cell_contents)
+            named = [value.__globals__[name] for name in value.__code__.co_names if name in value.__globals__]
+            for item in (*cells, *named, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()):
+                visit(item, level + 1)
+        elif isinstance(value, types.MethodType):
+            visit(value.__self__, level + 1)
+
+    visit(function, 0)
+    return list(found.values())
+
+
 def has_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor.untyped_storage()`` exists: not for sparse or nested tensors."""
     return not (tensor.is_sparse or tensor.is_nested)
@@ -280,10 +316,10 @@ def attributes_kept(model: nn.Module):
 
 
 @contextlib.contextmanager
-def training_state_kept(model: nn.Module):
+def training_state_kept(model: nn.Module, also=()):
     """Run steps that measure ``model`` and leave it as it was: its gradients, its buffers (BatchNorm's
     running statistics) and the RNG (CPU, and CUDA where initialised) restored after, whatever the
-    steps did. Yields (CPU RNG state, CUDA RNG states or None): steps that must draw the same random
+    steps did; those of the modules ``also`` (others the steps call: `modules_reached_by` a loss) too. Yields (CPU RNG state, CUDA RNG states or None): steps that must draw the same random
     numbers start from them."""
     parameters = list(dict.fromkeys(model.parameters()))
     grads = [param.grad for param in parameters]
@@ -294,11 +330,20 @@ def training_state_kept(model: nn.Module):
                for name, buffer in module._buffers.items() if buffer is not None]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # Other models the steps call (a GAN's discriminator in the generator's loss, a teacher): their
+    # gradients (copied: accumulation adds into one in place) and buffers, put back too.
+    own = {id(module) for module in model.modules()}
+    others = {id(inner): inner for module in also for inner in module.modules() if id(inner) not in own}
+    other_grads = [(param, None if param.grad is None else param.grad.clone())
+                   for param in dict.fromkeys(param for inner in others.values() for param in inner._parameters.values()
+                                              if param is not None)]
+    buffers += [(inner, name, buffer, buffer.detach().clone()) for inner in others.values()
+                for name, buffer in inner._buffers.items() if buffer is not None]
     try:
         yield cpu_rng, cuda_rng
     finally:
         with torch.no_grad():
-            for param, grad in zip(parameters, grads):
+            for param, grad in [*zip(parameters, grads), *other_grads]:
                 param.grad = grad
             for module, name, buffer, saved in buffers:
                 module._buffers[name] = buffer

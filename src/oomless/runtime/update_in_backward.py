@@ -199,7 +199,10 @@ class UpdateInBackward:
                 "a step after its backward (an error or a check after backward: that backward's update has "
                 "been applied already), and for gradient accumulation over k micro-batches pass "
                 "accumulation_steps=k. The plan steps that optimizer in backward: to train with a new one, "
-                "oomless.remove(model), then oomless.apply(model, plan, optimizer=new_optimizer)")
+                "oomless.remove(model), then oomless.apply(model, plan, optimizer=new_optimizer). A backward "
+                "through this model for another model's loss (a GAN's generator step through its discriminator) "
+                "steps it too, as it steps the model in every backward: freeze it for that backward "
+                "(model.requires_grad_(False)) or plan it with update_in_backward=False")
         self.gradients_seen[param] = seen
         if seen < self.accumulation_steps:
             self._grad_versions[param] = param.grad._version     # `_arriving` tells a zero_() by it
