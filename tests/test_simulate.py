@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import oomless
 from oomless.models import MLP, TinyTransformer, UNet3D
@@ -550,3 +551,25 @@ def test_a_cluster_file_overrides_the_links_and_names_unknown_keys(tmp_path):
     path.write_text(json.dumps({"inter_node": {"gbps": 200}}))
     with pytest.raises(oomless.InputError, match="unknown fields"):
         make_cluster("h100", 16, 2, path=str(path))
+
+
+class _IndexedStack(nn.Module):
+    """Reads its stack by a count of its own: cut to three layers, its forward cannot run."""
+
+    def __init__(self, depth: int = 8):
+        super().__init__()
+        self.depth = depth
+        self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(depth)])
+
+    def forward(self, x):
+        for index in range(self.depth):
+            x = torch.relu(self.layers[index](x))
+        return x
+
+
+def test_a_model_reading_its_stack_by_its_own_count_is_profiled_whole():
+    """`profile_few_layers` raised IndexError from inside the forward (`oomless simulate` crashed)."""
+    model = _IndexedStack()
+    profile = profile_few_layers(model, torch.zeros(4, 64, device="meta"), "h100", loss_fn=oomless.sum_of_outputs)
+    assert [block.name for block in profile.blocks] == [f"layers.{index}" for index in range(8)]
+    assert len(model.layers) == 8

@@ -78,8 +78,15 @@ def profile_few_layers(model: nn.Module, example_inputs, target, loss_fn=None, o
     try:
         profile = profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer,
                                      blocks=kept, dtype=dtype, precision=precision)
+    except (IndexError, KeyError, AttributeError):
+        # A forward that reads the stack by a count of its own (``for i in range(self.depth):
+        # self.layers[i](x)``) cannot run cut: profiled whole.
+        profile = None
     finally:
         setattr(parent, attribute, stack)     # the model exactly as found
+    if profile is None:
+        return profile_for_target(model, example_inputs, target, loss_fn=loss_fn, optimizer=optimizer, dtype=dtype,
+                                  precision=precision)
     return extend_profile(profile, stack_name, kept_layers, depth, layers[1], dtype)
 
 
