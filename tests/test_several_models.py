@@ -95,3 +95,53 @@ def test_a_block_holding_a_model_with_its_own_plan_is_not_recomputed():
                            decisions={"0": "swap", "1": "keep", "3": "keep"})
     oomless.apply(model, swapped)
     model(x).square().mean().backward()
+
+
+def _plans_made_alone_then_run_on_ranks(rank: int, port: int, out_dir: str) -> None:
+    """A plan made in one process (update in backward; or for fsdp's shards), then applied on a rank of
+    a 2-process group: refused, where it ran and the replicas drifted 0.09 apart (or went 2x over its
+    budget)."""
+    import json
+    from pathlib import Path
+
+    from oomless.parallel import ParallelConfig, Ranks, make_strategy
+    from tests.parallel_workers import join
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), torch.randn(4, 8)
+    optimizer = torch.optim.Adam(model.parameters())
+    in_backward = oomless.plan(model, (x,), "1GiB", optimizer=optimizer, loss_fn=oomless.sum_of_outputs,
+                               update_in_backward=True)
+    sharded = oomless.plan(model, (x,), "1GiB", optimizer=optimizer, loss_fn=oomless.sum_of_outputs, shard_over=2)
+    join(rank, 2, port)
+    said = {}
+    try:
+        try:
+            oomless.apply(model, in_backward, optimizer=optimizer)
+        except oomless.ApplyError as refusal:
+            said["apply"] = str(refusal)
+        oomless.apply(model, sharded)
+        try:
+            make_strategy(ParallelConfig(mode="dp"), Ranks(rank, 2), torch.device("cpu")).prepare(model, optimizer, None)
+        except oomless.InputError as refusal:
+            said["dp"] = str(refusal)
+    finally:
+        torch.distributed.destroy_process_group()
+    Path(out_dir, f"said-{rank}.json").write_text(json.dumps(said))
+
+
+def test_plans_made_for_one_process_or_for_shards_are_refused_on_replicas(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.parallel_workers import rendezvous
+
+    with rendezvous() as port:
+        mp.start_processes(_plans_made_alone_then_run_on_ranks, args=(port, str(tmp_path)), nprocs=2,
+                           start_method="spawn")
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"said-{rank}.json").read_text())
+        assert "updates the parameters in backward, and this process is one of 2 ranks" in said["apply"]
+        assert "made for parameters sharded over 2 ranks (fsdp)" in said["dp"]

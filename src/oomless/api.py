@@ -353,6 +353,14 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                          "before applying another plan")
     check_can_apply(model, plan.precision, optimizer, device)
     _check_no_plan_recomputed(model, plan)
+    if plan.update_in_backward and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        # What planning inside the process group refuses (`plan.static.why_not_per_parameter`), for a
+        # plan made outside it: under DDP each rank stepped its own gradient (replicas 0.09 apart).
+        raise ApplyError("this plan updates the parameters in backward, and this process is one of "
+                         f"{torch.distributed.get_world_size()} ranks: under data parallel each gradient must be "
+                         "averaged across ranks before the update. Plan inside the process group, or with "
+                         "update_in_backward=False")
     if plan.compile is not None:
         check_compile_available(plan.compile)
         check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)

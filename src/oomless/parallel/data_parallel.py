@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from oomless.errors import InputError
 from oomless.parallel.batchnorm import convert_batchnorm_for_data_parallel
 from oomless.parallel.config import ParallelConfig
 from oomless.parallel.overlap import OverlappedUpdate, apply_overlapped_update, needs_global_view
@@ -124,6 +125,19 @@ class Collectives(SingleProcess):
             dist.barrier()
 
 
+def check_replicated_plan(plan, world_size: int) -> None:
+    """Refuse a plan that cannot run on replicas: one that updates in backward (each rank would step
+    its own gradient before the all-reduce: the replicas drifted 0.09 apart in 3 steps), or one
+    made for sharded parameters (it counted 1/shard_over of them; dp holds them all)."""
+    if world_size > 1 and plan.update_in_backward:
+        raise InputError("this plan updates the parameters in backward, which cannot run under data parallel: each "
+                         "gradient must be averaged across ranks before the update. Plan inside the process group "
+                         "(oomless.plan there refuses it) or with update_in_backward=False")
+    if plan.shard_over != 1:
+        raise InputError(f"this plan was made for parameters sharded over {plan.shard_over} ranks (fsdp); data "
+                         "parallel holds them whole on every rank: plan with shard_over=1, or run it under fsdp")
+
+
 class SynchronousDataParallel(Collectives):
     """torch DDP with global-batch BatchNorm and loss sums; with ``config.overlap`` the per-bucket update
     (``"forward"``: updates run on behind the next forward, each module waiting for its own parameters;
@@ -140,6 +154,11 @@ class SynchronousDataParallel(Collectives):
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
                 example=None, memory=None) -> nn.Module:
+        from oomless.runtime.install import installed_state
+
+        installed = installed_state(model)
+        if installed is not None:
+            check_replicated_plan(installed.plan, self.ranks.world_size)
         self.max_grad_norm = max_grad_norm
         self.convert_modules(model)
         device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \

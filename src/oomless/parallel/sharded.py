@@ -132,14 +132,20 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=FULL_ON_EVERY_RANK)
 
 
-def check_sharded_plan(plan) -> None:
-    """Refuse a plan whose static placements move what FSDP owns."""
+def check_sharded_plan(plan, world_size: int) -> None:
+    """Refuse a plan whose static placements move what FSDP owns, or made for another number of shards."""
     moved = [name for name in ("update_in_backward", "offload_optimizer_state", "offload_parameters")
              if getattr(plan, name, False)]
     if moved:
         raise InputError(f"--parallel fsdp cannot run a plan with {', '.join(moved)}: FSDP decides where parameters "
                          "and gradients live and steps the optimizer on each rank's shard after the reduce-scatter; "
                          "plan with shard_over=<world size> (those are then off), or use --parallel dp")
+    if plan.shard_over != world_size:
+        # Its static bytes count 1/shard_over of the parameters, gradients and state: another world
+        # size holds more or less than it counted (shard_over=4 on 2 ranks: 86 MiB for 56 predicted).
+        raise InputError(f"this plan was made for parameters sharded over {plan.shard_over} rank(s) and fsdp shards "
+                         f"them over {world_size}: plan with shard_over={world_size} (oomless.plan(..., "
+                         f"shard_over={world_size}))")
 
 
 class ShardedDataParallel(Collectives):
@@ -158,7 +164,7 @@ class ShardedDataParallel(Collectives):
         installed = installed_state(model)
         plan = installed.plan if installed is not None else None
         if plan is not None:
-            check_sharded_plan(plan)
+            check_sharded_plan(plan, self.ranks.world_size)
         self.convert_modules(model)
         blocks = list(plan.decisions) if plan is not None else [name for name, _ in find_blocks(model)]
         before = dict(model.named_parameters())
