@@ -573,3 +573,46 @@ def test_a_model_reading_its_stack_by_its_own_count_is_profiled_whole():
     profile = profile_few_layers(model, torch.zeros(4, 64, device="meta"), "h100", loss_fn=oomless.sum_of_outputs)
     assert [block.name for block in profile.blocks] == [f"layers.{index}" for index in range(8)]
     assert len(model.layers) == 8
+
+
+def test_a_device_typed_by_hand_is_checked_where_it_is_made(tmp_path):
+    """A zero, a string or a lone alias string in a datasheet gave a ZeroDivisionError deep in a
+    prediction, 'no layout fits -1 B', or a target for each letter of the alias; a bad OOMLESS_DEVICES
+    file a traceback at import."""
+    from oomless.errors import InputError
+    from oomless.plan.devices import load_devices
+
+    h100 = find_device("h100")
+    fields = {**h100.__dict__, "name": "mine", "aliases": ()}
+    for field, value in (("fp32_flops", 0), ("memory_bytes", "48GB"), ("memory_bytes", -1),
+                         ("memory_bytes_per_second", float("nan")), ("aliases", ("",))):
+        with pytest.raises(InputError, match=field):
+            Device(**{**fields, field: value})
+    entry = {**fields, "name": "my-card", "aliases": "mycard"}
+    (tmp_path / "devices.json").write_text(json.dumps([entry]))
+    load_devices(str(tmp_path / "devices.json"))
+    assert find_device("mycard").name == "my-card" and find_device("my-card") is find_device("mycard")
+    with pytest.raises(InputError):
+        find_device("m")
+    (tmp_path / "bad.json").write_text(json.dumps([{**entry, "fp32_flops": 0}]))
+    completed = subprocess.run([sys.executable, "-m", "oomless", "simulate", "mlp", "--input-shape", "8,16",
+                                "--global-batch", "16", "--target", "h100", "--gpus", "2"], capture_output=True,
+                               text=True, timeout=120,
+                               env={**os.environ, "OOMLESS_DEVICES": str(tmp_path / "bad.json"),
+                                    "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    assert "OOMLESS_DEVICES" in completed.stderr and "fp32_flops must be a positive number" in completed.stderr
+
+
+@pytest.mark.parametrize("settings", [
+    {"intra_node": {"bytes_per_second": "450e9"}}, {"intra_node": {"bytes_per_second": None}},
+    {"intra_node": {"bytes_per_second": True}}, {"intra_node": {"latency_seconds": "3us"}},
+    {"inter_node": {"latency_seconds": float("nan")}}, {"inter_node": {"latency_seconds": float("inf")}},
+    {"fsdp_host_seconds": float("inf")}, {"contention": {"2": float("inf")}}, {"efficiency": True}])
+def test_cluster_settings_of_the_wrong_kind_are_refused(settings):
+    """A string, null, true, NaN or infinity gave a TypeError traceback, or a recommendation of
+    'step inf s, 0 tokens/s' (NaN latencies dropped silently by some layouts)."""
+    from oomless.errors import InputError
+
+    with pytest.raises(InputError):
+        make_cluster("h100", 8, 2, overrides=settings)

@@ -207,7 +207,12 @@ def build_model(name: str, **kwargs) -> nn.Module:
             f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} or give 'package.module:factory'"
         )
     _check_arguments(name, _FACTORIES[name], kwargs)
-    return _FACTORIES[name](**kwargs)
+    try:
+        return _FACTORIES[name](**kwargs)
+    except (ValueError, ZeroDivisionError, RuntimeError, TypeError) as error:
+        # One of the project's own models given a value it cannot take (heads=0, dropout=2.0): the
+        # value is the user's, the traceback would be ours. A user's factory keeps its traceback.
+        raise InputError(f"model {name!r} cannot be built with {kwargs}: {one_line(error)}") from error
 
 
 def example_input_for(name: str, batch: int = 1, size: int = 32, *, shape: Sequence[int] | None = None,

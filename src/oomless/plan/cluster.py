@@ -52,6 +52,7 @@ GPU the host runs ahead of the kernels). bench/bench_simulate.py measures it for
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 from oomless.errors import InputError
@@ -176,9 +177,16 @@ def _link_from(entry, default: Link, where: str) -> Link:
         raise InputError(f"{where} has unknown fields {unknown}; known: bytes_per_second, latency_seconds, "
                          "name, source")
     link = replace(default, **entry)
-    if not link.bytes_per_second > 0 or link.latency_seconds < 0:
-        raise InputError(f"{where} needs bytes_per_second > 0 and latency_seconds >= 0, got {entry}")
+    if not (_is_number(link.bytes_per_second) and 0 < link.bytes_per_second < math.inf
+            and _is_number(link.latency_seconds) and 0 <= link.latency_seconds < math.inf):
+        raise InputError(f"{where} needs bytes_per_second > 0 and latency_seconds >= 0, as numbers (3e-6, not "
+                         f"\"3us\"), got {entry}")
     return link
+
+
+def _is_number(value) -> bool:
+    """A JSON number: not a string, null or true (which Python would take for 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, overrides: dict | None = None) -> Cluster:
@@ -211,7 +219,7 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
         raise InputError(f"cluster overlap must be true or false (whether collectives run beside compute), "
                          f"got {overlap!r}")
     efficiency = settings.get("efficiency", LINK_EFFICIENCY)
-    if not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+    if not _is_number(efficiency) or not 0 < efficiency <= 1:
         raise InputError(f"cluster efficiency must be in (0, 1], got {efficiency!r}")
     cores = settings.get("cores_per_node")
     threads = settings.get("threads_per_rank", 1)
@@ -221,7 +229,7 @@ def make_cluster(target, gpus: int, nodes: int = 1, path: str | None = None, ove
             raise InputError(f"cluster {key} must be a positive integer, got {value!r} (cores_per_node: the cores a "
                              "CPU node's ranks share; leave it out for GPUs)")
     fsdp_host = settings.get("fsdp_host_seconds", 0.0)
-    if not isinstance(fsdp_host, (int, float)) or isinstance(fsdp_host, bool) or not fsdp_host >= 0:
+    if not _is_number(fsdp_host) or not 0 <= fsdp_host < math.inf:
         raise InputError(f"cluster fsdp_host_seconds must be a number of seconds >= 0, got {fsdp_host!r}")
     contention = _contention_from(settings.get("contention"))
     if "intra_node" in settings:
@@ -243,7 +251,7 @@ def _contention_from(table) -> tuple[tuple[int, float], ...]:
             count = int(busy)
         except (TypeError, ValueError):
             count = 0
-        if count < 1 or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if count < 1 or not _is_number(value) or not 0 < value < math.inf:
             problem = f"busy-rank counts (positive integers) mapped to positive slowdowns, got {busy!r}: {value!r}"
             break
         points.append((count, float(value)))

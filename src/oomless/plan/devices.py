@@ -12,6 +12,7 @@ entry names its source. Datasheet peaks are not reached by real kernels: the roo
 """
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -54,6 +55,25 @@ class Device:
     source: str
     aliases: tuple[str, ...] = ()
     multiprocessors: int = 0              # streaming multiprocessors (0: unknown, no reduction's width counted)
+
+    def __post_init__(self):
+        # A datasheet typed by hand: a string, a zero or a NaN would surface as a ZeroDivisionError
+        # or "no layout fits -1 B" deep in a prediction.
+        if not isinstance(self.name, str) or not self.name:
+            raise InputError(f"a device needs a name, got {self.name!r}")
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
+            raise InputError(f"device {self.name}: memory_bytes must be a positive integer, got {self.memory_bytes!r}")
+        for field_name in ("memory_bytes_per_second", "bf16_flops", "fp16_flops", "fp32_flops", "tf32_flops",
+                           "host_to_device_bytes_per_second", "device_to_host_bytes_per_second"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise InputError(f"device {self.name}: {field_name} must be a positive number, got {value!r}")
+        if not isinstance(self.aliases, tuple) or not all(isinstance(alias, str) and alias for alias in self.aliases):
+            raise InputError(f"device {self.name}: aliases must be a list of names, got {self.aliases!r}")
+        if not isinstance(self.multiprocessors, int) or isinstance(self.multiprocessors, bool) \
+                or self.multiprocessors < 0:
+            raise InputError(f"device {self.name}: multiprocessors must be an integer >= 0, got "
+                             f"{self.multiprocessors!r}")
 
     def flops_for(self, dtype_name: str, op_kind: str = "matmul") -> float:
         """Peak FLOP/s for an op computing in ``dtype_name``; FP32 convolutions use TF32 as cuDNN
@@ -125,7 +145,10 @@ def load_devices(path: str) -> list[Device]:
         unknown = sorted(set(entry) - known)
         if unknown:
             raise InputError(f"device entry in {path} has unknown fields {unknown}; known: {sorted(known)}")
-        entry = {**entry, "aliases": tuple(entry.get("aliases", ()))}
+        if not isinstance(entry, dict):
+            raise InputError(f"device entry in {path} must be an object with Device's fields, got {entry!r:.100}")
+        aliases = entry.get("aliases", ())
+        entry = {**entry, "aliases": (aliases,) if isinstance(aliases, str) else tuple(aliases)}
         try:
             devices.append(register_device(Device(**entry)))
         except TypeError as error:
@@ -141,6 +164,8 @@ def devices() -> list[Device]:
 def find_device(target: "str | Device") -> Device:
     if isinstance(target, Device):
         return target
+    if _LOAD_ERROR is not None:
+        raise _LOAD_ERROR
     device = _REGISTRY.get(_key(str(target)))
     if device is None:
         names = ", ".join(sorted(_REGISTRY))
@@ -155,5 +180,11 @@ def describe(device: Device) -> dict:
 
 for _device in _BUILT_IN:
     register_device(_device)
+# A bad OOMLESS_DEVICES file is said where a target is first looked up, as a one-line error: raised
+# here, at import, it was a traceback before any command could report it.
+_LOAD_ERROR: InputError | None = None
 if os.environ.get("OOMLESS_DEVICES"):
-    load_devices(os.environ["OOMLESS_DEVICES"])
+    try:
+        load_devices(os.environ["OOMLESS_DEVICES"])
+    except InputError as error:
+        _LOAD_ERROR = InputError(f"OOMLESS_DEVICES: {error}")
