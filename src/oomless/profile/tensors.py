@@ -42,17 +42,36 @@ def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
     (``lambda out: F.cross_entropy(out, labels)``): its closure's cells and default arguments, a
     functools.partial's arguments, a bound method's object, a module's parameters and buffers, and
     the contents and attributes of what those hold, to ``depth`` levels."""
-    found, seen = [], set()
-
-    def visit(value, level: int) -> None:
-        if level > depth or id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes)):
-            return
-        seen.add(id(value))
+    found = []
+    for value in _values_reached(function, depth):
         if isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, nn.Module):
             found.extend(value.parameters())
             found.extend(value.buffers())
+    return found
+
+
+def modules_reached_by(function, depth: int = 3) -> list[nn.Module]:
+    """nn.Modules a callable (a loss function) can call: those it holds as `tensors_held_by` finds
+    them, and the module-level names its code reads (a GAN's discriminator defined at the top of a
+    script, read by ``lambda fake: bce(discriminator(fake), ones)``), to ``depth`` levels."""
+    return [value for value in _values_reached(function, depth, names_read=True) if isinstance(value, nn.Module)]
+
+
+def _values_reached(function, depth: int, names_read: bool = False) -> list:
+    """Each value ``function`` holds, once, to ``depth`` levels: closure cells, defaults, a partial's
+    arguments, a bound method's object, containers' items and objects' attributes; with
+    ``names_read``, the module-level values its code names too. Tensors and modules are listed,
+    not looked into."""
+    reached, seen = [], set()
+
+    def visit(value, level: int) -> None:
+        if level > depth or id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes)):
+            return
+        seen.add(id(value))
+        if isinstance(value, (torch.Tensor, nn.Module)):
+            reached.append(value)
         elif isinstance(value, (list, tuple, set, frozenset)):
             for item in value:
                 visit(item, level + 1)
@@ -67,7 +86,9 @@ def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
             for cell in value.__closure__ or ():
                 with contextlib.suppress(ValueError):      # a cell not filled yet
                     cells.append(cell.cell_contents)
-            for item in (*cells, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()):
+            named = [value.__globals__[name] for name in value.__code__.co_names
+                     if names_read and name in value.__globals__]
+            for item in (*cells, *named, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()):
                 visit(item, level + 1)
         elif isinstance(value, types.MethodType):
             visit(value.__self__, level + 1)
@@ -76,43 +97,7 @@ def tensors_held_by(function, depth: int = 3) -> list[torch.Tensor]:
                 visit(item, level + 1)
 
     visit(function, 0)
-    return found
-
-
-def modules_reached_by(function, depth: int = 3) -> list[nn.Module]:
-    """nn.Modules a callable (a loss function) can call: those it holds as `tensors_held_by` finds
-    them, and the module-level names its code reads (a GAN's discriminator defined at the top of a
-    script, read by ``lambda fake: bce(discriminator(fake), ones)``), to ``depth`` levels."""
-    found, seen = {}, set()
-
-    def visit(value, level: int) -> None:
-        if level > depth or id(value) in seen or isinstance(value, (type, types.ModuleType, str, bytes, torch.Tensor)):
-            return
-        seen.add(id(value))
-        if isinstance(value, nn.Module):
-            found[id(value)] = value
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            for item in value:
-                visit(item, level + 1)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item, level + 1)
-        elif isinstance(value, functools.partial):
-            for item in (value.func, *value.args, *value.keywords.values()):
-                visit(item, level + 1)
-        elif isinstance(value, types.FunctionType):
-            cells = []
-            for cell in value.__closure__ or ():
-                with contextlib.suppress(ValueError):      # a cell not filled yet
-                    cells.append(cell.cell_contents)
-            named = [value.__globals__[name] for name in value.__code__.co_names if name in value.__globals__]
-            for item in (*cells, *named, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()):
-                visit(item, level + 1)
-        elif isinstance(value, types.MethodType):
-            visit(value.__self__, level + 1)
-
-    visit(function, 0)
-    return list(found.values())
+    return reached
 
 
 def has_storage(tensor: torch.Tensor) -> bool:
