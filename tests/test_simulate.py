@@ -584,8 +584,9 @@ def test_a_device_typed_by_hand_is_checked_where_it_is_made(tmp_path):
 
     h100 = find_device("h100")
     fields = {**h100.__dict__, "name": "mine", "aliases": ()}
-    for field, value in (("fp32_flops", 0), ("memory_bytes", "48GB"), ("memory_bytes", -1),
-                         ("memory_bytes_per_second", float("nan")), ("aliases", ("",))):
+    for field, value in (("fp32_flops", -1.0), ("memory_bytes", "48GB"), ("memory_bytes", -1),
+                         ("memory_bytes_per_second", float("nan")), ("host_to_device_bytes_per_second", 0),
+                         ("aliases", ("",))):
         with pytest.raises(InputError, match=field):
             Device(**{**fields, field: value})
     entry = {**fields, "name": "my-card", "aliases": "mycard"}
@@ -594,14 +595,15 @@ def test_a_device_typed_by_hand_is_checked_where_it_is_made(tmp_path):
     assert find_device("mycard").name == "my-card" and find_device("my-card") is find_device("mycard")
     with pytest.raises(InputError):
         find_device("m")
-    (tmp_path / "bad.json").write_text(json.dumps([{**entry, "fp32_flops": 0}]))
+    (tmp_path / "bad.json").write_text(json.dumps([{**entry, "memory_bytes_per_second": 0}]))
     completed = subprocess.run([sys.executable, "-m", "oomless", "simulate", "mlp", "--input-shape", "8,16",
                                 "--global-batch", "16", "--target", "h100", "--gpus", "2"], capture_output=True,
                                text=True, timeout=120,
                                env={**os.environ, "OOMLESS_DEVICES": str(tmp_path / "bad.json"),
                                     "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
     assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
-    assert "OOMLESS_DEVICES" in completed.stderr and "fp32_flops must be a positive number" in completed.stderr
+    assert "OOMLESS_DEVICES" in completed.stderr and "memory_bytes_per_second must be a positive number" \
+        in completed.stderr
 
 
 @pytest.mark.parametrize("settings", [

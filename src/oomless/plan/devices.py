@@ -63,11 +63,17 @@ class Device:
             raise InputError(f"a device needs a name, got {self.name!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
             raise InputError(f"device {self.name}: memory_bytes must be a positive integer, got {self.memory_bytes!r}")
-        for field_name in ("memory_bytes_per_second", "bf16_flops", "fp16_flops", "fp32_flops", "tf32_flops",
-                           "host_to_device_bytes_per_second", "device_to_host_bytes_per_second"):
+        # FLOP rates may be 0, "not known": a device whose compute times come from a measured profile
+        # (bench/bench_simulate.py's CPU share) never reads them.
+        for field_name, least in (("memory_bytes_per_second", "positive"),
+                                  ("host_to_device_bytes_per_second", "positive"),
+                                  ("device_to_host_bytes_per_second", "positive"), ("bf16_flops", "zero"),
+                                  ("fp16_flops", "zero"), ("fp32_flops", "zero"), ("tf32_flops", "zero")):
             value = getattr(self, field_name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise InputError(f"device {self.name}: {field_name} must be a positive number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf \
+                    or (least == "positive" and value == 0):
+                what = "a positive number" if least == "positive" else "a number >= 0 (0: not known)"
+                raise InputError(f"device {self.name}: {field_name} must be {what}, got {value!r}")
         if not isinstance(self.aliases, tuple) or not all(isinstance(alias, str) and alias for alias in self.aliases):
             raise InputError(f"device {self.name}: aliases must be a list of names, got {self.aliases!r}")
         if not isinstance(self.multiprocessors, int) or isinstance(self.multiprocessors, bool) \

@@ -304,7 +304,8 @@ def attributes_kept(model: nn.Module):
 def training_state_kept(model: nn.Module, also=()):
     """Run steps that measure ``model`` and leave it as it was: its gradients, its buffers (BatchNorm's
     running statistics) and the RNG (CPU, and CUDA where initialised) restored after, whatever the
-    steps did; those of the modules ``also`` (others the steps call: `modules_reached_by` a loss) too. Yields (CPU RNG state, CUDA RNG states or None): steps that must draw the same random
+    steps did; those of the modules ``also`` (others the steps call: `modules_reached_by` a loss)
+    too. Yields (CPU RNG state, CUDA RNG states or None): steps that must draw the same random
     numbers start from them."""
     parameters = list(dict.fromkeys(model.parameters()))
     grads = [param.grad for param in parameters]
