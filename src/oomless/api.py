@@ -14,7 +14,7 @@ from oomless.plan.planner import make_plan, named_margin_bytes
 from oomless.plan.segments import best_of_granularities, check_decisions, coarsened
 from oomless.plan.splitting import (can_split_at, floor_is_a_workspace, plan_or_lowest_floor,
                                     plan_splitting_near_the_floor, plan_splitting_the_floor, unsplit_floor_estimate)
-from oomless.plan.static import StaticRequest, plan_with_static_decisions
+from oomless.plan.static import UNDER_DATA_PARALLEL, StaticRequest, in_a_process_group, plan_with_static_decisions
 from oomless.profile.profile import Profile
 from oomless.profile.configured import profile_configured
 from oomless.profile.profiler import count_start_up, held_now, start_up_counted
@@ -353,14 +353,12 @@ def apply(model: nn.Module, plan: Plan, optimizer=None) -> nn.Module:
                          "before applying another plan")
     check_can_apply(model, plan.precision, optimizer, device)
     _check_no_plan_recomputed(model, plan)
-    if plan.update_in_backward and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+    if plan.update_in_backward and in_a_process_group():
         # What planning inside the process group refuses (`plan.static.why_not_per_parameter`), for a
         # plan made outside it: under DDP each rank stepped its own gradient (replicas 0.09 apart).
-        raise ApplyError("this plan updates the parameters in backward, and this process is one of "
-                         f"{torch.distributed.get_world_size()} ranks: under data parallel each gradient must be "
-                         "averaged across ranks before the update. Plan inside the process group, or with "
-                         "update_in_backward=False")
+        raise ApplyError(f"this plan updates the parameters in backward, and this process is one of "
+                         f"{torch.distributed.get_world_size()} ranks: {UNDER_DATA_PARALLEL}. Plan inside the "
+                         "process group, or with update_in_backward=False")
     if plan.compile is not None:
         check_compile_available(plan.compile)
         check_compile_composes(model, plan.decisions, plan.compile, plan.decisions, device)

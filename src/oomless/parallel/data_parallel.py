@@ -129,10 +129,12 @@ def check_replicated_plan(plan, world_size: int) -> None:
     """Refuse a plan that cannot run on replicas: one that updates in backward (each rank would step
     its own gradient before the all-reduce: the replicas drifted 0.09 apart in 3 steps), or one
     made for sharded parameters (it counted 1/shard_over of them; dp holds them all)."""
+    from oomless.plan.static import UNDER_DATA_PARALLEL
+
     if world_size > 1 and plan.update_in_backward:
-        raise InputError("this plan updates the parameters in backward, which cannot run under data parallel: each "
-                         "gradient must be averaged across ranks before the update. Plan inside the process group "
-                         "(oomless.plan there refuses it) or with update_in_backward=False")
+        raise InputError(f"this plan updates the parameters in backward, which cannot run on replicas: "
+                         f"{UNDER_DATA_PARALLEL}. Plan inside the process group (oomless.plan there refuses it) or "
+                         "with update_in_backward=False")
     if plan.shard_over != 1:
         raise InputError(f"this plan was made for parameters sharded over {plan.shard_over} ranks (fsdp); data "
                          "parallel holds them whole on every rank: plan with shard_over=1, or run it under fsdp")

@@ -109,16 +109,25 @@ class Placement:
                 f"{'off the device' if self.offload_parameters else 'on the device'}")
 
 
+# Why a plan cannot update each parameter by itself on a replica: planning in a process group says it,
+# and so do `apply` and the dp strategy for a plan made outside one (each rank stepped its own gradient).
+UNDER_DATA_PARALLEL = ("under data parallel each gradient must be averaged across ranks before the update "
+                       "(oomless.parallel's overlapped update steps each bucket after its all-reduce)")
+
+
+def in_a_process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
 def why_not_per_parameter(optimizer) -> str | None:
     """Why no update can be split per parameter (in backward or with offloaded state), or None."""
     if optimizer is None:
         return "no optimizer was given (pass optimizer=)"
     if isinstance(optimizer, NOT_SLICEABLE):
         return f"{type(optimizer).__name__} steps every parameter at once"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        return ("under data parallel each gradient must be averaged across ranks before the update "
-                "(oomless.parallel's overlapped update steps each bucket after its all-reduce)")
+    if in_a_process_group():
+        return UNDER_DATA_PARALLEL
     return None
 
 
